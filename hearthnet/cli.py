@@ -1,0 +1,65 @@
+"""The `hearthnet` command: node, chat, demo, status, models, keys, bench.
+
+Each command group lives with the code it drives and exposes `register(subparsers)`; this
+module only assembles them and turns HearthNet errors into a one-line message and an exit
+code (1 for errors, 2 for bad usage or config), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+# Modules providing `register(subparsers: argparse._SubParsersAction) -> None`.
+_COMMAND_MODULES = (
+    "hearthnet.models.cli",
+    "hearthnet.commands.chat",
+    "hearthnet.commands.bench",
+    "hearthnet.commands.node",
+    "hearthnet.commands.status",
+    "hearthnet.commands.demo",
+    "hearthnet.security.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hearthnet", description="HearthNet: one language model across your LAN.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue  # command group not built yet
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script."""
+    from hearthnet.errors import ConfigError, HearthNetError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except ConfigError as e:
+        print(f"hearthnet: config error: {e.message}", file=sys.stderr)
+        return 2
+    except HearthNetError as e:
+        print(f"hearthnet: {e.code}: {e.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("hearthnet: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

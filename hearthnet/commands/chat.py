@@ -1,0 +1,91 @@
+"""`hearthnet chat`: stream an answer, locally (`--local`) or through the mesh (`--config`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from hearthnet.distributed_inference.generation import SamplingParams
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("chat", help="ask the model something and stream the answer")
+    p.add_argument("prompt")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local", action="store_true", help="run every layer in this process")
+    where.add_argument("--config", help="node TOML: call that node's distributed chat")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--wire-dtype", choices=["fp16", "bf16", "fp32"], default=None)
+    p.add_argument("--json", action="store_true", help="one JSON object per frame")
+    p.add_argument("--threads", type=int, default=2, help="torch threads in this process")
+    p.set_defaults(func=_run)
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          stop=tuple(args.stop))
+
+
+def emit(frame: dict[str, Any], as_json: bool) -> None:
+    """Print one stream frame: JSON lines, or text for a person."""
+    if as_json:
+        print(json.dumps(frame), flush=True)
+        return
+    kind = frame.get("type")
+    if kind == "token_delta":
+        sys.stdout.write(frame["text"])
+        sys.stdout.flush()
+    elif kind == "done":
+        sys.stdout.write("\n")
+        t = frame.get("timings", {})
+        u = frame.get("usage", {})
+        print(f"[{u.get('completion_tokens', 0)} tokens, first token "
+              f"{t.get('first_token_ms', 0):.0f} ms, {t.get('tokens_per_second', 0):.1f} tok/s]",
+              file=sys.stderr)
+    elif kind in ("shard_status", "shard_failover", "pipeline_aborted"):
+        print(f"\n[{kind}] {json.dumps({k: v for k, v in frame.items() if k != 'type'})}",
+              file=sys.stderr)
+    elif kind == "error":
+        print(f"\n[error] {frame.get('code')}: {frame.get('message')}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    params = sampling_from_args(args)
+    messages = [{"role": "user", "content": args.prompt}]
+    if args.local:
+        return _run_local(args, messages, params)
+    from hearthnet.commands.remote import chat_via_node
+
+    return chat_via_node(args, messages, params)
+
+
+def _run_local(args: argparse.Namespace, messages: list[dict[str, str]],
+               params: SamplingParams) -> int:
+    from hearthnet.distributed_inference.local import LocalEngine
+    from hearthnet.models import ModelStore
+
+    engine = LocalEngine(ModelStore().get(args.model))
+    t0 = time.perf_counter()
+    n = 0
+    for ev in engine.generate(messages, params):
+        n += 1
+        emit({"type": "token_delta", "text": ev.text, "token_id": ev.token_id}, args.json)
+    total = time.perf_counter() - t0
+    emit({"type": "done", "usage": {"completion_tokens": n},
+          "timings": {"first_token_ms": engine.timings.first_token_ms,
+                      "tokens_per_second": engine.timings.decode_tokens_per_s,
+                      "total_ms": total * 1000}}, args.json)
+    return 0

@@ -1,0 +1,183 @@
+"""Token sampling and streaming text: shared by the local engine and the orchestrator.
+
+`Generation` is the state of one answer: the tokens so far, the sampler with its seeded
+generator, incremental detokenisation and stop handling. The local engine and the
+distributed orchestrator both drive one, so a call that falls back to local inference
+continues the *same* `Generation` (M26 §5.4, issue 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hearthnet.errors import BadRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. `temperature == 0` is greedy (argmax)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_tokens <= 8192:
+            raise BadRequest(f"max_tokens must be in 1..8192, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 10.0 or self.temperature != self.temperature:
+            raise BadRequest(f"temperature must be in 0..10, got {self.temperature}")
+        if self.top_k < 0:
+            raise BadRequest(f"top_k must be ≥ 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > 16:
+            raise BadRequest("stop must be at most 16 non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Picks the next token from logits; seeded, so a call is reproducible."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """`logits`: (vocab,) fp32."""
+        p = self.params
+        if p.greedy:
+            return int(torch.argmax(logits))
+        x = logits / p.temperature
+        if p.top_k > 0 and p.top_k < x.numel():
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=True)
+            cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_x, dim=-1) >= p.top_p  # keep the first over p
+            x = x.clone()
+            x[order[drop]] = float("-inf")
+        probs = torch.softmax(x, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas; multi-byte characters come out whole.
+
+    Decodes a small window of recent tokens and emits only text that no longer ends in an
+    incomplete UTF-8 sequence (U+FFFD), as text-generation-inference does.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = list(prompt_ids[-6:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=False)
+        now = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=False)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is left at the end (an incomplete character stays as U+FFFD)."""
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=False)
+        now = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=False)
+        self.prefix = self.read = len(self.ids)
+        return now[len(before):]
+
+
+@dataclass
+class TokenEvent:
+    """One generated token and the text it released (possibly empty)."""
+
+    token_id: int
+    text: str
+    index: int
+
+
+@dataclass
+class Generation:
+    """The state of one answer; see the module docstring."""
+
+    tokenizer: Any
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: set[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.sampler = Sampler(self.params)
+        self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        self._held = ""  # text held back because it may be the start of a stop string
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt and generated tokens: the positions a replacement must rebuild."""
+        return self.prompt_ids + self.tokens
+
+    def step(self, logits: torch.Tensor) -> TokenEvent:
+        """Sample the next token from `logits` and account for it."""
+        tid = self.sampler(logits)
+        return self.accept(tid)
+
+    def accept(self, tid: int) -> TokenEvent:
+        self.tokens.append(tid)
+        if tid in self.eos_ids:
+            self.finish_reason = "eos"
+            return TokenEvent(tid, self._release(final=True), len(self.tokens) - 1)
+        delta = self._held + self.detok.push(tid)
+        self._held = ""
+        out = self._apply_stop(delta)
+        if not self.done and len(self.tokens) >= self.params.max_tokens:
+            self.finish_reason = "length"
+            out += self._release(final=True)
+        return TokenEvent(tid, out, len(self.tokens) - 1)
+
+    def _apply_stop(self, delta: str) -> str:
+        if not self.params.stop:
+            self.text += delta
+            return delta
+        window = self.text + delta
+        for s in self.params.stop:
+            i = window.find(s, max(0, len(self.text) - len(s)))
+            if i >= 0:
+                self.finish_reason = "stop"
+                out = window[len(self.text):i]
+                self.text = window[:i]
+                return out
+        hold = max((k for s in self.params.stop for k in range(1, len(s))
+                    if window.endswith(s[:k])), default=0)
+        out = delta[:len(delta) - hold] if hold else delta
+        self._held = delta[len(delta) - hold:] if hold else ""
+        self.text += out
+        return out
+
+    def _release(self, final: bool) -> str:
+        rest = self._held + (self.detok.flush() if final else "")
+        self._held = ""
+        self.text += rest
+        return rest

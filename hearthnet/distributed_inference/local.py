@@ -1,0 +1,84 @@
+"""`LocalEngine`: every layer in this process, through the same backend as the shards.
+
+It is the spec's local fallback (M26 §5.4) and the baseline of every speed ratio. It can
+also *continue* a `Generation` that began elsewhere: it rebuilds the KV cache from the
+prompt and the tokens already streamed, then goes on sampling with the same sampler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from hearthnet.distributed_inference.backends.small_model_layered import (
+    LayeredHead,
+    LayeredStack,
+)
+from hearthnet.distributed_inference.generation import Generation, SamplingParams, TokenEvent
+from hearthnet.errors import BadRequest
+from hearthnet.models.store import ModelEntry
+
+
+@dataclass
+class LocalTimings:
+    prefill_ms: float = 0.0
+    first_token_ms: float = 0.0
+    decode_ms: list[float] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        total = sum(self.decode_ms)
+        return 1000.0 * len(self.decode_ms) / total if total > 0 else 0.0
+
+
+class LocalEngine:
+    """All layers of one model in one process."""
+
+    def __init__(self, entry: ModelEntry, dtype: str = "fp32",
+                 head: LayeredHead | None = None) -> None:
+        self.entry = entry
+        self.head = head or LayeredHead(entry, dtype)
+        self.stack = LayeredStack(entry, 0, entry.num_layers - 1, dtype)
+        self.timings = LocalTimings()
+
+    def new_generation(self, messages: list[dict[str, str]],
+                       params: SamplingParams) -> Generation:
+        ids = self.head.chat_prompt_ids(messages)
+        return Generation(self.head.tokenizer, ids, params, self.head.eos_token_ids)
+
+    def generate(self, messages: list[dict[str, str]],
+                 params: SamplingParams) -> Iterator[TokenEvent]:
+        """Stream the answer to a chat."""
+        yield from self.run(self.new_generation(messages, params))
+
+    def run(self, gen: Generation) -> Iterator[TokenEvent]:
+        """Drive `gen` to its end; continues from its tokens if it has some already."""
+        ids = gen.all_ids
+        max_len = len(gen.prompt_ids) + gen.params.max_tokens + 1
+        if len(ids) >= max_len or len(ids) == 0:
+            raise BadRequest("nothing to generate: empty prompt or no tokens left")
+        session = self.stack.open_session(0, self.entry.num_layers - 1, max_len)
+        self.timings = LocalTimings()
+        try:
+            t0 = time.perf_counter()
+            h = session.forward(self.head.embed(ids), 0)  # (1, T, H)
+            ev = gen.step(self.head.logits(h))
+            self.timings.prefill_ms = self.timings.first_token_ms = \
+                (time.perf_counter() - t0) * 1000
+            yield ev
+            while not gen.done:
+                t1 = time.perf_counter()
+                pos = len(gen.all_ids) - 1
+                h = session.forward(self.head.embed([gen.tokens[-1]]), pos)
+                ev = gen.step(self.head.logits(h))
+                self.timings.decode_ms.append((time.perf_counter() - t1) * 1000)
+                yield ev
+        finally:
+            session.close()
+
+    @torch.inference_mode()
+    def complete_text(self, messages: list[dict[str, str]], params: SamplingParams) -> str:
+        return "".join(ev.text for ev in self.generate(messages, params))

@@ -1,0 +1,161 @@
+"""The model store: one folder per model under `<data dir>/models/`.
+
+Layout of a model folder (loadable with plain
+`transformers.AutoModelForCausalLM.from_pretrained(folder)`)::
+
+    <models>/<alias>/
+        config.json            the transformers config (no quantization section)
+        model.safetensors      weights (one or more *.safetensors files)
+        tokenizer.json, tokenizer_config.json, ...   tokenizer files
+        chat_template.jinja    the chat template (when the model has one)
+        manifest.json          HearthNet's manifest (below)
+
+`manifest.json` holds: `model_id` (the Hugging Face id), `alias`, `weights_sha256` (see
+`hearthnet.models.hashing`), `num_layers`, `hidden_size`, `model_type`, `dtype`, `source`,
+and `files`: {file name: {sha256, size, mtime_ns}} for every weights file, so `verify`
+can name the file that changed and a loader can notice a modified file cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hearthnet.errors import ModelNotFound, WeightsMismatch
+from hearthnet.models.hashing import file_sha256, read_safetensors_header, weights_sha256
+from hearthnet.paths import models_dir
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One imported model, as described by its manifest."""
+
+    model_id: str
+    alias: str
+    weights_sha256: str
+    num_layers: int
+    hidden_size: int
+    model_type: str
+    dtype: str
+    source: str
+    path: Path
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["path"] = str(self.path)
+        return d
+
+    @classmethod
+    def load(cls, folder: Path) -> ModelEntry:
+        data = json.loads((folder / MANIFEST).read_text())
+        data["path"] = folder
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def check_files(self) -> None:
+        """Cheap integrity check before loading weights.
+
+        A weights file whose size or mtime differs from the manifest is re-hashed; a
+        missing, truncated or changed file raises `WeightsMismatch` naming it.
+        """
+        for name, rec in self.files.items():
+            f = self.path / name
+            if not f.exists():
+                raise WeightsMismatch(f"{f}: weights file is missing; re-import the model",
+                                      file=str(f))
+            st = f.stat()
+            if st.st_size == rec["size"] and st.st_mtime_ns == rec["mtime_ns"]:
+                continue
+            read_safetensors_header(f)  # names truncation precisely
+            if st.st_size != rec["size"] or file_sha256(f) != rec["sha256"]:
+                raise WeightsMismatch(
+                    f"{f}: weights file does not match its manifest (corrupted or replaced); "
+                    f"re-import the model", file=str(f))
+
+
+class ModelStore:
+    """The models under one folder (default `<data dir>/models`)."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = Path(root) if root else models_dir()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def entries(self) -> list[ModelEntry]:
+        out = []
+        for d in sorted(self.root.iterdir()):
+            if (d / MANIFEST).is_file():
+                try:
+                    out.append(ModelEntry.load(d))
+                except (ValueError, TypeError, KeyError, OSError):
+                    continue  # a half-written or foreign folder is not a model
+        return out
+
+    def get(self, name: str) -> ModelEntry:
+        """Find a model by alias, model id or weights hash.
+
+        Raises:
+            ModelNotFound: listing the models that are there.
+        """
+        for e in self.entries():
+            if name in (e.alias, e.model_id, e.weights_sha256):
+                return e
+        have = ", ".join(f"{e.alias} ({e.model_id})" for e in self.entries()) or "none"
+        raise ModelNotFound(
+            f"unknown model {name!r}; models in {self.root}: {have}. "
+            f"Import one with `hearthnet models import smollm2` or `hearthnet models import PATH`.",
+            model=name)
+
+    def find(self, name: str) -> ModelEntry | None:
+        try:
+            return self.get(name)
+        except ModelNotFound:
+            return None
+
+    def write_manifest(self, folder: Path, *, model_id: str, alias: str, source: str) -> ModelEntry:
+        """Hash the weights in `folder` and write its manifest (atomically)."""
+        cfg = json.loads((folder / "config.json").read_text())
+        text_cfg = cfg.get("text_config", cfg)
+        files = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            st = f.stat()
+            files[f.name] = {"sha256": file_sha256(f), "size": st.st_size,
+                             "mtime_ns": st.st_mtime_ns}
+        if not files:
+            raise ModelNotFound(f"{folder}: no *.safetensors weights in the folder")
+        dtype = str(text_cfg.get("dtype") or text_cfg.get("torch_dtype") or "float32")
+        entry = ModelEntry(
+            model_id=model_id, alias=alias, weights_sha256=weights_sha256(folder),
+            num_layers=int(text_cfg["num_hidden_layers"]),
+            hidden_size=int(text_cfg["hidden_size"]), model_type=str(text_cfg["model_type"]),
+            dtype=dtype, source=source, path=folder, files=files)
+        data = entry.to_json()
+        data.pop("path")
+        tmp = folder / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(folder / MANIFEST)
+        return entry
+
+    def verify(self, name: str) -> ModelEntry:
+        """Recompute every hash of a model.
+
+        Raises:
+            WeightsMismatch: naming the file whose bytes or whose tensors changed.
+        """
+        e = self.get(name)
+        for fname, rec in e.files.items():
+            f = e.path / fname
+            if not f.exists():
+                raise WeightsMismatch(f"{f}: weights file is missing", file=str(f))
+            read_safetensors_header(f)
+            if file_sha256(f) != rec["sha256"]:
+                raise WeightsMismatch(f"{f}: sha256 differs from the manifest", file=str(f))
+        if weights_sha256(e.path) != e.weights_sha256:
+            raise WeightsMismatch(f"{e.path}: weights_sha256 differs from the manifest",
+                                  file=str(e.path))
+        return e

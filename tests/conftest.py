@@ -1,0 +1,33 @@
+"""Shared fixtures: one imported SmolLM2 per test run, torch threads set deliberately."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def model_store():
+    """The model store of `HEARTHNET_DATA_DIR` with SmolLM2 imported (`make test` imports it)."""
+    from hearthnet.models import ModelStore
+    from hearthnet.models.importer import import_smollm2
+
+    store = ModelStore()
+    import_smollm2(store)
+    return store
+
+
+@pytest.fixture(scope="session")
+def smollm2(model_store):
+    return model_store.get("smollm2")
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]

@@ -1,0 +1,83 @@
+"""Head + [0,14] + [15,29] + head reproduces the whole transformers model (issue 2 §6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead, LayeredStack
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about a lighthouse keeper.",
+    "Explain in three sentences why the sky is blue.",
+]
+
+
+@pytest.fixture(scope="module")
+def parts(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(smollm2.path), dtype=torch.float32).eval()
+    return (LayeredHead(smollm2), LayeredStack(smollm2, 0, 14), LayeredStack(smollm2, 15, 29),
+            ref)
+
+
+def _split_greedy(head, a, b, ids, n, wire=None):
+    """Greedy decode through two ranges; `wire` rounds the boundary hidden state."""
+    sa, sb = a.open_session(0, 14, len(ids) + n + 1), b.open_session(15, 29, len(ids) + n + 1)
+
+    def through(x, pos):
+        h = sa.forward(x, pos)
+        if wire is not None:
+            h = h.to(wire)
+        return sb.forward(h, pos)
+
+    logits = [head.logits(through(head.embed(ids), 0))]
+    toks = [int(logits[-1].argmax())]
+    for i in range(n - 1):
+        logits.append(head.logits(through(head.embed([toks[-1]]), len(ids) + i)))
+        toks.append(int(logits[-1].argmax()))
+    return toks, logits
+
+
+def test_logits_match_on_prefill_and_32_decode_steps(parts):
+    head, a, b, ref = parts
+    ids = head.chat_prompt_ids([{"role": "user", "content": PROMPTS[0]}])
+    toks, logits = _split_greedy(head, a, b, ids, 33)
+    full = ids + toks[:-1]
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([full])).logits[0, len(ids) - 1:]
+    diff = (torch.stack(logits) - ref_logits).abs().max().item()
+    assert diff < 1e-4, f"max logit difference {diff}"
+
+
+def _generate(ref, ids, n):
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_matches_transformers_generate(parts, prompt):
+    head, a, b, ref = parts
+    ids = head.chat_prompt_ids([{"role": "user", "content": prompt}])
+    expected = _generate(ref, ids, 64)
+    toks, _ = _split_greedy(head, a, b, ids, 64)
+    # generate() stops at EOS; up to there (EOS included) the tokens must be identical
+    assert toks[:len(expected)] == expected
+    assert len(expected) == 64 or expected[-1] in head.eos_token_ids
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_fp16_wire_between_ranges(parts, prompt, capsys):
+    head, a, b, _ = parts
+    ids = head.chat_prompt_ids([{"role": "user", "content": prompt}])
+    exact, exact_logits = _split_greedy(head, a, b, ids, 64)
+    rounded, rounded_logits = _split_greedy(head, a, b, ids, 64, wire=torch.float16)
+    if rounded != exact:  # report, as the issue asks, rather than hide it
+        i = next(k for k, (x, y) in enumerate(zip(exact, rounded, strict=True)) if x != y)
+        gap = (exact_logits[i] - rounded_logits[i]).abs().max().item()
+        with capsys.disabled():
+            print(f"\nfp16 wire diverges on {prompt!r} at token {i}; logit gap {gap:.3g}")
+    assert rounded == exact
