@@ -1,0 +1,243 @@
+"""`ShardServer`: hosts one contiguous layer range and serves sessions on it (M26 §4.2).
+
+A session is one WebSocket stream (transport `ServerStream`): the caller OPENs it with the
+model, `weights_sha256`, a sub-range `[start, end]` inside the hosted range, a max length and
+a wire dtype; every STEP carries the new positions' hidden state and gets the sub-range's
+output back. Each session has its own KV cache (DESIGN.md decision 2).
+
+Limits are checked before any work (DESIGN.md decision 5): a wrong hash is
+`weights_mismatch`, a range outside is `bad_request`, one open over
+`max_concurrent_streams` is `shard_unavailable` at once — never queued (M26 §5.6). Forwards
+run on the node's compute executor so the event loop keeps serving heartbeats and other
+sessions (DESIGN.md decision 6). Weights unused for `shard_eviction_idle_seconds` are evicted
+and reloaded on the next open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
+from hearthnet.distributed_inference.descriptors import ShardDescriptor, ShardHealth, to_datetime
+from hearthnet.errors import (
+    BadRequest,
+    ConnectionLost,
+    HearthNetError,
+    ShardUnavailable,
+    StreamStalled,
+    WeightsMismatch,
+)
+from hearthnet.models.store import ModelEntry
+from hearthnet.observability import Metrics, get_logger
+
+log = get_logger("shard")
+
+_WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """The host-side knobs of one shard (config `[research.distributed_inference.host]`)."""
+
+    max_concurrent_streams: int = 8
+    eviction_idle_s: float = 600.0
+    session_idle_timeout_s: float = 120.0
+    max_session_tokens: int = 8192
+    compute_dtype: str = "fp32"
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    """The validated parameters of a session open."""
+
+    shard_id: str
+    start: int
+    end: int
+    max_length: int
+    wire_dtype: str
+    caller: str
+
+
+StepHook = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class ShardServer:
+    """Hosts layers `[lo, hi]` of one stored model; see the module docstring."""
+
+    def __init__(self, entry: ModelEntry, lo: int, hi: int, *, node_id: str, endpoint: str,
+                 settings: ShardSettings, executor: Executor, metrics: Metrics | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not (0 <= lo <= hi < entry.num_layers):
+            raise BadRequest(f"shard layers [{lo}, {hi}] are outside {entry.alias}'s layers; "
+                             f"valid range is [0, {entry.num_layers - 1}]")
+        self.entry, self.lo, self.hi = entry, lo, hi
+        self.settings, self.executor, self.clock = settings, executor, clock
+        self.metrics = metrics or Metrics()
+        self.descriptor = ShardDescriptor.create(
+            model_id=entry.model_id, weights_sha256=entry.weights_sha256, layer_range=(lo, hi),
+            host=node_id, endpoint=endpoint,
+            max_concurrent_streams=settings.max_concurrent_streams)
+        self.shard_id = self.descriptor.shard_id
+        self.stack: LayeredStack | None = None
+        self._load_lock = asyncio.Lock()
+        self.active = 0
+        self.queue_depth = 0
+        self.last_used = clock()
+        self._latencies: deque[float] = deque(maxlen=256)
+        self._streams: set[Any] = set()
+        self.step_hook: StepHook | None = None  # test-only fault injection (issue 6 §5)
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        """Load the weights of the hosted range (in the executor)."""
+        await self._ensure_loaded()
+
+    async def _ensure_loaded(self) -> LayeredStack:
+        async with self._load_lock:
+            if self.stack is None:
+                t0 = time.perf_counter()
+                loop = asyncio.get_running_loop()
+                self.stack = await loop.run_in_executor(
+                    self.executor, LayeredStack, self.entry, self.lo, self.hi,
+                    self.settings.compute_dtype)
+                mb = self.stack.param_bytes() / 2**20
+                self.descriptor = ShardDescriptor.create(
+                    model_id=self.entry.model_id, weights_sha256=self.entry.weights_sha256,
+                    layer_range=(self.lo, self.hi), host=self.descriptor.host,
+                    endpoint=self.descriptor.endpoint,
+                    max_concurrent_streams=self.settings.max_concurrent_streams,
+                    vram_required_mb=int(mb + 1))
+                log.info("shard_loaded", shard_id=self.shard_id, mb=round(mb, 1),
+                         ms=round((time.perf_counter() - t0) * 1000))
+            return self.stack
+
+    async def evict(self) -> None:
+        """Free the weights (M26 §4.2); the next open reloads them."""
+        async with self._load_lock:
+            if self.stack is not None and self.active == 0:
+                self.stack = None
+                log.info("shard_evicted", shard_id=self.shard_id)
+
+    def maybe_evict_idle(self) -> bool:
+        """True when the shard has been idle long enough to evict (the node calls evict)."""
+        return (self.stack is not None and self.active == 0
+                and self.clock() - self.last_used > self.settings.eviction_idle_s)
+
+    async def close_all(self) -> None:
+        """Close every open session (node shutdown)."""
+        for s in list(self._streams):
+            await s.close("shard shutting down")
+
+    async def health(self) -> ShardHealth:
+        return ShardHealth(shard_id=self.shard_id, online=True,
+                           last_seen=to_datetime(self.clock()),
+                           p95_latency_ms=self.p95_ms(), queue_depth=self.queue_depth,
+                           active_sessions=self.active)
+
+    def p95_ms(self) -> float:
+        if not self._latencies:
+            return 0.0
+        xs = sorted(self._latencies)
+        return xs[min(len(xs) - 1, int(0.95 * len(xs)))]
+
+    # ---- sessions ----
+
+    def validate_open(self, params: dict[str, Any], caller: str = "anonymous") -> OpenRequest:
+        """Check an OPEN's parameters before any work; raises the typed refusal."""
+        if not isinstance(params, dict):
+            raise BadRequest("open parameters must be a map")
+        if params.get("model_id") not in (self.entry.model_id, self.entry.alias):
+            raise BadRequest(f"this shard serves {self.entry.model_id}, not "
+                             f"{params.get('model_id')!r}")
+        if params.get("weights_sha256") != self.entry.weights_sha256:
+            raise WeightsMismatch(
+                f"shard {self.shard_id} has weights {self.entry.weights_sha256[:16]}…, the "
+                f"caller asked for {str(params.get('weights_sha256'))[:16]}…")
+        start, end, max_len = params.get("start"), params.get("end"), params.get("max_length")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, max_len)):
+            raise BadRequest("start, end and max_length must be integers")
+        assert isinstance(start, int) and isinstance(end, int) and isinstance(max_len, int)
+        if not (self.lo <= start <= end <= self.hi):
+            raise BadRequest(f"sub-range [{start}, {end}] is outside the hosted layers "
+                             f"[{self.lo}, {self.hi}]")
+        if not 1 <= max_len <= self.settings.max_session_tokens:
+            raise BadRequest(f"max_length must be in 1..{self.settings.max_session_tokens}")
+        wire = params.get("wire_dtype", "fp16")
+        if wire not in _WIRE:
+            raise BadRequest(f"wire_dtype must be one of {sorted(_WIRE)}")
+        if self.active >= self.settings.max_concurrent_streams:
+            raise ShardUnavailable(f"shard {self.shard_id} is at max_concurrent_streams "
+                                   f"({self.settings.max_concurrent_streams}); pick another")
+        return OpenRequest(self.shard_id, start, end, max_len, str(wire), caller)
+
+    async def serve_session(self, stream: Any, req: OpenRequest) -> None:
+        """Run one accepted-to-be session on `stream` until the caller closes it."""
+        self.active += 1  # counted before any await: a concurrent open sees it (M26 §5.6)
+        self._streams.add(stream)
+        self._gauge()
+        session = None
+        try:
+            stack = await self._ensure_loaded()
+            session = stack.open_session(req.start, req.end, req.max_length)
+            await stream.accept({"shard_id": self.shard_id, "hidden_size": stack.hidden_size,
+                                 "compute_dtype": self.settings.compute_dtype})
+            self.metrics.shard_sessions_total.labels(self.shard_id, "accepted", req.caller).inc()
+            await self._step_loop(stream, session, _WIRE[req.wire_dtype])
+        except (ConnectionLost, StreamStalled) as e:
+            log.info("session_ended", shard_id=self.shard_id, caller=req.caller,
+                     reason=e.code)
+        finally:
+            if session is not None:
+                session.close()  # frees the KV cache also when the caller vanished (issue 6 §4)
+            self._streams.discard(stream)
+            self.active -= 1
+            self.last_used = self.clock()
+            self._gauge()
+
+    async def _step_loop(self, stream: Any, session: Any, wire: torch.dtype) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            inp = await stream.recv_step(deadline_s=self.settings.session_idle_timeout_s)
+            if inp is None:
+                return
+            self.queue_depth += 1
+            self.metrics.shard_queue_depth.labels(self.shard_id).set(self.queue_depth)
+            try:
+                t0 = time.perf_counter()
+                out = await loop.run_in_executor(self.executor, self._forward, session,
+                                                 inp.tensor, inp.start_pos, inp.step)
+                dt = time.perf_counter() - t0
+            except BadRequest as e:  # a refused step leaves the session usable
+                await stream.send_error(e)
+                continue
+            finally:
+                self.queue_depth -= 1
+                self.metrics.shard_queue_depth.labels(self.shard_id).set(self.queue_depth)
+            self._latencies.append(dt * 1000)
+            self.metrics.shard_forward_ms.labels(self.shard_id).observe(dt * 1000)
+            self.last_used = self.clock()
+            await stream.send_step(inp.step, inp.start_pos, out.to(wire),
+                                   compute_us=int(dt * 1e6))
+
+    def _forward(self, session: Any, x: torch.Tensor, start_pos: int, step: int) -> torch.Tensor:
+        out = session.forward(x, start_pos)
+        if self.step_hook is not None:
+            out = self.step_hook(step, out)
+        return out
+
+    def _gauge(self) -> None:
+        self.metrics.shard_active_sessions.labels(self.shard_id).set(self.active)
+
+
+async def refuse(stream: Any, err: HearthNetError) -> None:
+    """Send a typed refusal on an unaccepted stream and close it."""
+    await stream.refuse(err)

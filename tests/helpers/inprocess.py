@@ -1,0 +1,106 @@
+"""An in-process transport seam for orchestrator tests (httpx's MockTransport idea).
+
+`InProcessMesh` hosts `LayeredStack`s under fake endpoints and hands the orchestrator
+channels that call the sessions directly. A host can be made to fail on cue.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
+from hearthnet.distributed_inference.descriptors import ShardDescriptor, advertisement_payload
+from hearthnet.distributed_inference.health import ShardHealthTracker
+from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
+from hearthnet.distributed_inference.store import ShardStore
+from hearthnet.errors import ConnectionLost, ShardUnavailable
+from hearthnet.mesh.eventlog import ADVERTISED, EventLog
+from hearthnet.models.store import ModelEntry
+
+_WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Result:
+    tensor: torch.Tensor
+    compute_us: int
+
+
+@dataclass
+class Host:
+    node_id: str
+    stack: LayeredStack
+    descriptor: ShardDescriptor
+    dead: bool = False
+    fail_after_steps: int | None = None  # die after this many steps (across sessions)
+    transform: Any = None  # corrupt outputs: f(tensor) -> tensor
+    steps: int = 0
+    opened: int = 0
+
+
+@dataclass
+class Channel:
+    host: Host
+    session: Any
+    wire: torch.dtype
+    closed: bool = False
+
+    async def step(self, step: int, start_pos: int, x: torch.Tensor,
+                   deadline_s: float | None = None) -> Result:
+        h = self.host
+        if h.fail_after_steps is not None and h.steps >= h.fail_after_steps:
+            h.dead = True
+        if h.dead or self.closed:
+            raise ConnectionLost(f"{h.node_id} went away")
+        h.steps += 1
+        t = time.perf_counter()
+        out = self.session.forward(x.to(self.wire), start_pos)
+        if h.transform is not None:
+            out = h.transform(out)
+        return Result(out.to(self.wire), int((time.perf_counter() - t) * 1e6))
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class InProcessMesh:
+    entry: ModelEntry
+    hosts: dict[str, Host] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="hn-inproc-"))
+        self.health = ShardHealthTracker()
+        self.store = ShardStore(120.0, tracker=self.health)
+
+    def add(self, node_id: str, lo: int, hi: int) -> Host:
+        stack = LayeredStack(self.entry, lo, hi)
+        d = ShardDescriptor.create(model_id=self.entry.model_id,
+                                   weights_sha256=self.entry.weights_sha256,
+                                   layer_range=(lo, hi), host=node_id,
+                                   endpoint=f"ws://{node_id}.inproc:1", max_concurrent_streams=8)
+        log = EventLog(self._dir / f"{node_id}.sqlite", node_id)
+        self.store.apply(log.append(ADVERTISED, advertisement_payload(d)))
+        log.close()
+        host = Host(node_id, stack, d)
+        self.hosts[d.endpoint + "/shard"] = host
+        return host
+
+    def router(self) -> ShardRouter:
+        return ShardRouter(self.store, RoutingSettings(), self.health, self_node_id="orch")
+
+    async def connect(self, uri: str, params: dict[str, Any], deadline_s: float) -> Channel:
+        host = self.hosts[uri]
+        if host.dead:
+            raise ConnectionLost(f"cannot reach {host.node_id}")
+        if params["weights_sha256"] != self.entry.weights_sha256:
+            raise ShardUnavailable("hash")
+        host.opened += 1
+        s = host.stack.open_session(params["start"], params["end"], params["max_length"])
+        return Channel(host, s, _WIRE[params["wire_dtype"]])

@@ -1,0 +1,141 @@
+"""PipelineOrchestrator over an in-process transport: exactness, failover, fallback."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.local import LocalEngine
+from hearthnet.distributed_inference.pipeline import (
+    ChatRequest,
+    DistributedChatParams,
+    PipelineOrchestrator,
+)
+from hearthnet.observability import Metrics
+from tests.helpers.inprocess import InProcessMesh
+
+PROMPT = [{"role": "user", "content": "Write a short poem about a lighthouse keeper."}]
+
+
+@pytest.fixture(scope="module")
+def local_tokens(smollm2):
+    eng = LocalEngine(smollm2)
+    return [ev.token_id for ev in eng.generate(PROMPT, SamplingParams(max_tokens=24))]
+
+
+async def _chosen(mesh: InProcessMesh, smollm2, layer: int):
+    """The host the router would use for `layer` (routing is deterministic)."""
+    r = mesh.router()
+    p = await r.pick(smollm2.model_id, smollm2.weights_sha256, 30, reserve=False)
+    sid = next(s.shard.shard_id for s in p.stages if s.start <= layer <= s.end)
+    return next(h for h in mesh.hosts.values() if h.descriptor.shard_id == sid)
+
+
+def _orch(mesh: InProcessMesh, model_store) -> tuple[PipelineOrchestrator, Metrics]:
+    m = Metrics()
+    return PipelineOrchestrator(models=model_store, router=mesh.router(), health=mesh.health,
+                                metrics=m, connect=mesh.connect,
+                                executor=ThreadPoolExecutor(1)), m
+
+
+async def _run(orch, **kw) -> list[dict]:
+    params = DistributedChatParams(sampling=SamplingParams(max_tokens=24), wire_dtype="fp32",
+                                   **kw)
+    return [f async for f in orch.chat(ChatRequest("smollm2", PROMPT), params)]
+
+
+def _tokens(frames):
+    return [f["token_id"] for f in frames if f["type"] == "token_delta"]
+
+
+async def test_two_shards_identical_to_local(smollm2, model_store, local_tokens):
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    mesh.add("node-c", 15, 29)
+    orch, _ = _orch(mesh, model_store)
+    frames = await _run(orch)
+    assert _tokens(frames) == local_tokens
+    done = frames[-1]
+    assert done["type"] == "done" and len(done["pipeline"]) == 2
+
+
+async def test_failover_to_spare_keeps_every_token(smollm2, model_store, local_tokens):
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    mesh.add("node-c", 15, 29)
+    mesh.add("node-d", 10, 29)  # spare overlapping C
+    c = await _chosen(mesh, smollm2, 29)
+    c.fail_after_steps = 8
+    orch, m = _orch(mesh, model_store)
+    frames = await _run(orch)
+    kinds = [f["type"] for f in frames]
+    assert "shard_failover" in kinds and "pipeline_aborted" not in kinds
+    assert _tokens(frames) == local_tokens
+    assert m.failovers_total._value.get() == 1
+    degraded = next(f for f in frames if f["type"] == "shard_status" and
+                    f["status"] == "degraded")
+    assert degraded["shard_id"] == c.descriptor.shard_id
+
+
+async def test_fallback_to_local_continues_the_same_answer(smollm2, model_store, local_tokens):
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    c = mesh.add("node-c", 15, 29)
+    c.fail_after_steps = 6
+    orch, m = _orch(mesh, model_store)
+    frames = await _run(orch)
+    ab = next(f for f in frames if f["type"] == "pipeline_aborted")
+    assert ab["continuing"] == "local" and ab["tokens_so_far"] > 0
+    assert _tokens(frames) == local_tokens
+    assert m.fallback_to_local_total._value.get() == 1
+
+
+async def test_no_spare_no_fallback_aborts(smollm2, model_store):
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    c = mesh.add("node-c", 15, 29)
+    c.fail_after_steps = 4
+    orch, _ = _orch(mesh, model_store)
+    frames = await _run(orch, fallback_to_local=False)
+    assert frames[-2]["type"] == "pipeline_aborted"
+    assert frames[-1]["type"] == "error" and frames[-1]["code"] == "shard_unavailable"
+
+
+async def test_nan_output_is_corruption_and_fails_over(smollm2, model_store, local_tokens):
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    mesh.add("node-c", 15, 29)
+    mesh.add("node-d", 15, 29)
+    c = await _chosen(mesh, smollm2, 29)
+    calls = {"n": 0}
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return t * float("nan") if calls["n"] > 3 else t
+
+    c.transform = poison
+    orch, m = _orch(mesh, model_store)
+    frames = await _run(orch)
+    deg = [f for f in frames if f["type"] == "shard_status" and f["status"] == "degraded"]
+    assert deg and deg[0]["code"] == "shard_corrupted"
+    assert _tokens(frames) == local_tokens
+    assert m.shard_corruption_detected_total.labels(c.descriptor.shard_id)._value.get() == 1
+
+
+async def test_two_failures_fall_back(smollm2, model_store, local_tokens):
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    mesh.add("node-c", 15, 29)
+    mesh.add("node-d", 15, 29)
+    c = await _chosen(mesh, smollm2, 29)
+    d = next(h for h in mesh.hosts.values() if h.node_id in ("node-c", "node-d") and h is not c)
+    c.fail_after_steps = 5
+    d.fail_after_steps = 3
+    orch, m = _orch(mesh, model_store)
+    frames = await _run(orch)
+    assert _tokens(frames) == local_tokens
+    assert [f["type"] for f in frames].count("shard_failover") == 1
+    assert m.fallback_to_local_total._value.get() == 1
