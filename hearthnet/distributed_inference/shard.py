@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
+from hearthnet.distributed_inference.faults import CloseMidFrame
 from hearthnet.distributed_inference.descriptors import ShardDescriptor, ShardHealth, to_datetime
 from hearthnet.errors import (
     BadRequest,
@@ -219,6 +220,11 @@ class ShardServer:
             except BadRequest as e:  # a refused step leaves the session usable
                 await stream.send_error(e)
                 continue
+            except CloseMidFrame:  # test-only fault: half a frame, then the socket drops
+                transport = stream._ws.transport
+                transport.write(b"\x82\x7e\x10\x00" + bytes(100))  # announces 4096 bytes
+                transport.abort()
+                return
             finally:
                 self.queue_depth -= 1
                 self.metrics.shard_queue_depth.labels(self.shard_id).set(self.queue_depth)

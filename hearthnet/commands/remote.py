@@ -1,0 +1,55 @@
+"""Calling a node's capabilities from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.errors import ConnectionLost
+
+
+def node_uri(config_path: str) -> str:
+    from hearthnet.config import load_config
+
+    cfg = load_config(config_path)
+    host = cfg.advertise_host()
+    return f"ws://{host}:{cfg.node.listen_port}"
+
+
+def http_get_json(uri: str, path: str, timeout: float = 5.0) -> Any:
+    url = uri.replace("ws://", "http://").replace("wss://", "https://").rstrip("/") + path
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read())
+    except (urllib.error.URLError, OSError, TimeoutError) as e:
+        raise ConnectionLost(f"cannot reach the node at {uri}: {e}. Is it running "
+                             f"(`hearthnet node --config ...`)?") from e
+
+
+def chat_via_node(args: argparse.Namespace, messages: list[dict[str, str]],
+                  params: SamplingParams) -> int:
+    from hearthnet.commands.chat import emit
+    from hearthnet.mesh.bus import bus_call
+    from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+    from hearthnet.transport.websocket import run
+
+    uri = node_uri(args.config)
+    call = chat_args(messages[-1]["content"], args.model, params, wire_dtype=args.wire_dtype)
+
+    async def go() -> int:
+        rc = 0
+        async for frame in bus_call(uri, CHAT_CAPABILITY, call):
+            emit(frame, args.json)
+            if frame.get("type") == "error":
+                rc = 1
+        return rc
+
+    return run(go())
+
+
+__all__ = ["asyncio", "chat_via_node", "http_get_json", "node_uri"]

@@ -1,0 +1,54 @@
+"""`hearthnet status --config FILE [--json]`: the mesh as the configured node sees it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("status", help="nodes, shards and layer coverage")
+    p.add_argument("--config", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hearthnet.commands.remote import http_get_json, node_uri
+
+    st = http_get_json(node_uri(args.config), "/status")
+    if args.json:
+        print(json.dumps(st, indent=2))
+    else:
+        print(render(st))
+    return 0
+
+
+def render(st: dict[str, Any]) -> str:
+    """A table a person can read at a glance."""
+    lines = [f"node {st['node_id']} at {st['endpoint']}"]
+    peers = ", ".join(f"{p['uri']} ({'up' if p['connected'] else 'down'})"
+                      for p in st.get("peers", [])) or "none"
+    lines.append(f"peers: {peers}")
+    lines.append("")
+    lines.append(f"{'SHARD':<34} {'LAYERS':<8} {'HOST':<10} {'STATE':<8} {'SESS':>4} "
+                 f"{'QUEUE':>5} {'P95 ms':>7} {'AGE s':>6}")
+    for s in st["shards"]:
+        state = "suspect" if s["suspect"] else "online"
+        lo, hi = s["layers"]
+        name = s["shard_id"].split("/")[-1][:34]
+        lines.append(f"{name:<34} {lo:>2}-{hi:<5} {s['host']:<10} {state:<8} "
+                     f"{s['active_sessions'] or 0:>4} {s['queue_depth'] or 0:>5} "
+                     f"{(s['p95_latency_ms'] or 0):>7.1f} {s['age_s']:>6.1f}")
+    if not st["shards"]:
+        lines.append("(no live shard advertisements)")
+    lines.append("")
+    for m in st["models"]:
+        state = "FULLY COVERED" if m["fully_covered"] else \
+            "NOT COVERED: layers " + ", ".join(f"{a}-{b}" for a, b in m["uncovered"])
+        lines.append(f"model {m['alias']} ({m['model_id']}, {m['num_layers']} layers): {state}")
+        for row in m["coverage"]:
+            a, b = row["layers"]
+            lines.append(f"  layers {a:>2}-{b:<2}  {', '.join(row['hosts']) or '-'}")
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""CapabilityBus: named capabilities, callable in-process and over the node's `/bus` feed.
+
+A capability is an async-iterator function `handler(args: dict) -> AsyncIterator[dict]`.
+Over WebSocket the caller sends one msgpack map ``{"capability": name, "args": {...}}``
+and receives one msgpack map per frame, then ``{"type": "end"}``. A `HearthNetError` becomes
+an ``{"type": "error", "code", "message"}`` frame. A caller that disconnects cancels the
+call (the handler's `finally` blocks run, so shard sessions are closed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgpack
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
+from hearthnet.errors import BadRequest, ConnectionLost, HearthNetError, error_from_code
+from hearthnet.observability import get_logger
+
+log = get_logger("bus")
+
+Handler = Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]]
+MAX_REQUEST_BYTES = 1 << 20
+
+
+class CapabilityBus:
+    """The capabilities one node offers."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Handler] = {}
+
+    def register(self, name: str, handler: Handler) -> None:
+        self._handlers[name] = handler
+
+    def names(self) -> list[str]:
+        return sorted(self._handlers)
+
+    def call(self, name: str, args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Call a capability in-process."""
+        h = self._handlers.get(name)
+        if h is None:
+            raise BadRequest(f"unknown capability {name!r}; this node offers {self.names()}")
+        return h(args)
+
+    async def serve_connection(self, ws: Any) -> None:
+        """Serve one `/bus` WebSocket connection (one call); never raises."""
+        try:
+            raw = await ws.recv()
+            req = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else None
+            if not isinstance(req, dict) or not isinstance(req.get("capability"), str) \
+                    or not isinstance(req.get("args", {}), dict):
+                raise BadRequest("a bus call is a msgpack map {capability, args}")
+            it = self.call(req["capability"], req.get("args", {}))
+            try:
+                async for frame in it:
+                    await ws.send(msgpack.packb(frame, use_bin_type=True))
+            finally:
+                with contextlib.suppress(Exception):
+                    await it.aclose()  # type: ignore[attr-defined]
+            await ws.send(msgpack.packb({"type": "end"}))
+        except HearthNetError as e:
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send(msgpack.packb({"type": "error", "code": e.code,
+                                             "message": e.message}))
+                await ws.send(msgpack.packb({"type": "end"}))
+        except ConnectionClosed:
+            log.info("bus_caller_gone")
+        except (ValueError, msgpack.UnpackException) as e:
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send(msgpack.packb({"type": "error", "code": "bad_request",
+                                             "message": f"malformed bus call: {e}"}))
+        finally:
+            with contextlib.suppress(Exception):
+                await ws.close()
+
+
+async def bus_call(uri: str, capability: str, args: dict[str, Any], *,
+                   open_timeout: float = 10.0, ssl: Any = None
+                   ) -> AsyncIterator[dict[str, Any]]:
+    """Call `capability` on the node at base URI `uri`; yields its frames.
+
+    An `error` frame is yielded as is (callers decide); a lost connection raises
+    `ConnectionLost`.
+    """
+    try:
+        async with connect(uri.rstrip("/") + "/bus", open_timeout=open_timeout, ssl=ssl,
+                           max_size=MAX_REQUEST_BYTES, compression=None) as ws:
+            await ws.send(msgpack.packb({"capability": capability, "args": args},
+                                        use_bin_type=True))
+            async for raw in ws:
+                frame = msgpack.unpackb(raw, raw=False)
+                if frame.get("type") == "end":
+                    return
+                yield frame
+    except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as e:
+        raise ConnectionLost(f"cannot reach the node at {uri}: {e}") from e
+    except ConnectionClosed as e:
+        raise ConnectionLost(f"the node at {uri} closed the call: {e}") from e
+
+
+def raise_for_error(frame: dict[str, Any]) -> None:
+    """Raise the HearthNet error an `error` frame carries."""
+    if frame.get("type") == "error":
+        raise error_from_code(str(frame.get("code")), str(frame.get("message")))
