@@ -1,0 +1,210 @@
+"""Start a local mesh of `hearthnet node` processes on 127.0.0.1 (demo, benchmarks, tests).
+
+`LocalMesh` writes one TOML per node into a fresh folder (free ports, its own data
+directory per node, the shared model store), starts each node as a separate process,
+waits for its `node_ready` line and for the model to be covered, and stops every process
+it started — on exit, on error and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hearthnet.errors import HearthNetError
+from hearthnet.paths import models_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class NodeSpec:
+    """One node of a local mesh: its id and the layer ranges it hosts."""
+
+    node_id: str
+    shards: list[tuple[int, int]] = field(default_factory=list)
+    faults: dict[str, Any] = field(default_factory=dict)
+    extra_di: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class NodeProc:
+    spec: NodeSpec
+    port: int
+    config: Path
+    proc: subprocess.Popen[str] | None = None
+    endpoint: str = ""
+
+    @property
+    def uri(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return str(v)
+
+
+def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, models: Path,
+              *, model: str = "smollm2", timeout_s: float = 30.0, threads: int = 1) -> str:
+    di = {"enabled": True, "shard_health_timeout_seconds": timeout_s,
+          "activation_dtype": "fp16", **spec.extra_di}
+    lines = ["[node]", f'id = "{spec.node_id}"', 'listen_host = "127.0.0.1"',
+             f"listen_port = {port}", f"data_dir = {_toml_value(str(data_dir))}",
+             f"models_dir = {_toml_value(str(models))}", f"torch_threads = {threads}",
+             f"peers = {_toml_value(peers)}", 'log_level = "info"', "",
+             "[research]", "enable = true", "", "[research.distributed_inference]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in di.items()]
+    lines += ["", "[research.distributed_inference.host]",
+              f"serve_shards = {_toml_value(bool(spec.shards))}", ""]
+    for lo, hi in spec.shards:
+        lines += ["[[shards]]", f'model = "{model}"', f"layers = [{lo}, {hi}]",
+                  "max_concurrent_streams = 8", ""]
+    if spec.faults:
+        lines += ["[testing.faults]"] + [f"{k} = {_toml_value(v)}"
+                                         for k, v in spec.faults.items()] + [""]
+    return "\n".join(lines)
+
+
+class LocalMesh:
+    """A mesh of node processes on this machine; use as a context manager."""
+
+    def __init__(self, specs: list[NodeSpec], *, root: Path | None = None,
+                 model: str = "smollm2", timeout_s: float = 30.0, threads: int = 1,
+                 quiet: bool = True) -> None:
+        self.root = Path(root or tempfile.mkdtemp(prefix="hearthnet-mesh-"))
+        self.model, self.timeout_s, self.threads, self.quiet = model, timeout_s, threads, quiet
+        self.models = models_dir()
+        self.nodes: dict[str, NodeProc] = {}
+        ports = [free_port() for _ in specs]
+        first = f"ws://127.0.0.1:{ports[0]}"
+        for i, (spec, port) in enumerate(zip(specs, ports, strict=True)):
+            # a star around the first node: gossip from anyone reaches everyone through it
+            peers = [] if i == 0 else [first]
+            cfg = self.root / f"{spec.node_id}.toml"
+            cfg.write_text(node_toml(spec, port, peers, self.root / spec.node_id, self.models,
+                                     model=model, timeout_s=timeout_s, threads=threads))
+            self.nodes[spec.node_id] = NodeProc(spec, port, cfg)
+
+    def __enter__(self) -> LocalMesh:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, wait_cover: bool = True, timeout: float = 120.0) -> None:
+        for n in self.nodes.values():
+            self.start_node(n.spec.node_id, wait=False)
+        for n in self.nodes.values():
+            self._wait_ready(n, timeout)
+        if wait_cover:
+            self.wait_covered(next(iter(self.nodes)), timeout=timeout)
+
+    def start_node(self, node_id: str, wait: bool = True, timeout: float = 120.0) -> NodeProc:
+        n = self.nodes[node_id]
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads),
+                   TOKENIZERS_PARALLELISM="false")
+        log = (self.root / f"{node_id}.log").open("a")
+        n.proc = subprocess.Popen(
+            [sys.executable, "-m", "hearthnet.cli", "node", "--config", str(n.config)],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
+        if wait:
+            self._wait_ready(n, timeout)
+        return n
+
+    def _wait_ready(self, n: NodeProc, timeout: float) -> None:
+        assert n.proc is not None and n.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = n.proc.stdout.readline()
+            if not line:
+                if n.proc.poll() is not None:
+                    raise HearthNetError(f"node {n.spec.node_id} exited with "
+                                         f"{n.proc.returncode}; see {self.root}/"
+                                         f"{n.spec.node_id}.log")
+                continue
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if msg.get("event") == "node_ready":
+                n.endpoint = msg["endpoint"]
+                return
+        raise HearthNetError(f"node {n.spec.node_id} not ready within {timeout:.0f} s")
+
+    def status(self, node_id: str) -> dict[str, Any]:
+        with urllib.request.urlopen(self.nodes[node_id].uri.replace("ws://", "http://")
+                                    + "/status", timeout=5) as r:
+            return dict(json.loads(r.read()))
+
+    def metrics(self, node_id: str) -> str:
+        with urllib.request.urlopen(self.nodes[node_id].uri.replace("ws://", "http://")
+                                    + "/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+    def wait_covered(self, node_id: str, timeout: float = 60.0, shards: int | None = None
+                     ) -> dict[str, Any]:
+        """Wait until `node_id` sees the model fully covered (and `shards` live ones)."""
+        want = shards if shards is not None else sum(len(n.spec.shards)
+                                                     for n in self.nodes.values())
+        deadline = time.monotonic() + timeout
+        st: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            try:
+                st = self.status(node_id)
+                m = next((m for m in st["models"] if m["alias"] == self.model), None)
+                if m and m["fully_covered"] and len(st["shards"]) >= want:
+                    return st
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise HearthNetError(f"model {self.model} not covered as seen from {node_id} "
+                             f"within {timeout:.0f} s: {st.get('models')}")
+
+    def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
+        """Kill a node's whole process group (a host dying)."""
+        p = self.nodes[node_id].proc
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, sig)
+            p.wait(timeout=30)
+
+    def stop(self) -> None:
+        for n in self.nodes.values():
+            if n.proc is not None and n.proc.poll() is None:
+                os.killpg(n.proc.pid, signal.SIGTERM)
+        for n in self.nodes.values():
+            if n.proc is not None:
+                try:
+                    n.proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(n.proc.pid, signal.SIGKILL)
+                    n.proc.wait()
+                if n.proc.stdout:
+                    n.proc.stdout.close()
+
+    def log_text(self, node_id: str) -> str:
+        return (self.root / f"{node_id}.log").read_text()

@@ -1,0 +1,101 @@
+"""Distributed chat through real node processes on 127.0.0.1 (issue 4 and 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.local import LocalEngine
+from hearthnet.mesh.bus import bus_call
+from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+
+PROMPTS = ["What is the capital of France?",
+           "Write a short poem about a lighthouse keeper.",
+           "Explain in three sentences why the sky is blue."]
+N = 64
+
+
+@pytest.fixture(scope="module")
+def local_answers(smollm2):
+    eng = LocalEngine(smollm2)
+    return {p: [e.token_id for e in eng.generate([{"role": "user", "content": p}],
+                                                 SamplingParams(max_tokens=N))]
+            for p in PROMPTS}
+
+
+async def _chat(uri: str, prompt: str, **params) -> list[dict]:
+    args = chat_args(prompt, "smollm2", SamplingParams(max_tokens=N), **params)
+    return [f async for f in bus_call(uri, CHAT_CAPABILITY, args)]
+
+
+def _tokens(frames):
+    return [f["token_id"] for f in frames if f["type"] == "token_delta"]
+
+
+@pytest.fixture(scope="module")
+def mesh3(smollm2):
+    with LocalMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 14)]),
+                    NodeSpec("node-c", [(15, 29)])]) as m:
+        yield m
+
+
+async def test_fp32_wire_identical_to_local_two_shards(mesh3, local_answers):
+    for p in PROMPTS:
+        frames = await _chat(mesh3.nodes["node-a"].uri, p, wire_dtype="fp32")
+        assert frames[-1]["type"] == "done", frames[-1]
+        assert len(frames[-1]["pipeline"]) == 2
+        assert _tokens(frames) == local_answers[p]
+
+
+async def test_fp16_wire_identical_or_reports(mesh3, local_answers, capsys):
+    for p in PROMPTS:
+        toks = _tokens(await _chat(mesh3.nodes["node-a"].uri, p, wire_dtype="fp16"))
+        if toks != local_answers[p]:
+            i = next(k for k, (a, b) in enumerate(zip(toks, local_answers[p])) if a != b)
+            with capsys.disabled():
+                print(f"\nfp16 wire: first divergence on {p!r} at token {i}")
+        assert toks == local_answers[p]
+
+
+async def test_four_concurrent_chats_match_solo(mesh3, local_answers):
+    prompts = PROMPTS + [PROMPTS[0]]
+    results = await asyncio.gather(*(_chat(mesh3.nodes["node-a"].uri, p, wire_dtype="fp32")
+                                     for p in prompts))
+    for p, frames in zip(prompts, results, strict=True):
+        assert _tokens(frames) == local_answers[p]
+
+
+def test_cli_chat_json_and_status(mesh3):
+    cfg = str(mesh3.nodes["node-a"].config)
+    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "chat", "--config", cfg,
+                        "--json", "--max-tokens", "8", "--temperature", "0", "Hello"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    frames = [json.loads(line) for line in r.stdout.splitlines()]
+    assert frames[-1]["type"] == "done" and frames[-1]["usage"]["completion_tokens"] == 8
+    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "status", "--config", cfg,
+                        "--json"], capture_output=True, text=True, timeout=60)
+    st = json.loads(r.stdout)
+    assert st["models"][0]["fully_covered"] and len(st["shards"]) == 2
+    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "status", "--config", cfg],
+                       capture_output=True, text=True, timeout=60)
+    assert "FULLY COVERED" in r.stdout
+
+
+async def test_bad_requests_are_typed(mesh3):
+    uri = mesh3.nodes["node-a"].uri
+    frames = [f async for f in bus_call(uri, CHAT_CAPABILITY, {"request": {
+        "model": "nope", "messages": [{"role": "user", "content": "x"}]}})]
+    assert frames[-1]["type"] == "error" and frames[-1]["code"] == "bad_request"
+    frames = [f async for f in bus_call(uri, CHAT_CAPABILITY, {
+        "request": {"model": "smollm2", "messages": [{"role": "user", "content": "x"}]},
+        "params": {"sampling": {"temperature": -1}}})]
+    assert frames[-1]["code"] == "bad_request"
+    frames = [f async for f in bus_call(uri, "no.such.capability", {})]
+    assert frames[-1]["code"] == "bad_request"
