@@ -1,0 +1,159 @@
+"""Node daemon over real sockets: shard sessions, refusals, expiry, shutdown (issue 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead, LayeredStack
+from hearthnet.errors import BadRequest, ShardUnavailable, WeightsMismatch
+from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+from hearthnet.transport.websocket import TensorChannel
+
+
+@pytest.fixture(scope="module")
+def mesh(smollm2):
+    # short health timeout: heartbeats every 0.75 s, advertisements expire after 6 s
+    specs = [NodeSpec("node-a"), NodeSpec("node-b", [(0, 14)]), NodeSpec("node-c", [(15, 29)])]
+    for s in specs:
+        s.extra_di = {"shard_health_timeout_seconds": 1.5}
+    specs[1].extra_di["fallback_to_local"] = True
+    with LocalMesh(specs) as m:
+        yield m
+
+
+def _params(smollm2, **kw):
+    p = {"shard_id": f"{smollm2.model_id}:0-14@node-b", "model_id": smollm2.model_id,
+         "weights_sha256": smollm2.weights_sha256, "start": 0, "end": 14, "max_length": 64,
+         "wire_dtype": "fp32"}
+    p.update(kw)
+    return p
+
+
+async def test_shard_session_matches_backend(mesh, smollm2):
+    # the node computes with 1 torch thread; so do we here, so the comparison can be exact
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        await _compare_session(mesh, smollm2)
+    finally:
+        torch.set_num_threads(threads)
+
+
+async def _compare_session(mesh, smollm2):
+    head = LayeredHead(smollm2)
+    ids = head.chat_prompt_ids([{"role": "user", "content": "Hello there"}])
+    x = head.embed(ids)
+    ref = LayeredStack(smollm2, 0, 14).open_session(3, 9, 64)
+    ch = await TensorChannel.connect(mesh.nodes["node-b"].uri + "/shard",
+                                     _params(smollm2, start=3, end=9), deadline_s=10)
+    try:
+        got = (await ch.step(1, 0, x)).tensor
+        assert torch.equal(got, ref.forward(x, 0))
+        nxt = head.embed([42])
+        got2 = (await ch.step(2, len(ids), nxt)).tensor
+        assert torch.equal(got2, ref.forward(nxt, len(ids)))
+    finally:
+        await ch.close()
+
+
+@pytest.mark.parametrize(("override", "err"), [
+    ({"weights_sha256": "0" * 64}, WeightsMismatch),
+    ({"start": 10, "end": 20}, BadRequest),
+    ({"max_length": 0}, BadRequest),
+    ({"wire_dtype": "int8"}, BadRequest),
+    ({"shard_id": "nope"}, ShardUnavailable),
+])
+async def test_refused_opens_are_typed(mesh, smollm2, override, err):
+    with pytest.raises(err):
+        await TensorChannel.connect(mesh.nodes["node-b"].uri + "/shard",
+                                    _params(smollm2, **override), deadline_s=10)
+
+
+async def test_max_concurrent_streams_refuses_at_once(mesh, smollm2):
+    uri = mesh.nodes["node-b"].uri + "/shard"
+    chans = [await TensorChannel.connect(uri, _params(smollm2), deadline_s=10)
+             for _ in range(8)]  # max_concurrent_streams = 8 in LocalMesh
+    try:
+        t = time.monotonic()
+        with pytest.raises(ShardUnavailable):
+            await TensorChannel.connect(uri, _params(smollm2), deadline_s=10)
+        assert time.monotonic() - t < 5  # refused, not queued until a slot frees
+    finally:
+        for c in chans:
+            await c.close()
+    await asyncio.sleep(0.3)
+    c = await TensorChannel.connect(uri, _params(smollm2), deadline_s=10)  # a slot is free again
+    await c.close()
+
+
+def test_metrics_endpoint_has_shard_metrics(mesh):
+    text = mesh.metrics("node-b")
+    for name in ("hearthnet_distributed_inference_shard_forward_ms_bucket",
+                 "hearthnet_distributed_inference_shard_active_sessions",
+                 "hearthnet_events_appended_total", "hearthnet_transport_bytes_in_total"):
+        assert name in text
+
+
+def test_killed_node_expires_and_status_says_so(mesh):
+    st = mesh.wait_covered("node-a")
+    assert st["models"][0]["fully_covered"]
+    mesh.kill("node-c")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        st = mesh.status("node-a")
+        if not st["models"][0]["fully_covered"]:
+            break
+        time.sleep(0.5)
+    assert not st["models"][0]["fully_covered"]
+    assert st["models"][0]["uncovered"] == [[15, 29]]
+    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "status", "--config",
+                        str(mesh.nodes["node-a"].config)], capture_output=True, text=True,
+                       timeout=60)
+    assert "NOT COVERED: layers 15-29" in r.stdout
+    mesh.start_node("node-c")  # back again: re-advertises
+    mesh.wait_covered("node-a", timeout=60)
+
+
+def test_sigterm_withdraws_at_once(mesh):
+    mesh.wait_covered("node-a", timeout=60)
+    mesh.kill("node-b", signal.SIGTERM)
+    deadline = time.monotonic() + 3  # well before the 6 s expiry: the withdrawal did it
+    gone = False
+    while time.monotonic() < deadline and not gone:
+        st = mesh.status("node-a")
+        gone = not any(s["host"] == "node-b" for s in st["shards"])
+        time.sleep(0.1)
+    assert gone
+    assert '"node_stopped"' in mesh.log_text("node-b")
+    mesh.start_node("node-b")
+    mesh.wait_covered("node-a", timeout=60)
+
+
+def test_bad_config_exits_2_naming_file_and_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[node]\nid = "node-x"\nlisten_port = 99999\n')
+    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "node", "--config", str(bad)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert str(bad) in r.stderr and "listen_port" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_research_disabled_emits_nothing(smollm2):
+    m = LocalMesh([NodeSpec("node-q", [(0, 29)])])
+    cfg = m.nodes["node-q"].config
+    cfg.write_text(cfg.read_text().replace("[research]\nenable = true",
+                                           "[research]\nenable = false"))
+    m.start(wait_cover=False)
+    try:
+        st = m.status("node-q")
+        assert st["shards"] == []  # M26 §5.1: opted out, no advertisement
+        assert st["models"][0]["fully_covered"] is False
+    finally:
+        m.stop()
