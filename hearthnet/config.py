@@ -1,0 +1,428 @@
+"""Node configuration: TOML (`tomllib`) validated by pydantic (DESIGN.md decision 8).
+
+`load_config(path)` reads one node's file and returns a `NodeConfig`, or raises
+`ConfigError` whose message names the file, the dotted key and the reason (the CLI turns
+it into exit code 2). Unknown keys are errors everywhere except the free-form
+``[testing.faults]`` table.
+
+Sections: ``[node]`` (identity, addresses, folders, peers), ``[research]`` with the M26 §7
+``[research.distributed_inference]`` and ``[...host]`` tables, ``[[shards]]`` (the shards
+this node hosts), ``[community]``, ``[security]`` and ``[testing]``. See
+``config/mesh3/*.toml`` for complete examples.
+
+Decisions:
+
+- ``[[shards]]`` are *declared* shards. They are served only when
+  ``research.enable``, ``research.distributed_inference.enabled`` and
+  ``research.distributed_inference.host.serve_shards`` are all true (`hosted_shards()`);
+  otherwise they are inert and `warnings()` says so, so hosting can be switched off with
+  one key without deleting the list.
+- Relative ``data_dir``/``models_dir`` are resolved against the config file's folder;
+  empty means ``<HEARTHNET_DATA_DIR>/nodes/<id>`` and ``<HEARTHNET_DATA_DIR>/models``.
+- A node that serves shards and listens on a wildcard address (``0.0.0.0``/``::``) must
+  set ``advertise_host``: others cannot dial a wildcard.
+- Peers are base ``ws://`` / ``wss://`` URIs; the gossip feed is at ``<uri>/gossip``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from hearthnet import paths
+from hearthnet.errors import ConfigError
+
+NodeId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+Port = Annotated[int, Field(ge=0, le=65535)]
+Trust = Literal["guest", "member", "trusted", "steward"]
+DEFAULT_LAN_NETWORKS = ["127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"]
+_WILDCARDS = {"0.0.0.0", "::", ""}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class NodeSection(_Section):
+    """``[node]``: who this node is and where it lives."""
+
+    id: NodeId
+    listen_host: str = "127.0.0.1"
+    listen_port: Port = 7700  # 0 = pick a free port
+    advertise_host: str = ""  # host others use to reach us; default listen_host
+    data_dir: str = ""  # default <HEARTHNET_DATA_DIR>/nodes/<id>
+    models_dir: str = ""  # default <HEARTHNET_DATA_DIR>/models
+    metrics_port: Port = 0  # 0 = /metrics only on the main port
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    torch_threads: Annotated[int, Field(ge=1, le=256)] = 1
+    peers: list[str] = Field(default_factory=list)
+    lan_networks: list[str] = Field(default_factory=lambda: list(DEFAULT_LAN_NETWORKS))
+
+    @field_validator("listen_host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v.strip()
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _advertise(cls, v: str) -> str:
+        v = v.strip()
+        if any(c in v for c in "/ \t[]") or v.count(":") == 1:
+            raise ValueError("must be a bare host name or IP address (no scheme or port)")
+        return v
+
+    @field_validator("peers")
+    @classmethod
+    def _peers(cls, v: list[str]) -> list[str]:
+        out = []
+        for uri in v:
+            try:
+                parts = urlsplit(uri)
+                port = parts.port
+            except ValueError as e:
+                raise ValueError(f"{uri!r} is not a URI: {e}") from None
+            if parts.scheme not in ("ws", "wss") or not parts.hostname:
+                raise ValueError(f"{uri!r} must look like ws://host:port")
+            if port is None:
+                raise ValueError(f"{uri!r} needs a port")
+            if parts.query or parts.fragment:
+                raise ValueError(f"{uri!r} must not have a query or fragment")
+            out.append(uri.rstrip("/"))
+        if len(set(out)) != len(out):
+            raise ValueError("lists the same peer twice")
+        return out
+
+    @field_validator("lan_networks")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        for n in v:
+            try:
+                ipaddress.ip_network(n, strict=False)
+            except ValueError as e:
+                raise ValueError(f"{n!r} is not a network: {e}") from None
+        return v
+
+
+class HostSection(_Section):
+    """``[research.distributed_inference.host]`` (M26 §7 plus session limits)."""
+
+    serve_shards: bool = False
+    shard_eviction_idle_seconds: Annotated[float, Field(ge=0)] = 600
+    shard_max_vram_mb: Annotated[int, Field(ge=0)] = 20000
+    session_idle_timeout_seconds: Annotated[float, Field(gt=0)] = 120
+    max_session_tokens: Annotated[int, Field(ge=1)] = 8192
+    compute_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+
+
+class DistributedInferenceSection(_Section):
+    """``[research.distributed_inference]`` — exactly M26 §7, plus transport knobs."""
+
+    enabled: bool = False
+    backend: Literal["small_model_layered", "petals_like"] = "small_model_layered"
+    max_shards_per_request: Annotated[int, Field(ge=1, le=256)] = 16
+    shard_health_timeout_seconds: Annotated[float, Field(gt=0)] = 30
+    fallback_to_local: bool = True
+    activation_dtype: Literal["fp16", "fp32"] = "fp16"
+    allow_self_as_shard: bool = False
+    max_concurrent_pipelines: Annotated[int, Field(ge=1)] = 4
+    fallback_after_failures: Annotated[int, Field(ge=1)] = 2  # M26 §5.4
+    flow_control_window: Annotated[int, Field(ge=1, le=1024)] = 16  # M26 §5.5
+    chunk_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 1024 * 1024
+    host: HostSection = Field(default_factory=HostSection)
+
+    @property
+    def advertisement_expiry_s(self) -> float:
+        """4 × the health timeout (M26 §5.1)."""
+        return 4 * self.shard_health_timeout_seconds
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Re-advertise every health timeout / 2 (issue 4 item 3)."""
+        return self.shard_health_timeout_seconds / 2
+
+
+class ResearchSection(_Section):
+    """``[research]``: the spec's ``policy.research.enable`` switch."""
+
+    enable: bool = False
+    distributed_inference: DistributedInferenceSection = Field(
+        default_factory=DistributedInferenceSection)
+
+
+class ShardSection(_Section):
+    """One ``[[shards]]`` entry: a layer range of a model this node hosts."""
+
+    model: Annotated[str, Field(min_length=1, max_length=256)]  # alias or model_id
+    layers: tuple[int, int]  # inclusive
+    max_concurrent_streams: Annotated[int, Field(ge=1, le=4096)] = 8
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _as_tuple(cls, v: Any) -> Any:
+        if not (isinstance(v, (list, tuple)) and len(v) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+            raise ValueError("must be [first, last]: two integers, an inclusive range")
+        return tuple(v)
+
+    @field_validator("layers")
+    @classmethod
+    def _range(cls, v: tuple[int, int]) -> tuple[int, int]:
+        lo, hi = v
+        if lo < 0:
+            raise ValueError(f"first layer {lo} must be >= 0")
+        if lo > hi:
+            raise ValueError(f"first layer {lo} is after last layer {hi} (inclusive range)")
+        return v
+
+
+class MemberSection(_Section):
+    node_id: NodeId
+    public_key: str = ""
+    trust: Trust = "member"
+
+
+class CommunitySection(_Section):
+    """``[community]`` (filled in by the security work; permissive for now)."""
+
+    min_trust: Trust = "trusted"
+    members: list[MemberSection] = Field(default_factory=list)
+
+    @field_validator("members")
+    @classmethod
+    def _unique(cls, v: list[MemberSection]) -> list[MemberSection]:
+        ids = [m.node_id for m in v]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"lists node {dup[0]!r} twice")
+        return v
+
+
+class SecuritySection(_Section):
+    insecure_plaintext: bool = True  # later: wss + mutual TLS by default
+
+
+class TestingSection(_Section):
+    """``[testing]``: test-only fault injection (issue 6); free-form, off by default."""
+
+    faults: dict[str, Any] = Field(default_factory=dict)
+
+
+class NodeConfig(_Section):
+    """A whole node configuration file."""
+
+    node: NodeSection
+    research: ResearchSection = Field(default_factory=ResearchSection)
+    shards: list[ShardSection] = Field(default_factory=list)
+    community: CommunitySection = Field(default_factory=CommunitySection)
+    security: SecuritySection = Field(default_factory=SecuritySection)
+    testing: TestingSection = Field(default_factory=TestingSection)
+
+    _source: Path | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _cross(self) -> NodeConfig:
+        seen: set[tuple[str, tuple[int, int]]] = set()
+        for i, s in enumerate(self.shards):
+            if (s.model, s.layers) in seen:
+                raise _KeyedError(f"shards[{i}]", f"shard {s.model} layers "
+                                  f"{s.layers[0]}-{s.layers[1]} is listed twice")
+            seen.add((s.model, s.layers))
+        own = {(h, self.node.listen_port) for h in (self.node.listen_host,
+                                                    self.node.advertise_host) if h}
+        for i, uri in enumerate(self.node.peers):
+            parts = urlsplit(uri)
+            if (parts.hostname, parts.port) in own:
+                raise _KeyedError(f"node.peers[{i}]", f"{uri} is this node itself")
+        if self.hosted_shards() and self.node.listen_host in _WILDCARDS \
+                and not self.node.advertise_host:
+            raise _KeyedError("node.advertise_host", "must be set when serving shards on "
+                              f"the wildcard address {self.node.listen_host!r}")
+        return self
+
+    # ---- derived values ----
+
+    @property
+    def source(self) -> Path | None:
+        """The file this config was loaded from (None when built in code)."""
+        return self._source
+
+    @property
+    def di(self) -> DistributedInferenceSection:
+        return self.research.distributed_inference
+
+    @property
+    def distributed_enabled(self) -> bool:
+        """Research on and distributed inference enabled (else: inert, M26 §2)."""
+        return self.research.enable and self.di.enabled
+
+    def hosted_shards(self) -> list[ShardSection]:
+        """The `[[shards]]` this node actually serves (see the module docstring)."""
+        return list(self.shards) if self.distributed_enabled and self.di.host.serve_shards \
+            else []
+
+    def warnings(self) -> list[str]:
+        """Valid but probably unintended settings, for the daemon to log at start."""
+        out = []
+        if self.shards and not self.hosted_shards():
+            why = ("research.enable is false" if not self.research.enable else
+                   "research.distributed_inference.enabled is false" if not self.di.enabled
+                   else "research.distributed_inference.host.serve_shards is false")
+            out.append(f"{len(self.shards)} [[shards]] declared but not served: {why}")
+        if self.di.host.serve_shards and self.distributed_enabled and not self.shards:
+            out.append("serve_shards is true but no [[shards]] are declared")
+        if self.testing.faults:
+            out.append("testing.faults is set: fault injection is active")
+        return out
+
+    def _resolve(self, value: str) -> Path:
+        p = Path(value).expanduser()
+        if not p.is_absolute() and self._source is not None:
+            p = self._source.parent / p
+        return p
+
+    def effective_data_dir(self) -> Path:
+        """This node's state folder (event log, keys ...); not created here."""
+        if self.node.data_dir:
+            return self._resolve(self.node.data_dir)
+        return paths.data_dir() / "nodes" / self.node.id
+
+    def effective_models_dir(self) -> Path:
+        """The model store folder (shared by the nodes of one machine)."""
+        if self.node.models_dir:
+            return self._resolve(self.node.models_dir)
+        return paths.models_dir()
+
+    def advertise_host(self) -> str:
+        return self.node.advertise_host or self.node.listen_host
+
+    def endpoint(self, port: int | None = None) -> str:
+        """The base URI others use to reach this node (`port` = the bound port)."""
+        scheme = "ws" if self.security.insecure_plaintext else "wss"
+        host = self.advertise_host()
+        if ":" in host:  # IPv6 literal
+            host = f"[{host}]"
+        return f"{scheme}://{host}:{port if port is not None else self.node.listen_port}"
+
+    def event_log_path(self) -> Path:
+        return self.effective_data_dir() / "events.sqlite3"
+
+
+class _KeyedError(ValueError):
+    """A cross-field error that knows its dotted key."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(reason)
+        self.key, self.reason = key, reason
+
+
+def load_config(path: str | Path) -> NodeConfig:
+    """Read and validate a node config file.
+
+    Raises:
+        ConfigError: missing/unreadable file, invalid TOML (with line and column), or a
+            schema violation — the message names the file, the dotted key and the reason.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: config file not found", file=str(p), key=None,
+                          reason="not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"{p}: cannot read config file: {reason}", file=str(p), key=None,
+                          reason=reason) from None
+    return parse_config(text, source=p)
+
+
+def parse_config(text: str, *, source: str | Path | None = None) -> NodeConfig:
+    """Validate TOML text (`source` names it in errors and anchors relative paths)."""
+    name = str(source) if source is not None else "<config>"
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{name}: invalid TOML: {e}", file=name, key=None,
+                          reason=f"invalid TOML: {e}") from None
+    return config_from_dict(data, source=source)
+
+
+def config_from_dict(data: dict[str, Any], *, source: str | Path | None = None) -> NodeConfig:
+    """Validate an already parsed mapping (used by tests and generated configs)."""
+    name = str(source) if source is not None else "<config>"
+    try:
+        cfg = NodeConfig.model_validate(data)
+    except ValidationError as e:
+        problems = [_describe(err) for err in e.errors()]
+        key, reason = problems[0]
+        text = "; ".join(f"{k}: {r}" for k, r in problems)
+        raise ConfigError(f"{name}: {text}", file=name, key=key, reason=reason) from None
+    if source is not None:
+        cfg._source = Path(source).resolve()
+    return cfg
+
+
+def _describe(err: Any) -> tuple[str, str]:
+    """(dotted key, reason) of one pydantic error."""
+    loc = tuple(err.get("loc", ()))
+    ctx = err.get("ctx") or {}
+    exc = ctx.get("error")
+    if isinstance(exc, _KeyedError):
+        return exc.key, exc.reason
+    key = _dotted(loc)
+    typ = err.get("type", "")
+    if typ == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
+        return key, "unknown key" + hint
+    if typ == "missing":
+        return key, "required key is missing"
+    if typ in ("model_type", "dict_type"):
+        return key, "must be a table"
+    if typ == "list_type":
+        return key, "must be an array"
+    msg = str(exc) if isinstance(exc, ValueError) else str(err.get("msg", "invalid value"))
+    got = repr(err.get("input"))
+    if len(got) > 60:
+        got = got[:57] + "..."
+    return key, f"{msg} (got {got})"
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    model: Any = NodeConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        model = args[0] if args and isinstance(args[0], type) else ann
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return []
+    return sorted(getattr(model, "model_fields", {}))

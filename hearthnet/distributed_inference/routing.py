@@ -1,0 +1,363 @@
+"""The ShardRouter: pick shards covering layers 0..N-1 (M26 §4.4, §5.2, §5.6; issue 4 item 5).
+
+`pick` filters the live advertisements to the requested model and weights hash, then
+covers the layers greedily from layer 0 (M26 §5.2). At each cursor, among the eligible
+shards that contain the cursor, it takes the best by, in order:
+
+1. healthy before unhealthy — suspect or offline shards (`ShardHealthTracker`) are used
+   only when nothing else contains the cursor;
+2. not this node (a soft "avoid self as shard", M26 §4.4; the hard rule is below);
+3. lower hop weight — prefer the LAN (M26 §5.2);
+4. lower queue depth: the host's advertised queue depth plus the sessions this router has
+   reserved on the shard;
+5. further reach — the shard that covers more layers from the cursor, so fewer hops;
+6. lower p95 latency, then shard id (deterministic).
+
+It then runs the chosen shard over the sub-range ``cursor..min(hi, N-1)`` and moves the
+cursor past it, so overlapping shards chain at any boundary (DESIGN.md decision 2):
+shards 0-7, 4-11, 8-15 of a 16-layer model give {0-7, 8-15} (M26 §8.1).
+
+Eligible means: same model and hash, hosted range inside the model (``hi < N``), not in
+`exclude`, and below its `max_concurrent_streams` (M26 §5.6): a shard's load is
+``max(advertised active_sessions, sessions reserved here)`` — the advertisement already
+counts our open sessions when it was made, so the two are not added. Unless
+`allow_self_as_shard`, a shard of this node is never the **first** stage (embedding and
+sampling stay on the orchestrator, M26 §5.2).
+
+`max_shards_per_request`: if the greedy cover needs more stages, the router falls back to
+the minimum-stage cover (furthest reach first); if even that is too long it fails.
+
+Failure: `WeightsMismatch` when every uncovered layer is covered only by shards with
+another weights hash; otherwise `ShardUnavailable` naming the uncovered layers and why the
+shards there were not usable. Both carry ``uncovered=[[lo, hi], ...]`` in `details`.
+
+Reservations: `pick` and `repick` reserve one session on each chosen shard (unless
+``reserve=False``) so that concurrent pipelines from this node respect
+`max_concurrent_streams`; the caller must `release(pipeline)` when the call ends.
+
+`repick(pipeline, exclude)` keeps every stage whose shard is not excluded (their sessions
+and KV caches stay useful) and replaces each run of excluded stages by a cover of exactly
+the same layers, using shards not already in the pipeline. If that is impossible or too
+long it picks a whole new pipeline avoiding `exclude`. The new pipeline keeps the
+`pipeline_id`; the reservations move with it (released for dropped stages, taken for new
+ones); if repick fails, the old reservations are left as they were.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from hearthnet.distributed_inference.descriptors import (
+    Pipeline,
+    PipelineStage,
+    ShardDescriptor,
+    ShardID,
+    to_datetime,
+)
+from hearthnet.distributed_inference.health import ShardHealthTracker
+from hearthnet.distributed_inference.store import Advertisement, ShardStore
+from hearthnet.errors import BadRequest, ShardUnavailable, WeightsMismatch
+from hearthnet.observability import get_logger
+
+if TYPE_CHECKING:
+    from hearthnet.config import DistributedInferenceSection
+
+_log = get_logger("distributed_inference.routing")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    """The routing part of ``[research.distributed_inference]`` (M26 §7)."""
+
+    max_shards_per_request: int = 16
+    allow_self_as_shard: bool = False
+    shard_health_timeout_seconds: float = 30.0
+
+    @classmethod
+    def from_config(cls, section: DistributedInferenceSection) -> RoutingSettings:
+        """From the node config's ``[research.distributed_inference]`` section."""
+        return cls(max_shards_per_request=int(section.max_shards_per_request),
+                   allow_self_as_shard=bool(section.allow_self_as_shard),
+                   shard_health_timeout_seconds=float(section.shard_health_timeout_seconds))
+
+
+@dataclass(frozen=True, slots=True)
+class _Cand:
+    ad: Advertisement
+    unhealthy: bool
+    is_self: bool
+    queue: int
+    p95: float
+
+    @property
+    def d(self) -> ShardDescriptor:
+        return self.ad.descriptor
+
+
+class ShardRouter:
+    """Chooses the shards of a pipeline (M26 §4.4).
+
+    Args:
+        store: the advertisement read model.
+        settings: routing limits and preferences.
+        health: when given, suspect/offline shards are avoided and p95 breaks ties.
+        self_node_id: this node's id (for the "avoid self as first shard" rule).
+    """
+
+    def __init__(self, store: ShardStore, settings: RoutingSettings | None = None,
+                 health: ShardHealthTracker | None = None, *,
+                 self_node_id: str | None = None) -> None:
+        self.store = store
+        self.settings = settings or RoutingSettings()
+        self.health = health
+        self.self_node_id = self_node_id
+        self._in_use: dict[ShardID, int] = {}
+
+    # ---- reservations (M26 §5.6) ----
+
+    def in_use(self, shard_id: ShardID) -> int:
+        """Sessions this node holds on `shard_id` through reserved pipelines."""
+        return self._in_use.get(shard_id, 0)
+
+    def reserve(self, pipeline: Pipeline) -> None:
+        """Count one session on each stage's shard."""
+        self._reserve_ids(pipeline.shard_ids)
+
+    def release(self, pipeline: Pipeline) -> None:
+        """Undo `reserve` (call when the pipeline's sessions are closed)."""
+        self._release_ids(pipeline.shard_ids)
+
+    def _reserve_ids(self, ids: Sequence[ShardID]) -> None:
+        for sid in ids:
+            self._in_use[sid] = self._in_use.get(sid, 0) + 1
+
+    def _release_ids(self, ids: Sequence[ShardID]) -> None:
+        for sid in ids:
+            n = self._in_use.get(sid, 0) - 1
+            if n > 0:
+                self._in_use[sid] = n
+            else:
+                self._in_use.pop(sid, None)
+
+    # ---- picking ----
+
+    async def pick(self, model_id: str, weights_sha256: str, total_layers: int, *,
+                   exclude: Collection[ShardID] = (), reserve: bool = True) -> Pipeline:
+        """A pipeline covering layers ``0..total_layers-1`` of the model (M26 §5.2).
+
+        Raises:
+            BadRequest: `total_layers` < 1.
+            ShardUnavailable: a layer no usable shard covers, or too many shards needed.
+            WeightsMismatch: the uncovered layers are only covered by other weights.
+        """
+        if total_layers < 1:
+            raise BadRequest(f"total_layers must be >= 1, not {total_layers}")
+        cands = self._candidates(model_id, weights_sha256, total_layers, set(exclude))
+        stages = self._cover(cands, 0, total_layers - 1, model_id, weights_sha256,
+                             total_layers, set(exclude))
+        p = Pipeline.from_stages(uuid.uuid4().hex, model_id, weights_sha256, total_layers,
+                                 stages, self._now())
+        if reserve:
+            self.reserve(p)
+        _log.debug("pipeline_picked", pipeline_id=p.pipeline_id, model_id=model_id,
+                   stages=[f"{s.shard.shard_id}[{s.start}-{s.end}]" for s in stages])
+        return p
+
+    async def repick(self, pipeline: Pipeline, exclude: Collection[ShardID], *,
+                     reserve: bool = True) -> Pipeline:
+        """Replace the excluded stages of `pipeline` (M26 §4.4, §5.4); see module docstring.
+
+        Raises:
+            ShardUnavailable / WeightsMismatch: as `pick`.
+        """
+        excl = set(exclude)
+        stages = pipeline.stages
+        if not any(s.shard.shard_id in excl for s in stages):
+            return pipeline
+        model, sha, total = pipeline.model_id, pipeline.weights_sha256, pipeline.total_layers
+        kept = {s.shard.shard_id for s in stages if s.shard.shard_id not in excl}
+        if reserve:  # our own reservations must not make replacements look full
+            self._release_ids(pipeline.shard_ids)
+        try:
+            new_stages = self._patch(stages, excl, kept, model, sha, total)
+            if new_stages is None:
+                new_stages = self._cover(self._candidates(model, sha, total, excl), 0,
+                                         total - 1, model, sha, total, excl)
+        except BaseException:
+            if reserve:
+                self._reserve_ids(pipeline.shard_ids)
+            raise
+        p = Pipeline.from_stages(pipeline.pipeline_id, model, sha, total, new_stages,
+                                 self._now())
+        if reserve:
+            self.reserve(p)
+        _log.info("pipeline_repicked", pipeline_id=p.pipeline_id, excluded=sorted(excl),
+                  stages=[f"{s.shard.shard_id}[{s.start}-{s.end}]" for s in new_stages])
+        return p
+
+    def _patch(self, stages: list[PipelineStage], excl: set[ShardID], kept: set[ShardID],
+               model: str, sha: str, total: int) -> list[PipelineStage] | None:
+        """Keep good stages, re-cover each run of excluded ones; None if that fails."""
+        cands = self._candidates(model, sha, total, excl | kept)
+        out: list[PipelineStage] = []
+        i = 0
+        while i < len(stages):
+            if stages[i].shard.shard_id not in excl:
+                out.append(stages[i])
+                i += 1
+                continue
+            j = i
+            while j + 1 < len(stages) and stages[j + 1].shard.shard_id in excl:
+                j += 1
+            try:
+                out.extend(self._cover(cands, stages[i].start, stages[j].end, model, sha,
+                                       total, excl))
+            except (ShardUnavailable, WeightsMismatch):
+                return None
+            i = j + 1
+        if len(out) > self.settings.max_shards_per_request:
+            return None
+        return out
+
+    # ---- the cover ----
+
+    def _candidates(self, model: str, sha: str, total: int, excl: set[ShardID]
+                    ) -> list[_Cand]:
+        out = []
+        for ad in self.store.candidates(model, sha):
+            d = ad.descriptor
+            if d.shard_id in excl or d.hi >= total or self._full(ad):
+                continue
+            out.append(self._cand(ad))
+        return out
+
+    def _full(self, ad: Advertisement) -> bool:
+        active = ad.health.active_sessions if ad.health is not None else 0
+        return max(active, self.in_use(ad.shard_id)) >= ad.descriptor.max_concurrent_streams
+
+    def _cand(self, ad: Advertisement) -> _Cand:
+        sid = ad.shard_id
+        if self.health is not None:
+            unhealthy = self.health.is_suspect(sid) or not self.health.online(sid)
+            p95 = self.health.p95(sid)
+        else:
+            timeout = self.settings.shard_health_timeout_seconds
+            unhealthy = self.store.clock() - ad.seen_at > timeout or \
+                (ad.health is not None and not ad.health.online)
+            p95 = ad.health.p95_latency_ms if ad.health is not None else None
+        queue = (ad.health.queue_depth if ad.health is not None else 0) + self.in_use(sid)
+        return _Cand(ad, unhealthy, ad.descriptor.host == self.self_node_id, queue,
+                     math.inf if p95 is None else p95)
+
+    def _first_ok(self, c: _Cand, cursor: int) -> bool:
+        return cursor != 0 or self.settings.allow_self_as_shard or not c.is_self
+
+    def _cover(self, cands: list[_Cand], lo: int, hi: int, model: str, sha: str,
+               total: int, excl: set[ShardID]) -> list[PipelineStage]:
+        """Stages covering exactly ``lo..hi``: greedy, then minimum-stage fallback."""
+        stages = self._greedy(cands, lo, hi, best_reach=False)
+        if stages is None:
+            self._fail(cands, lo, hi, model, sha, total, excl)
+        assert stages is not None
+        limit = self.settings.max_shards_per_request
+        if len(stages) > limit:
+            shortest = self._greedy(cands, lo, hi, best_reach=True)
+            if shortest is None or len(shortest) > limit:
+                n = len(shortest) if shortest is not None else len(stages)
+                raise ShardUnavailable(
+                    f"covering layers {lo}-{hi} of {model} needs {n} shards but "
+                    f"max_shards_per_request is {limit}; raise it or host larger shards",
+                    model_id=model, uncovered=[], needed=n, limit=limit)
+            stages = shortest
+        return stages
+
+    def _greedy(self, cands: list[_Cand], lo: int, hi: int, *, best_reach: bool
+                ) -> list[PipelineStage] | None:
+        stages: list[PipelineStage] = []
+        cursor = lo
+        while cursor <= hi:
+            here = [c for c in cands if c.d.contains(cursor) and self._first_ok(c, cursor)]
+            if not here:
+                return None
+            if best_reach:
+                best = min(here, key=lambda c: (-min(c.d.hi, hi), *self._rank(c, hi)))
+            else:
+                best = min(here, key=lambda c: self._rank(c, hi))
+            end = min(best.d.hi, hi)
+            stages.append(PipelineStage(best.d, cursor, end))
+            cursor = end + 1
+        return stages
+
+    @staticmethod
+    def _rank(c: _Cand, hi: int) -> tuple[Any, ...]:
+        return (c.unhealthy, c.is_self, c.d.hop_weight, c.queue, -min(c.d.hi, hi), c.p95,
+                c.d.shard_id)
+
+    def _fail(self, cands: list[_Cand], lo: int, hi: int, model: str, sha: str,
+              total: int, excl: set[ShardID]) -> None:
+        """Raise the error explaining why ``lo..hi`` cannot be covered."""
+        covered = [False] * (hi - lo + 1)
+        for c in cands:
+            for layer in range(max(lo, c.d.lo), min(hi, c.d.hi) + 1):
+                if self._first_ok(c, layer):
+                    covered[layer - lo] = True
+        missing = [lo + i for i, ok in enumerate(covered) if not ok]
+        ranges = _ranges(missing)
+        where = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in ranges)
+        same_model = self.store.candidates(model)
+        others = [a for a in same_model if a.descriptor.weights_sha256 != sha]
+        if missing and others and all(
+                any(a.descriptor.contains(x) for a in others) for x in missing):
+            hashes = sorted({a.descriptor.weights_sha256[:12] for a in others})
+            raise WeightsMismatch(
+                f"layers {where} of {model} are only served with other weights "
+                f"({', '.join(hashes)}…), not {sha[:12]}…; import the same model files on "
+                "every node", model_id=model, uncovered=ranges, requested=sha,
+                advertised=sorted({a.descriptor.weights_sha256 for a in others}))
+        reasons = self._reasons(same_model, sha, missing, total, excl)
+        if not same_model:
+            known = ", ".join(sorted(self.store.models())) or "none"
+            detail = f"no live shard advertises {model} (models advertised: {known})"
+        else:
+            detail = f"no usable shard of {model} (weights {sha[:12]}…) covers layers {where}"
+            if reasons:
+                detail += " (" + "; ".join(reasons) + ")"
+        raise ShardUnavailable(detail + "; start a node hosting those layers or wait for "
+                               "busy shards", model_id=model, uncovered=ranges)
+
+    def _reasons(self, same_model: list[Advertisement], sha: str, missing: list[int],
+                 total: int, excl: set[ShardID]) -> list[str]:
+        out = []
+        for ad in same_model:
+            d = ad.descriptor
+            if d.weights_sha256 != sha or not any(d.contains(x) for x in missing):
+                continue
+            if d.shard_id in excl:
+                out.append(f"{d.shard_id} excluded")
+            elif d.hi >= total:
+                out.append(f"{d.shard_id} claims layers beyond the model's {total}")
+            elif self._full(ad):
+                out.append(f"{d.shard_id} at max_concurrent_streams "
+                           f"({d.max_concurrent_streams})")
+            elif d.host == self.self_node_id and not self.settings.allow_self_as_shard:
+                out.append(f"{d.shard_id} is on this node and allow_self_as_shard is false")
+        return out
+
+    def _now(self) -> datetime:
+        return to_datetime(self.store.clock())
+
+
+def _ranges(layers: list[int]) -> list[list[int]]:
+    """[0,1,2,5,6] → [[0,2],[5,6]]."""
+    out: list[list[int]] = []
+    for x in layers:
+        if out and out[-1][1] == x - 1:
+            out[-1][1] = x
+        else:
+            out.append([x, x])
+    return out

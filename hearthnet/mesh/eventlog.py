@@ -1,0 +1,467 @@
+"""The node's append-only event log in SQLite (DESIGN.md decision 7, issue 4 item 3).
+
+Every event has an id, an origin node, a per-origin sequence number, a type, a payload and
+a timestamp, optionally a signature. The log is the source of truth of the mesh: read
+models (the `ShardStore`) are folds over `all_events()` and rebuild after a restart.
+`hearthnet.mesh.gossip` replicates it between nodes.
+
+Invariants the gossip relies on:
+
+- A node stores the events of one origin in increasing `seq` order: `ingest` drops any
+  event whose `seq` is not above the origin's highest stored `seq` (a duplicate, or an
+  event this node compacted or rejected). Gossip streams each origin in order, so no
+  needed event is ever dropped; `vector()` is therefore a complete summary of what the
+  node holds and `since(vector)` is a complete catch-up.
+- `event_id` is content-addressed (sha256 of the canonical encoding of origin, seq, type,
+  payload and ts, first 32 hex digits); `ingest` recomputes and checks it. Signatures sign
+  `Event.signing_bytes()` = msgpack of (event_id, origin, seq, type, payload, ts) with
+  dict keys sorted.
+- A node must keep its data directory: a node that loses its log and keeps its id starts
+  again at seq 1, and peers drop those events as duplicates until its seq passes what they
+  hold (it recovers its own history from peers' catch-up, which moves its counter on).
+
+Growth is bounded by compaction (`compact`): an advertisement or withdrawal that a later
+advertisement/withdrawal *of the same shard by the same origin* supersedes, and that is
+older than `compact_retain_s`, is deleted. Heartbeats are re-advertisements (see
+`hearthnet.distributed_inference.descriptors`), so a host heartbeating every 15 s keeps at
+most ``retain / 15 + 1`` events per shard. Other event types are never compacted. The
+per-origin high-water marks live in their own table, so compaction never moves them back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from hearthnet.errors import BadRequest, HearthNetError
+from hearthnet.observability import Metrics, get_logger
+
+ADVERTISED = "experimental.shard.advertised"
+"""A shard is ready (and, repeated on every heartbeat, still ready with this health)."""
+WITHDRAWN = "experimental.shard.withdrawn"
+"""A shard was stopped cleanly."""
+COMPACTABLE_TYPES = frozenset({ADVERTISED, WITHDRAWN})
+"""Types whose older events are superseded by a newer one with the same ``shard_id``."""
+
+MAX_PAYLOAD_BYTES = 64 * 1024
+MAX_TYPE_LEN = 128
+DEFAULT_COMPACT_EVERY = 256
+
+_ORIGIN_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+Signer = Callable[[bytes], bytes]
+Verifier = Callable[[str, bytes, bytes], bool]
+Subscriber = Callable[["Event"], object]
+
+_log = get_logger("mesh.eventlog")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One entry of the log. Treat `payload` as read-only."""
+
+    event_id: str
+    origin: str
+    seq: int
+    type: str
+    payload: dict[str, Any]
+    ts: float
+    signature: bytes | None = None
+
+    def signing_bytes(self) -> bytes:
+        """The canonical bytes a signer signs and a verifier checks."""
+        return _pack([self.event_id, self.origin, self.seq, self.type,
+                      canonical(self.payload), self.ts])
+
+    def to_wire(self) -> dict[str, Any]:
+        """A msgpack-safe map (gossip message element)."""
+        return {"id": self.event_id, "o": self.origin, "s": self.seq, "t": self.type,
+                "p": self.payload, "ts": self.ts, "sig": self.signature}
+
+    @classmethod
+    def from_wire(cls, d: object) -> Event:
+        """Parse a wire map; raises `BadRequest` when malformed (never anything else)."""
+        if not isinstance(d, Mapping):
+            raise BadRequest("event is not a map")
+        try:
+            eid, origin, seq, typ = d["id"], d["o"], d["s"], d["t"]
+            payload, ts, sig = d["p"], d["ts"], d.get("sig")
+        except KeyError as e:
+            raise BadRequest(f"event lacks field {e.args[0]!r}") from None
+        ev = cls(event_id=eid, origin=origin, seq=seq, type=typ, payload=payload,
+                 ts=float(ts) if _is_number(ts) else ts, signature=sig)
+        ev.check()
+        return ev
+
+    def check(self) -> None:
+        """Raise `BadRequest` unless every field is well-formed and the id matches."""
+        if not isinstance(self.origin, str) or not _ORIGIN_RE.match(self.origin):
+            raise BadRequest("event origin is not a node id")
+        if not isinstance(self.seq, int) or isinstance(self.seq, bool) or self.seq < 1 \
+                or self.seq >= 2**63:
+            raise BadRequest("event seq is not a positive integer")
+        _check_type(self.type)
+        if not isinstance(self.ts, float) or not math.isfinite(self.ts):
+            raise BadRequest("event ts is not a finite number")
+        if self.signature is not None and not isinstance(self.signature, bytes):
+            raise BadRequest("event signature is not bytes")
+        packed = _check_payload(self.payload)
+        if self.event_id != _event_id(self.origin, self.seq, self.type, packed, self.ts):
+            raise BadRequest("event id does not match its content")
+
+
+def canonical(obj: Any) -> Any:
+    """`obj` with dict keys sorted and tuples as lists, so msgpack encodes it one way.
+
+    Raises:
+        BadRequest: a value msgpack cannot carry portably (only None, bool, int, float,
+            str, bytes, lists and str-keyed maps are allowed).
+    """
+    if obj is None or isinstance(obj, (bool, int, str, bytes)):
+        return obj
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            raise BadRequest("event payload holds a non-finite float")
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [canonical(x) for x in obj]
+    if isinstance(obj, Mapping):
+        if not all(isinstance(k, str) for k in obj):
+            raise BadRequest("event payload map keys must be strings")
+        return {k: canonical(obj[k]) for k in sorted(obj)}
+    raise BadRequest(f"event payload holds an unsupported {type(obj).__name__}")
+
+
+class EventLog:
+    """Append-only SQLite (WAL) event log of one node.
+
+    Thread-safe (one connection behind a lock); meant to be driven from the node's event
+    loop — every call is a short local transaction.
+
+    Args:
+        path: the SQLite file (its folder is created).
+        node_id: this node (the origin of `append`ed events).
+        metrics: counts appended / received / rejected events.
+        signer: signs `Event.signing_bytes()` of appended events.
+        verifier: ``verifier(origin, data, signature) -> bool`` for ingested events; when
+            set, unsigned events are rejected too.
+        clock: wall clock for event timestamps (Unix seconds).
+        compact_retain_s: when set, `compact(compact_retain_s)` runs every
+            `compact_every` stored events (the daemon passes 4 × the health timeout).
+    """
+
+    def __init__(self, path: str | Path, node_id: str, *, metrics: Metrics | None = None,
+                 signer: Signer | None = None, verifier: Verifier | None = None,
+                 clock: Callable[[], float] = time.time,
+                 compact_retain_s: float | None = None,
+                 compact_every: int = DEFAULT_COMPACT_EVERY) -> None:
+        if not _ORIGIN_RE.match(node_id):
+            raise BadRequest(f"node id {node_id!r} is not [a-z0-9-]+")
+        self.path = Path(path)
+        self.node_id = node_id
+        self.metrics = metrics
+        self._signer = signer
+        self._verifier = verifier
+        self._clock = clock
+        self._compact_retain_s = compact_retain_s
+        self._compact_every = max(1, compact_every)
+        self._since_compact = 0
+        self._subscribers: list[Subscriber] = []
+        self._lock = threading.RLock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False,
+                                       isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+            self._vector: dict[str, int] = dict(
+                self._db.execute("SELECT origin, max_seq FROM origins").fetchall())
+        except sqlite3.Error as e:
+            raise HearthNetError(f"cannot open the event log {self.path}: {e}; check the "
+                                 "data directory", code="event_log") from e
+
+    # ---- writing ----
+
+    def append(self, type: str, payload: Mapping[str, Any]) -> Event:
+        """Append an event of this node and notify subscribers.
+
+        Raises:
+            BadRequest: bad type, or a payload that is not canonical-encodable or is larger
+                than `MAX_PAYLOAD_BYTES`.
+        """
+        _check_type(type)
+        canon = canonical(dict(payload))
+        packed = _check_payload(canon)
+        with self._lock:
+            seq = self._vector.get(self.node_id, 0) + 1
+            ts = float(self._clock())
+            ev = Event(_event_id(self.node_id, seq, type, packed, ts), self.node_id, seq, type,
+                       canon, ts)
+            if self._signer is not None:
+                ev = Event(ev.event_id, ev.origin, ev.seq, ev.type, ev.payload, ev.ts,
+                           self._signer(ev.signing_bytes()))
+            # our own events must survive a power cut: a lost seq would be reused
+            self._db.execute("PRAGMA synchronous=FULL")
+            try:
+                self._write([ev])
+            finally:
+                self._db.execute("PRAGMA synchronous=NORMAL")
+        if self.metrics is not None:
+            self.metrics.events_appended_total.labels(type=type).inc()
+        self._after_store([ev])
+        return ev
+
+    def ingest(self, event: Event) -> bool:
+        """Store an event received from a peer. False when duplicate or rejected."""
+        return self.ingest_many([event]) == [True]
+
+    def ingest_many(self, events: Iterable[Event]) -> list[bool]:
+        """Store a batch of peer events in one transaction; one bool per event.
+
+        An event is dropped (False) when its seq is not above what this node holds of its
+        origin (duplicate), and rejected (False, counted in
+        ``events_rejected_total{reason}``) when malformed, unsigned or badly signed while
+        a verifier is set. Rejected events are never stored, so never gossiped.
+        """
+        results: list[bool] = []
+        stored: list[Event] = []
+        with self._lock:
+            pending = dict(self._vector)
+            for ev in events:
+                ok = self._admit(ev, pending)
+                results.append(ok)
+                if ok:
+                    pending[ev.origin] = ev.seq
+                    stored.append(ev)
+            if stored:
+                self._write(stored)
+        if self.metrics is not None:
+            for ev in stored:
+                self.metrics.events_received_total.labels(type=ev.type).inc()
+        self._after_store(stored)
+        return results
+
+    def _admit(self, ev: Event, vector: Mapping[str, int]) -> bool:
+        if not isinstance(ev, Event):
+            self._reject("malformed", None)
+            return False
+        try:
+            ev.check()
+        except BadRequest as e:
+            self._reject("malformed", ev, str(e))
+            return False
+        if ev.seq <= vector.get(ev.origin, 0):
+            return False  # duplicate (or compacted / superseded)
+        if self._verifier is not None:
+            if ev.signature is None:
+                self._reject("unsigned", ev)
+                return False
+            try:
+                good = bool(self._verifier(ev.origin, ev.signing_bytes(), ev.signature))
+            except Exception as e:  # a verifier bug must not break ingestion
+                self._reject("verifier_error", ev, repr(e))
+                return False
+            if not good:
+                self._reject("bad_signature", ev)
+                return False
+        return True
+
+    def _reject(self, reason: str, ev: Event | None, detail: str = "") -> None:
+        if self.metrics is not None:
+            self.metrics.events_rejected_total.labels(reason=reason).inc()
+        _log.warning("event_rejected", node=self.node_id, reason=reason, detail=detail,
+                     origin=getattr(ev, "origin", None), seq=getattr(ev, "seq", None))
+
+    def _write(self, events: list[Event]) -> None:
+        now = float(self._clock())
+        rows = [(e.event_id, e.origin, e.seq, e.type, _pack(canonical(e.payload)), e.ts,
+                 e.signature, _subject(e), now) for e in events]
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.executemany(
+                "INSERT INTO events (event_id, origin, seq, type, payload, ts, signature,"
+                " subject, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            highs: dict[str, int] = {}
+            for e in events:
+                highs[e.origin] = max(highs.get(e.origin, 0), e.seq)
+            self._db.executemany(
+                "INSERT INTO origins (origin, max_seq) VALUES (?, ?) ON CONFLICT(origin)"
+                " DO UPDATE SET max_seq = max(max_seq, excluded.max_seq)",
+                list(highs.items()))
+            self._db.execute("COMMIT")
+        except sqlite3.Error as e:
+            self._db.execute("ROLLBACK")
+            raise HearthNetError(f"cannot write to the event log {self.path}: {e}",
+                                 code="event_log") from e
+        for origin, seq in highs.items():
+            self._vector[origin] = max(self._vector.get(origin, 0), seq)
+        self._since_compact += len(events)
+        if self._compact_retain_s is not None and self._since_compact >= self._compact_every:
+            self.compact(self._compact_retain_s)
+
+    def _after_store(self, events: list[Event]) -> None:
+        for ev in events:
+            for cb in list(self._subscribers):
+                try:
+                    cb(ev)
+                except Exception:  # a subscriber bug must not break the log
+                    _log.exception("event_subscriber_failed", node=self.node_id,
+                                   type=ev.type)
+
+    # ---- reading ----
+
+    def vector(self) -> dict[str, int]:
+        """Per origin, the highest seq this node holds (or held before compaction)."""
+        with self._lock:
+            return dict(self._vector)
+
+    def since(self, vector: Mapping[str, int], *, limit: int | None = None) -> list[Event]:
+        """Events a peer with `vector` lacks, each origin in increasing seq order."""
+        out: list[Event] = []
+        with self._lock:
+            for origin, high in self._vector.items():
+                have = vector.get(origin, 0)
+                if have >= high:
+                    continue
+                rows = self._db.execute(_SELECT + " WHERE origin = ? AND seq > ? ORDER BY seq",
+                                        (origin, have)).fetchall()
+                out.extend(_row_event(r) for r in rows)
+                if limit is not None and len(out) >= limit:
+                    return out[:limit]
+        return out
+
+    def all_events(self) -> list[Event]:
+        """Every stored event in the order this node stored them (to rebuild read models)."""
+        with self._lock:
+            rows = self._db.execute(_SELECT + " ORDER BY rowid").fetchall()
+        return [_row_event(r) for r in rows]
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT count(*) FROM events").fetchone()[0])
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call `callback(event)` after each newly stored event; returns an unsubscribe.
+
+        Callbacks run synchronously in the storing thread; they must be quick (queue the
+        work) and their exceptions are logged, never propagated.
+        """
+        self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+        return unsubscribe
+
+    # ---- maintenance ----
+
+    def compact(self, retain_s: float) -> int:
+        """Delete superseded shard events older than `retain_s` seconds; returns how many.
+
+        Superseded: a later ADVERTISED/WITHDRAWN event of the same origin with the same
+        ``shard_id``. The latest event of every shard is always kept.
+        """
+        cutoff = float(self._clock()) - retain_s
+        with self._lock:
+            self._since_compact = 0
+            cur = self._db.execute(
+                "DELETE FROM events WHERE subject IS NOT NULL AND ts < ? AND EXISTS ("
+                " SELECT 1 FROM events AS later WHERE later.origin = events.origin"
+                " AND later.subject = events.subject AND later.seq > events.seq)",
+                (cutoff,))
+            n = cur.rowcount
+        if n:
+            _log.debug("event_log_compacted", node=self.node_id, deleted=n)
+        return int(n)
+
+    def close(self) -> None:
+        """Close the database (idempotent)."""
+        with self._lock:
+            self._subscribers.clear()
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS events (
+    rowid INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id TEXT NOT NULL UNIQUE,
+    origin TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    payload BLOB NOT NULL,
+    ts REAL NOT NULL,
+    signature BLOB,
+    subject TEXT,
+    received_at REAL NOT NULL,
+    UNIQUE (origin, seq)
+);
+CREATE INDEX IF NOT EXISTS events_subject ON events (origin, subject, seq)
+    WHERE subject IS NOT NULL;
+CREATE TABLE IF NOT EXISTS origins (
+    origin TEXT PRIMARY KEY,
+    max_seq INTEGER NOT NULL
+);
+"""
+
+_SELECT = "SELECT event_id, origin, seq, type, payload, ts, signature FROM events"
+
+
+def _row_event(r: tuple[Any, ...]) -> Event:
+    payload = msgpack.unpackb(r[4], raw=False)
+    return Event(r[0], r[1], int(r[2]), r[3], payload, float(r[5]),
+                 bytes(r[6]) if r[6] is not None else None)
+
+
+def _pack(obj: Any) -> bytes:
+    out = msgpack.packb(obj, use_bin_type=True)
+    assert isinstance(out, bytes)
+    return out
+
+
+def _event_id(origin: str, seq: int, type: str, packed_payload: bytes, ts: float) -> str:
+    head = _pack([origin, seq, type, ts])
+    return hashlib.sha256(head + packed_payload).hexdigest()[:32]
+
+
+def _check_type(type: object) -> None:
+    if not isinstance(type, str) or not 0 < len(type) <= MAX_TYPE_LEN:
+        raise BadRequest(f"event type must be a string of 1..{MAX_TYPE_LEN} characters")
+
+
+def _check_payload(payload: object) -> bytes:
+    """Canonical bytes of a payload map; raises `BadRequest` when unfit."""
+    if not isinstance(payload, Mapping):
+        raise BadRequest("event payload must be a map")
+    try:
+        packed = _pack(canonical(payload))
+    except (ValueError, OverflowError, TypeError) as e:
+        raise BadRequest(f"event payload cannot be encoded: {e}") from None
+    if len(packed) > MAX_PAYLOAD_BYTES:
+        raise BadRequest(f"event payload is {len(packed)} bytes, more than "
+                         f"{MAX_PAYLOAD_BYTES}")
+    return packed
+
+
+def _subject(ev: Event) -> str | None:
+    if ev.type in COMPACTABLE_TYPES:
+        sid = ev.payload.get("shard_id")
+        if isinstance(sid, str):
+            return sid
+    return None
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

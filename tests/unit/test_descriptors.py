@@ -1,0 +1,123 @@
+"""M26 §4.1 dataclasses and the shard event payloads."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from hearthnet.distributed_inference.descriptors import (
+    Pipeline,
+    PipelineStage,
+    ShardDescriptor,
+    ShardHealth,
+    advertisement_payload,
+    make_shard_id,
+    parse_advertisement,
+    parse_withdrawal,
+    withdrawal_payload,
+)
+from hearthnet.errors import BadRequest
+
+SHA = "ab" * 32
+AT = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+def desc(lo: int, hi: int, host: str = "node-b", model: str = "org/model") -> ShardDescriptor:
+    return ShardDescriptor.create(model_id=model, weights_sha256=SHA, layer_range=(lo, hi),
+                                  host=host, endpoint="ws://127.0.0.1:7702",
+                                  max_concurrent_streams=8, vram_required_mb=300,
+                                  advertised_at=AT)
+
+
+def test_shard_id_names_model_range_and_host() -> None:
+    d = desc(0, 14)
+    assert d.shard_id == "org/model:0-14@node-b" == make_shard_id("org/model", 0, 14, "node-b")
+    assert desc(0, 14, host="node-d").shard_id != d.shard_id  # two hosts, same range
+    assert d.contains(0) and d.contains(14) and not d.contains(15)
+    assert d.num_layers == 15
+
+
+def test_descriptor_round_trips_through_dict() -> None:
+    d = desc(3, 9)
+    back = ShardDescriptor.from_dict(d.to_dict())
+    assert back == d
+    assert back.advertised_at == AT
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("shard_id", "org/model:0-14"),            # id without host (spec form) is refused
+    ("layer_range", [5, 2]),
+    ("layer_range", [-1, 2]),
+    ("layer_range", [0]),
+    ("weights_sha256", "xyz"),
+    ("host", "Node B"),
+    ("endpoint", "http://x:1"),
+    ("max_concurrent_streams", 0),
+    ("max_concurrent_streams", True),
+    ("advertised_at", "yesterday"),
+    ("hop_weight", -1.0),
+])
+def test_descriptor_from_dict_refuses_bad_fields(field: str, value: object) -> None:
+    d = desc(0, 14).to_dict()
+    d[field] = value
+    with pytest.raises(BadRequest):
+        ShardDescriptor.from_dict(d)
+
+
+def test_descriptor_from_dict_missing_field_is_bad_request() -> None:
+    d = desc(0, 14).to_dict()
+    del d["endpoint"]
+    with pytest.raises(BadRequest, match="endpoint"):
+        ShardDescriptor.from_dict(d)
+
+
+def test_health_round_trip_and_validation() -> None:
+    h = ShardHealth("s", True, AT, 12.5, 3, 2)
+    assert ShardHealth.from_dict(h.to_dict()) == h
+    bad = h.to_dict() | {"queue_depth": -1}
+    with pytest.raises(BadRequest):
+        ShardHealth.from_dict(bad)
+    with pytest.raises(BadRequest):
+        ShardHealth.from_dict(h.to_dict() | {"online": "yes"})
+
+
+def test_advertisement_and_withdrawal_payloads() -> None:
+    d = desc(0, 14)
+    h = ShardHealth(d.shard_id, True, AT, 5.0, 0, 1)
+    assert parse_advertisement(advertisement_payload(d, h)) == (d, h)
+    assert parse_advertisement(advertisement_payload(d)) == (d, None)
+    other = ShardHealth("other", True, AT, 5.0, 0, 1)
+    with pytest.raises(BadRequest):
+        parse_advertisement(advertisement_payload(d, other))
+    p = advertisement_payload(d) | {"shard_id": "x"}
+    with pytest.raises(BadRequest):
+        parse_advertisement(p)
+    assert parse_withdrawal(withdrawal_payload(d.shard_id)) == (d.shard_id, "shutdown")
+    with pytest.raises(BadRequest):
+        parse_withdrawal({"reason": "x"})
+
+
+def test_stage_must_lie_inside_its_shard() -> None:
+    d = desc(4, 11)
+    assert PipelineStage(d, 8, 11).num_layers == 4
+    with pytest.raises(BadRequest):
+        PipelineStage(d, 2, 8)
+    with pytest.raises(BadRequest):
+        PipelineStage(d, 9, 8)
+
+
+def test_pipeline_validates_exact_cover_and_round_trips() -> None:
+    a, b = desc(0, 7), desc(4, 15, host="node-c")
+    p = Pipeline.from_stages("p1", "org/model", SHA, 16,
+                             [PipelineStage(a, 0, 7), PipelineStage(b, 8, 15)], AT)
+    assert p.ordered_shards == [a, b]
+    assert p.shard_ids == [a.shard_id, b.shard_id]
+    assert Pipeline.from_dict(p.to_dict()) == p
+    with pytest.raises(BadRequest, match="starts at layer 4"):
+        Pipeline.from_stages("p2", "org/model", SHA, 16,
+                             [PipelineStage(a, 0, 7), PipelineStage(b, 4, 15)])
+    with pytest.raises(BadRequest, match="covers layers 0-7 of 16"):
+        Pipeline.from_stages("p3", "org/model", SHA, 16, [PipelineStage(a, 0, 7)])
+    with pytest.raises(BadRequest, match="another model"):
+        Pipeline.from_stages("p4", "org/other", SHA, 8, [PipelineStage(a, 0, 7)])

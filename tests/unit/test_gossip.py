@@ -1,0 +1,260 @@
+"""Gossip: the pure message codec, and sessions between in-process logs over 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import msgpack
+import pytest
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from hearthnet.errors import ProtocolError
+from hearthnet.mesh import gossip
+from hearthnet.mesh.eventlog import Event, EventLog
+from hearthnet.mesh.gossip import (
+    Events,
+    GossipPeerLink,
+    Hello,
+    batch_events,
+    decode_message,
+    encode_events,
+    encode_hello,
+    handle_gossip_connection,
+)
+from hearthnet.observability import Metrics
+
+# ---- codec ----
+
+
+def test_hello_round_trip() -> None:
+    assert decode_message(encode_hello("node-a", {"node-b": 3})) == \
+        Hello("node-a", {"node-b": 3})
+
+
+def test_events_round_trip_and_malformed_elements_are_counted(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "a.db", "node-a")
+    evs = [log.append("t", {"i": i}) for i in range(3)]
+    assert decode_message(encode_events(evs)) == Events(evs, 0)
+    raw = msgpack.packb({"k": "events", "events": [evs[0].to_wire(), {"id": 1}, "x"]})
+    assert decode_message(raw) == Events([evs[0]], 2)
+
+
+@pytest.mark.parametrize("data", [
+    "text frame",
+    b"\xc1\xc1\xc1",
+    msgpack.packb([1, 2]),
+    msgpack.packb({"k": "gimme"}),
+    msgpack.packb({"k": "hello", "v": 99, "node": "a", "vector": {}}),
+    msgpack.packb({"k": "hello", "v": 1, "node": "", "vector": {}}),
+    msgpack.packb({"k": "hello", "v": 1, "node": "a", "vector": {"b": -1}}),
+    msgpack.packb({"k": "hello", "v": 1, "node": "a", "vector": [1]}),
+    msgpack.packb({"k": "events", "events": 5}),
+])
+def test_malformed_messages_raise_protocol_error(data: bytes | str) -> None:
+    with pytest.raises(ProtocolError):
+        decode_message(data)
+
+
+def test_batches_respect_size_and_count(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "a.db", "node-a")
+    evs = [log.append("t", {"blob": b"x" * 1000}) for _ in range(50)]
+    batches = list(batch_events(evs, max_bytes=10_000))
+    assert all(len(b) <= 10_000 + 100 for b in batches)
+    got = [e for b in batches for e in decode_message(b).events]  # type: ignore[union-attr]
+    assert got == evs
+    assert len(list(batch_events(evs, max_events=7))) == 8
+    assert list(batch_events([])) == []
+
+
+# ---- sessions over real sockets ----
+
+
+@asynccontextmanager
+async def node_server(log: EventLog, port: int = 0) -> AsyncIterator[int]:
+    async def handler(ws: ServerConnection) -> None:
+        assert ws.request is not None and ws.request.path == "/gossip"
+        await handle_gossip_connection(log, ws)
+
+    async with serve(handler, "127.0.0.1", port, max_size=gossip.MAX_MESSAGE_BYTES,
+                     compression=None) as server:
+        yield next(iter(server.sockets)).getsockname()[1]
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+def link(log: EventLog, port: int) -> GossipPeerLink:
+    lk = GossipPeerLink(log, f"ws://127.0.0.1:{port}", min_backoff=0.02, max_backoff=0.2)
+    lk.start()
+    return lk
+
+
+async def test_catch_up_both_ways_then_live(tmp_path: Path) -> None:
+    a = EventLog(tmp_path / "a.db", "node-a")
+    b = EventLog(tmp_path / "b.db", "node-b")
+    old_a = [a.append("t", {"i": i}) for i in range(3)]
+    old_b = [b.append("t", {"i": i}) for i in range(2)]
+    async with node_server(a) as port:
+        lk = link(b, port)
+        try:
+            assert await lk.wait_connected(10)
+            assert lk.peer_id == "node-a"
+            await until(lambda: a.vector() == b.vector() == {"node-a": 3, "node-b": 2})
+            assert b.since({"node-b": 2}) == old_a
+            assert a.since({"node-a": 3}) == old_b
+            new = a.append("t", {"live": True})
+            await until(lambda: b.vector().get("node-a") == 4)
+            assert b.all_events()[-1] == new
+            mine = b.append("t", {"live": "back"})
+            await until(lambda: a.vector().get("node-b") == 3)
+            assert a.all_events()[-1] == mine
+        finally:
+            await lk.stop()
+
+
+async def test_events_are_relayed_through_an_intermediate_node(tmp_path: Path) -> None:
+    a, b, c = (EventLog(tmp_path / f"{n}.db", f"node-{n}") for n in "abc")
+    async with node_server(b) as port_b:
+        links = [link(a, port_b), link(c, port_b)]
+        try:
+            ev = a.append("t", {"hello": "c"})
+            await until(lambda: c.vector().get("node-a") == 1)
+            assert c.all_events() == [ev]
+            back = c.append("t", {"hello": "a"})
+            await until(lambda: a.vector().get("node-c") == 1)
+            assert back in a.all_events()
+        finally:
+            for lk in links:
+                await lk.stop()
+
+
+async def test_link_reconnects_and_catches_up_after_peer_restart(tmp_path: Path) -> None:
+    a = EventLog(tmp_path / "a.db", "node-a")
+    b = EventLog(tmp_path / "b.db", "node-b")
+    async with node_server(a) as port:
+        lk = link(b, port)
+        assert await lk.wait_connected(10)
+    # server gone: the link keeps retrying; events made meanwhile are caught up later
+    await until(lambda: not lk.connected)
+    a.append("t", {"while": "down"})
+    b.append("t", {"while": "down"})
+    await asyncio.sleep(0.3)  # a few failed dials
+    assert lk.failures >= 1
+    try:
+        async with node_server(a, port):
+            await until(lambda: a.vector() == b.vector() == {"node-a": 1, "node-b": 1})
+    finally:
+        await lk.stop()
+
+
+async def test_malformed_messages_are_counted_and_do_not_crash(tmp_path: Path) -> None:
+    metrics = Metrics()
+    a = EventLog(tmp_path / "a.db", "node-a", metrics=metrics)
+    other = EventLog(tmp_path / "x.db", "node-x")
+    good = other.append("t", {"ok": 1})
+    async with node_server(a) as port:
+        async with connect(f"ws://127.0.0.1:{port}/gossip") as ws:
+            hello = decode_message(await ws.recv())
+            assert hello == Hello("node-a", {})
+            await ws.send(encode_hello("node-x", {}))
+            await ws.send(b"\x00garbage")
+            await ws.send("text")
+            await ws.send(msgpack.packb({"k": "events", "events": [{"bad": 1}]}))
+            await ws.send(encode_events([good]))
+            await until(lambda: a.vector() == {"node-x": 1})
+        rejected = metrics.registry.get_sample_value
+        assert rejected("hearthnet_events_rejected_total", {"reason": "malformed_message"}) == 2
+        assert rejected("hearthnet_events_rejected_total", {"reason": "malformed"}) == 1
+        # the server still serves others
+        b = EventLog(tmp_path / "b.db", "node-b")
+        lk = link(b, port)
+        try:
+            await until(lambda: b.vector() == {"node-x": 1})
+        finally:
+            await lk.stop()
+
+
+async def test_flood_of_garbage_gets_the_peer_disconnected(tmp_path: Path) -> None:
+    a = EventLog(tmp_path / "a.db", "node-a")
+    async with node_server(a) as port, connect(f"ws://127.0.0.1:{port}/gossip") as ws:
+        await ws.recv()
+        await ws.send(encode_hello("node-x", {}))
+        with pytest.raises(ConnectionClosed) as ei:
+            for _ in range(gossip.MAX_MALFORMED + 5):
+                await ws.send(b"\xc1")
+            await ws.recv()
+        assert ei.value.rcvd is not None and ei.value.rcvd.code == gossip.CLOSE_POLICY
+
+
+@pytest.mark.parametrize("first", [
+    b"\xc1",
+    encode_events([]),
+    encode_hello("node-a", {}),  # claims to be the server itself
+])
+async def test_bad_first_message_closes_the_connection(tmp_path: Path, first: bytes) -> None:
+    a = EventLog(tmp_path / "a.db", "node-a")
+    async with node_server(a) as port, connect(f"ws://127.0.0.1:{port}/gossip") as ws:
+        await ws.recv()
+        await ws.send(first)
+        with pytest.raises(ConnectionClosed) as ei:
+            await ws.recv()
+        assert ei.value.rcvd is not None
+        assert ei.value.rcvd.code in (gossip.CLOSE_PROTOCOL_ERROR, gossip.CLOSE_POLICY)
+
+
+async def test_live_queue_overflow_reconnects_and_catches_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gossip, "LIVE_QUEUE_MAX", 3)
+    a = EventLog(tmp_path / "a.db", "node-a")
+    b = EventLog(tmp_path / "b.db", "node-b")
+    ups: list[bool] = []
+    async with node_server(a) as port:
+        lk = GossipPeerLink(b, f"ws://127.0.0.1:{port}", min_backoff=0.02,
+                            on_peer=lambda peer, up: ups.append(up))
+        lk.start()
+        try:
+            assert await lk.wait_connected(10)
+            for i in range(50):  # synchronously: far more than the live queue holds
+                a.append("t", {"i": i})
+            await until(lambda: b.vector().get("node-a") == 50)
+            assert [e.payload["i"] for e in b.all_events()] == list(range(50))
+            assert ups[:3] == [True, False, True]  # dropped, then caught up on reconnect
+        finally:
+            await lk.stop()
+
+
+async def test_rejected_events_are_not_relayed(tmp_path: Path) -> None:
+    def verifier(origin: str, data: bytes, sig: bytes) -> bool:
+        return sig == b"ok"
+
+    a = EventLog(tmp_path / "a.db", "node-a", signer=lambda d: b"ok")
+    mallory = EventLog(tmp_path / "m.db", "node-m", signer=lambda d: b"forged")
+    b = EventLog(tmp_path / "b.db", "node-b", verifier=verifier)
+    c = EventLog(tmp_path / "c.db", "node-c", verifier=verifier)
+    bad = mallory.append("t", {"evil": True})
+    good = a.append("t", {"fine": True})
+    assert not b.ingest(bad) and b.ingest(good)
+    async with node_server(b) as port:
+        lk = link(c, port)
+        try:
+            await until(lambda: c.vector() == {"node-a": 1})
+            await asyncio.sleep(0.05)
+            assert [e.origin for e in c.all_events()] == ["node-a"]
+        finally:
+            await lk.stop()
+
+
+def test_event_wire_form_is_what_gossip_sends(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "a.db", "node-a", signer=lambda d: b"sig")
+    ev = log.append("t", {"x": [1, 2]})
+    back = Event.from_wire(msgpack.unpackb(msgpack.packb(ev.to_wire(), use_bin_type=True),
+                                           raw=False))
+    assert back == ev
