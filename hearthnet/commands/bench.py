@@ -1,0 +1,86 @@
+"""`hearthnet bench <name>`: the benchmark command group.
+
+Each benchmark is one entry of `BENCHMARKS`: a help line, a function adding its options
+to its sub-parser, and a function running it and returning the figures as a
+JSON-serialisable dict plus a human-readable report. Adding a benchmark (``local``,
+``pipeline``, ``failover``) is adding an entry. Every benchmark gets ``--json`` (print the
+figures as JSON on stdout; the human report goes to stderr) and ``--output FILE`` (also
+write the JSON to FILE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+AddArgs = Callable[[argparse.ArgumentParser], None]
+RunBench = Callable[[argparse.Namespace], tuple[dict[str, Any], str]]
+
+
+def _transport_args(p: argparse.ArgumentParser) -> None:
+    from hearthnet.transport.codec import TENSOR_CHUNK_BYTES
+    from hearthnet.transport.protocol import TENSOR_FLOW_CONTROL_WINDOW
+
+    p.add_argument("--steps", type=int, default=2000,
+                   help="decode round trips measured per tensor size (default 2000)")
+    p.add_argument("--warmup", type=int, default=200, help="unmeasured round trips first")
+    p.add_argument("--prefill-reps", type=int, default=20,
+                   help="prefill round trips measured per size (default 20)")
+    p.add_argument("--window", type=int, default=TENSOR_FLOW_CONTROL_WINDOW,
+                   help="credit window in chunks")
+    p.add_argument("--chunk-bytes", type=int, default=TENSOR_CHUNK_BYTES,
+                   help="largest chunk payload in bytes")
+
+
+def _transport_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from hearthnet.transport.bench import format_report, run_transport_bench
+
+    res = run_transport_bench(steps=args.steps, warmup=args.warmup,
+                              prefill_reps=args.prefill_reps, window=args.window,
+                              chunk_bytes=args.chunk_bytes)
+    return res, format_report(res)
+
+
+BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
+    "transport": ("tensor transport round trips against an echo peer process on 127.0.0.1",
+                  _transport_args, _transport_run),
+}
+"""name → (help, add_args, run). ``run`` returns (figures as a JSON-able dict, report)."""
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``bench`` and one sub-command per entry of `BENCHMARKS`."""
+    p = subparsers.add_parser("bench", help="measure HearthNet's performance",
+                              description="Run a benchmark and print its figures.")
+    sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    for name, (help_text, add_args, run_bench) in BENCHMARKS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(sp)
+        sp.add_argument("--json", action="store_true",
+                        help="print the figures as JSON on stdout (report on stderr)")
+        sp.add_argument("--output", type=Path, metavar="FILE",
+                        help="also write the figures as JSON to FILE")
+        sp.set_defaults(func=_runner(run_bench))
+
+
+def _runner(run_bench: RunBench) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from hearthnet.observability import configure_logging
+
+        configure_logging("warning", json=False)  # logs to stderr: stdout is for figures
+        figures, report = run_bench(args)
+        text = json.dumps(figures, indent=2, sort_keys=True)
+        if args.output is not None:
+            args.output.write_text(text + "\n")
+        if args.json:
+            print(report, file=sys.stderr)
+            print(text)
+        else:
+            print(report)
+        return 0
+
+    return run

@@ -1,0 +1,119 @@
+"""`hearthnet keys init|show`: the node's identity (issue 7 item 1).
+
+``keys init`` creates ``<data_dir>/node.key`` (mode 0600) if it does not exist and prints
+the node id, the public key and a ``[[community.members]]`` block to paste into every
+member's config; ``keys show`` prints the same for an existing key. The node id comes from
+``--node-id``, else the config's ``[node] id``, else the id remembered by ``keys init``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hearthnet import paths
+from hearthnet.errors import ConfigError
+from hearthnet.security.keys import KEY_FILE_NAME, NodeKey, check_node_id
+from hearthnet.security.members import Trust
+from hearthnet.security.provision import member_block, read_node_config
+
+NODE_ID_FILE = "node.id"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keys", help="this node's identity key")
+    ksub = p.add_subparsers(dest="keys_command", required=True)
+    init = ksub.add_parser("init", help="create the node key (if missing) and print it")
+    _common(init)
+    init.set_defaults(func=_init)
+    show = ksub.add_parser("show", help="print the node id and public key")
+    _common(show)
+    show.set_defaults(func=_show)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="node TOML: use its [node] id and data_dir")
+    p.add_argument("--data-dir", default=None, help="data directory (default: HEARTHNET_DATA_DIR)")
+    p.add_argument("--node-id", default=None, help="this node's id, as in the member list")
+    p.add_argument("--trust", default="trusted",
+                   help="trust level in the printed member block (default: trusted)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@dataclass(frozen=True)
+class _Target:
+    data_dir: Path
+    node_id: str | None
+
+
+def _target(args: argparse.Namespace) -> _Target:
+    node_id: str | None = args.node_id
+    data_dir: Path | None = Path(args.data_dir).expanduser() if args.data_dir else None
+    if args.config:
+        cfg = read_node_config(args.config)
+        if node_id is not None and node_id != cfg.node_id:
+            raise ConfigError(f"--node-id {node_id} differs from [node] id {cfg.node_id} in "
+                              f"{args.config}", file=args.config, key="node.id",
+                              reason="conflict")
+        node_id = cfg.node_id
+        data_dir = data_dir or cfg.data_dir
+    if data_dir is None:
+        data_dir = paths.data_dir()
+    if node_id is not None:
+        check_node_id(node_id)
+    else:
+        node_id = _remembered_id(data_dir)
+    return _Target(data_dir, node_id)
+
+
+def _remembered_id(data_dir: Path) -> str | None:
+    f = data_dir / NODE_ID_FILE
+    try:
+        text = f.read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return check_node_id(text)
+
+
+def _init(args: argparse.Namespace) -> int:
+    t = _target(args)
+    created = not (t.data_dir / KEY_FILE_NAME).exists()
+    key = NodeKey.load_or_create(t.data_dir)
+    if t.node_id is not None:
+        (t.data_dir / NODE_ID_FILE).write_text(t.node_id + "\n", encoding="utf-8")
+    _print(key, t.node_id, Trust.parse(args.trust), created=created, as_json=args.json)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    t = _target(args)
+    path = t.data_dir / KEY_FILE_NAME
+    if not path.exists():
+        raise ConfigError(f"no node key at {path}; create it with `hearthnet keys init`",
+                          file=str(path), reason="missing")
+    _print(NodeKey.load(path), t.node_id, Trust.parse(args.trust), created=False,
+           as_json=args.json)
+    return 0
+
+
+def _print(key: NodeKey, node_id: str | None, trust: Trust, *, created: bool,
+           as_json: bool) -> None:
+    block = (member_block({"node_id": node_id, "public_key": key.public_key_b64,
+                           "trust": trust.label}) if node_id else None)
+    if as_json:
+        out: dict[str, Any] = {"node_id": node_id, "public_key": key.public_key_b64,
+                               "fingerprint": key.fingerprint, "key_file": str(key.path),
+                               "created": created, "member_toml": block}
+        print(json.dumps(out, indent=2))
+        return
+    print(f"node_id     {node_id or '(unknown: pass --node-id or --config)'}")
+    print(f"public_key  {key.public_key_b64}")
+    print(f"fingerprint {key.fingerprint}")
+    print(f"key_file    {key.path} ({'created' if created else 'existing'})")
+    if block:
+        print("\n# add this node to every member's config:")
+        sys.stdout.write(block)

@@ -1,0 +1,155 @@
+"""Keys and member lists for a folder of node TOMLs (hearthnet/security/provision.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from hearthnet.errors import ConfigError
+from hearthnet.security.keys import NodeKey
+from hearthnet.security.members import MemberDirectory, Trust
+from hearthnet.security.provision import provision, read_node_config, replace_member_tables
+
+REPO = Path(__file__).resolve().parents[2]
+
+NODE_A = """# node A: the orchestrator
+[node]
+id = "node-a"
+data_dir = "data/a"   # relative to this file
+listen = "127.0.0.1:7401"
+
+[community]
+name = "hearth"
+
+[[shards]]
+model = "smollm2"
+layers = [0, 14]
+"""
+
+NODE_B = """[node]
+id = "node-b"
+data_dir = ""  # the default
+
+[[community.members]]
+node_id = "laptop"
+public_key = "{laptop}"
+trust = "guest"
+
+# peers of B
+[[peers]]
+url = "wss://127.0.0.1:7401"
+"""
+
+
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("HEARTHNET_DATA_DIR", str(tmp_path / "hn"))
+    cfg = tmp_path / "config"
+    cfg.mkdir()
+    (cfg / "a.toml").write_text(NODE_A)
+    (cfg / "b.toml").write_text(NODE_B.format(laptop=NodeKey.generate().public_key_b64))
+    (cfg / "prometheus.toml").write_text('[global]\nscrape_interval = "5s"\n')
+    return cfg
+
+
+def members_of(path: Path) -> MemberDirectory:
+    return MemberDirectory.from_dicts(tomllib.loads(path.read_text())["community"]["members"])
+
+
+def test_every_node_gets_a_key_and_every_member_list_lists_all(folder: Path) -> None:
+    done = provision(folder)
+    assert [n.node_id for n in done] == ["node-a", "node-b"]
+    a_key = NodeKey.load(folder / "data" / "a" / "node.key")
+    b_key = NodeKey.load(folder.parent / "hn" / "nodes" / "node-b" / "node.key")
+    assert all(n.key_created for n in done)
+    for toml in ("a.toml", "b.toml"):
+        d = members_of(folder / toml)
+        assert d.get("node-a").public_key_raw == a_key.public_key_raw  # type: ignore[union-attr]
+        assert d.get("node-b").public_key_raw == b_key.public_key_raw  # type: ignore[union-attr]
+        assert d.trust_of("node-a") is Trust.TRUSTED
+    assert members_of(folder / "b.toml").trust_of("laptop") is Trust.GUEST  # kept
+    assert "laptop" not in members_of(folder / "a.toml")
+    assert (folder / "prometheus.toml").read_text() == '[global]\nscrape_interval = "5s"\n'
+
+
+def test_the_rest_of_each_file_is_unchanged(folder: Path) -> None:
+    provision(folder)
+    a = (folder / "a.toml").read_text()
+    assert a.startswith(NODE_A)  # appended after the original text, comments kept
+    b = (folder / "b.toml").read_text()
+    assert b.endswith('# peers of B\n[[peers]]\nurl = "wss://127.0.0.1:7401"\n')
+    doc = tomllib.loads(b)
+    assert doc["node"] == {"id": "node-b", "data_dir": ""} and doc["peers"] == [{"url": "wss://127.0.0.1:7401"}]
+
+
+def test_provision_is_idempotent_and_keeps_keys_and_edited_trust(folder: Path) -> None:
+    provision(folder)
+    first = {p.name: p.read_text() for p in folder.glob("*.toml")}
+    again = provision(folder)
+    assert not any(n.key_created for n in again)
+    assert {p.name: p.read_text() for p in folder.glob("*.toml")} == first
+    # a person demotes node-b in a.toml; re-provisioning keeps that choice
+    a = folder / "a.toml"
+    text = a.read_text()
+    i = text.index('node_id = "node-b"')
+    a.write_text(text[:i] + text[i:].replace('trust = "trusted"', 'trust = "member"', 1))
+    provision(folder)
+    assert members_of(a).trust_of("node-b") is Trust.MEMBER
+
+
+def test_a_new_node_is_added_everywhere(folder: Path) -> None:
+    provision(folder)
+    (folder / "c.toml").write_text('[node]\nid = "node-c"\ndata_dir = "data/c"\n')
+    provision(folder)
+    for toml in ("a.toml", "b.toml", "c.toml"):
+        assert {m.node_id for m in members_of(folder / toml)} >= {"node-a", "node-b", "node-c"}
+    assert (folder / "a.toml").read_text().count("[[community.members]]") == 3
+
+
+def test_duplicate_node_ids_are_refused_before_any_write(folder: Path) -> None:
+    (folder / "z.toml").write_text('[node]\nid = "node-a"\n')
+    before = (folder / "b.toml").read_text()
+    with pytest.raises(ConfigError, match="both use node id node-a"):
+        provision(folder)
+    assert (folder / "b.toml").read_text() == before
+
+
+def test_inline_member_arrays_are_not_rewritten(folder: Path) -> None:
+    (folder / "b.toml").write_text('[node]\nid = "node-b"\n[community]\nmembers = []\n')
+    with pytest.raises(ConfigError, match="cannot edit the member list"):
+        provision(folder)
+
+
+def test_replace_member_tables_keeps_following_comments() -> None:
+    text = ('[node]\nid = "x"\n\n[[community.members]]\nnode_id = "old"\n'
+            'public_key = "k"\n\n# shards this node hosts\n[[shards]]\nmodel = "m"\n')
+    new = replace_member_tables(text, [{"node_id": "x", "public_key": "p", "trust": "trusted"}])
+    assert "old" not in new and "# shards this node hosts\n[[shards]]" in new
+    assert tomllib.loads(new)["community"]["members"] == [
+        {"node_id": "x", "public_key": "p", "trust": "trusted"}]
+    assert replace_member_tables(new, tomllib.loads(new)["community"]["members"]) == new
+
+
+def test_read_node_config_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[node\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        read_node_config(bad)
+    bad.write_text('[node]\nname = "x"\n')
+    with pytest.raises(ConfigError, match=r"no \[node\] id"):
+        read_node_config(bad)
+    bad.write_text('[node]\nid = "no spaces"\n')
+    with pytest.raises(ConfigError, match="invalid node id"):
+        read_node_config(bad)
+
+
+def test_gen_mesh_keys_script(folder: Path) -> None:
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_mesh_keys.py"), str(folder)],
+                       capture_output=True, text=True, check=False, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "node-a" in r.stdout and "new key" in r.stdout
+    assert "node-b" in members_of(folder / "a.toml")
