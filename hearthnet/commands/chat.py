@@ -11,7 +11,7 @@ from typing import Any
 from hearthnet.distributed_inference.generation import SamplingParams
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("chat", help="ask the model something and stream the answer")
     p.add_argument("prompt")
     where = p.add_mutually_exclusive_group(required=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("node", help="run a node daemon")
     p.add_argument("--config", required=True, help="node TOML file")
     p.add_argument("--port", type=int, default=None, help="override [node] listen_port")

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("status", help="nodes, shards and layer coverage")
     p.add_argument("--config", required=True)
     p.add_argument("--json", action="store_true")

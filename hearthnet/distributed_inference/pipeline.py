@@ -479,10 +479,9 @@ class PipelineOrchestrator:
         engine = await self._local(entry)
         loop = asyncio.get_running_loop()
         it = engine.run(gen)
-        sentinel = object()
         while True:
-            ev = await loop.run_in_executor(self.executor, next, it, sentinel)
-            if ev is sentinel:
+            ev = await loop.run_in_executor(self.executor, next, it, None)
+            if ev is None:
                 break
             if first_ms is None:
                 first_ms = (time.perf_counter() - t0) * 1000

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
-from hearthnet.distributed_inference.faults import CloseMidFrame
 from hearthnet.distributed_inference.descriptors import ShardDescriptor, ShardHealth, to_datetime
+from hearthnet.distributed_inference.faults import CloseMidFrame
 from hearthnet.errors import (
     BadRequest,
     ConnectionLost,

@@ -10,7 +10,7 @@ from hearthnet.models.importer import import_model
 from hearthnet.models.store import ModelStore
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("models", help="the local model store")
     p.add_argument("--models-dir", default=None, help="model store folder (default: data dir)")
     msub = p.add_subparsers(dest="models_command", required=True)

@@ -86,7 +86,7 @@ def weights_sha256(folder: Path) -> str:
                 fh = handles[f] = f.open("rb")
             shape = ",".join(str(d) for d in info["shape"])  # type: ignore[attr-defined]
             h.update(f"{name}\0{info['dtype']}\0{shape}\0".encode())
-            lo, hi = info["data_offsets"]  # type: ignore[misc]
+            lo, hi = (int(x) for x in info["data_offsets"])  # type: ignore[attr-defined]
             fh.seek(start + lo)  # type: ignore[attr-defined]
             remaining = hi - lo
             while remaining > 0:

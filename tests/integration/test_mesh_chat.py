@@ -57,14 +57,14 @@ async def test_fp16_wire_identical_or_reports(mesh3, local_answers, capsys):
     for p in PROMPTS:
         toks = _tokens(await _chat(mesh3.nodes["node-a"].uri, p, wire_dtype="fp16"))
         if toks != local_answers[p]:
-            i = next(k for k, (a, b) in enumerate(zip(toks, local_answers[p])) if a != b)
+            i = next(k for k, (a, b) in enumerate(zip(toks, local_answers[p], strict=False)) if a != b)
             with capsys.disabled():
                 print(f"\nfp16 wire: first divergence on {p!r} at token {i}")
         assert toks == local_answers[p]
 
 
 async def test_four_concurrent_chats_match_solo(mesh3, local_answers):
-    prompts = PROMPTS + [PROMPTS[0]]
+    prompts = [*PROMPTS, PROMPTS[0]]
     results = await asyncio.gather(*(_chat(mesh3.nodes["node-a"].uri, p, wire_dtype="fp32")
                                      for p in prompts))
     for p, frames in zip(prompts, results, strict=True):

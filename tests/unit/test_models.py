@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from hearthnet.errors import BadRequest, ModelNotFound, ModelSourceMissing, WeightsMismatch
-from hearthnet.models import ModelStore
-from hearthnet.models import importer
+from hearthnet.models import ModelStore, importer
 from hearthnet.models.hashing import weights_sha256
 from tests.helpers.tiny_models import make_tiny_model
 

@@ -94,7 +94,7 @@ class _WeightsReader:
         return out
 
 
-def _meta_base_model(config: Any) -> nn.Module:
+def _meta_base_model(config: Any) -> Any:
     """The family's base model (e.g. LlamaModel) on the meta device: structure, no memory."""
     from transformers import AutoModel
 
@@ -126,10 +126,11 @@ def _layer_types(config: Any) -> list[str]:
     return list(types)
 
 
-def _rotary(config: Any, base: nn.Module) -> nn.Module:
+def _rotary(config: Any, base: Any) -> nn.Module:
     """A real (CPU) copy of the base model's rotary embedding module."""
     with torch.device("cpu"):
-        return type(base.rotary_emb)(config=config)
+        rotary: nn.Module = type(base.rotary_emb)(config=config)
+    return rotary
 
 
 class LayeredSession:
@@ -278,7 +279,7 @@ class LayeredHead:
         ids: set[int] = set()
         gen = self.entry.path / "generation_config.json"
         if gen.is_file():
-            e = json.loads(gen.read_text()).get("eos_token_id")
+            e: Any = json.loads(gen.read_text()).get("eos_token_id")
             ids.update(e if isinstance(e, list) else [e] if e is not None else [])
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
@@ -294,9 +295,9 @@ class LayeredHead:
         if not self.tokenizer.chat_template:
             text = "".join(m["content"] + "\n" for m in messages)
             return list(self.tokenizer(text)["input_ids"])
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True)
-        ids = out["input_ids"] if hasattr(out, "keys") else out
+        out: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=True)
+        ids: Any = out["input_ids"] if hasattr(out, "keys") else out
         return [int(i) for i in ids]
 
     @torch.inference_mode()
