@@ -211,8 +211,8 @@ class PipelineOrchestrator:
                 "distributed inference is disabled on this node "
                 "(policy.research.enable / research.distributed_inference.enabled)")
         entry = self.models.get(request.model)  # ModelNotFound is a bad_request
-        async with self._slots:
-            async for frame in self._chat(entry, request, params):
+        async with self._slots, contextlib.aclosing(self._chat(entry, request, params)) as it:
+            async for frame in it:  # aclosing: an abandoned call still closes its sessions
                 yield frame
 
     async def prepare(self, model: str) -> None:
@@ -479,15 +479,18 @@ class PipelineOrchestrator:
         engine = await self._local(entry)
         loop = asyncio.get_running_loop()
         it = engine.run(gen)
-        while True:
-            ev = await loop.run_in_executor(self.executor, next, it, None)
-            if ev is None:
-                break
-            if first_ms is None:
-                first_ms = (time.perf_counter() - t0) * 1000
-            self.metrics.tokens_generated_total.inc()
-            yield {"type": "token_delta", "text": ev.text, "token_id": ev.token_id,
-                   "index": ev.index}
+        try:
+            while True:
+                ev = await loop.run_in_executor(self.executor, next, it, None)
+                if ev is None:
+                    break
+                if first_ms is None:
+                    first_ms = (time.perf_counter() - t0) * 1000
+                self.metrics.tokens_generated_total.inc()
+                yield {"type": "token_delta", "text": ev.text, "token_id": ev.token_id,
+                       "index": ev.index}
+        finally:
+            await loop.run_in_executor(self.executor, it.close)  # frees the local KV cache
         yield {"type": "done", "finish_reason": gen.finish_reason,
                "usage": {"prompt_tokens": len(gen.prompt_ids),
                          "completion_tokens": len(gen.tokens)},

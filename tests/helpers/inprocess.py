@@ -78,6 +78,7 @@ class InProcessMesh:
         self._dir = Path(tempfile.mkdtemp(prefix="hn-inproc-"))
         self.health = ShardHealthTracker()
         self.store = ShardStore(120.0, tracker=self.health)
+        self.channels: list[Channel] = []
 
     def add(self, node_id: str, lo: int, hi: int) -> Host:
         stack = LayeredStack(self.entry, lo, hi)
@@ -103,4 +104,6 @@ class InProcessMesh:
             raise ShardUnavailable("hash")
         host.opened += 1
         s = host.stack.open_session(params["start"], params["end"], params["max_length"])
-        return Channel(host, s, _WIRE[params["wire_dtype"]])
+        ch = Channel(host, s, _WIRE[params["wire_dtype"]])
+        self.channels.append(ch)
+        return ch

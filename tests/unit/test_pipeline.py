@@ -139,3 +139,32 @@ async def test_two_failures_fall_back(smollm2, model_store, local_tokens):
     assert _tokens(frames) == local_tokens
     assert [f["type"] for f in frames].count("shard_failover") == 1
     assert m.fallback_to_local_total._value.get() == 1
+
+
+async def test_abandoned_call_closes_every_session(smollm2, model_store):
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    mesh.add("node-c", 15, 29)
+    orch, _ = _orch(mesh, model_store)
+    params = DistributedChatParams(sampling=SamplingParams(max_tokens=24))
+    agen = orch.chat(ChatRequest("smollm2", PROMPT), params)
+    n = 0
+    async for f in agen:
+        n += f["type"] == "token_delta"
+        if n == 3:
+            break
+    await agen.aclose()  # the caller walks away mid-answer
+    assert len(mesh.channels) == 2 and all(c.closed for c in mesh.channels)
+    assert all(orch.router.in_use(h.descriptor.shard_id) == 0 for h in mesh.hosts.values())
+
+
+async def test_disabled_and_unknown_model(smollm2, model_store):
+    from hearthnet.errors import ExperimentalDisabled, ModelNotFound
+
+    orch, _ = _orch(InProcessMesh(smollm2), model_store)
+    with pytest.raises(ModelNotFound) as ei:
+        [f async for f in orch.chat(ChatRequest("nope", PROMPT), DistributedChatParams())]
+    assert ei.value.code == "bad_request"
+    orch.enabled = False
+    with pytest.raises(ExperimentalDisabled):
+        [f async for f in orch.chat(ChatRequest("smollm2", PROMPT), DistributedChatParams())]
