@@ -221,7 +221,7 @@ class ShardServer:
                 await stream.send_error(e)
                 continue
             except CloseMidFrame:  # test-only fault: half a frame, then the socket drops
-                transport = stream._ws.transport
+                transport = stream.connection.transport
                 transport.write(b"\x82\x7e\x10\x00" + bytes(100))  # announces 4096 bytes
                 transport.abort()
                 return

@@ -1,1 +1,19 @@
-"""transport."""
+"""X08 tensor transport: hidden states between an orchestrator and its shards.
+
+The wire format is written down byte by byte in ``PROTOCOL.md`` (repository root).
+
+* `codec` — tensor ⇄ data frames: the 48-byte header, chunking, reassembly (§4).
+* `protocol` — the pure state machine: frames, session states, credit window, errors.
+* `websocket` — the asyncio adapter over ``websockets``: `TensorChannel` (client),
+  `ServerStream` (server side of an accepted connection), deadlines, `serve`, `run`.
+* `bench` — ``hearthnet bench transport``.
+
+This package knows nothing of models; `distributed_inference` knows nothing of frames
+beyond the channel API.
+"""
+
+from hearthnet.transport.codec import MAX_TENSOR_BYTES, TENSOR_CHUNK_BYTES
+from hearthnet.transport.protocol import PROTOCOL_VERSION, TENSOR_FLOW_CONTROL_WINDOW
+
+__all__ = ["MAX_TENSOR_BYTES", "PROTOCOL_VERSION", "TENSOR_CHUNK_BYTES",
+           "TENSOR_FLOW_CONTROL_WINDOW"]

@@ -191,7 +191,7 @@ def run_transport_bench(*, steps: int = 2000, warmup: int = 200, prefill_reps: i
         res = run(_client(peer.uri, steps=steps, warmup=warmup, prefill_reps=prefill_reps,
                           window=window, chunk_bytes=chunk_bytes))
     loop = res.pop("_loop")
-    import websockets
+    from websockets.version import version as websockets_version
 
     res["goal"] = {"decode_p95_ms_max": GOAL_P95_MS,
                    "met": all(res[f"decode_{h}"]["p95_ms"] <= GOAL_P95_MS
@@ -200,7 +200,7 @@ def run_transport_bench(*, steps: int = 2000, warmup: int = 200, prefill_reps: i
                      "chunk_bytes": chunk_bytes, "wire_dtype": "fp16", "event_loop": loop,
                      "host": "127.0.0.1", "echo_peer": "separate process",
                      "python": platform.python_version(), "torch": torch.__version__,
-                     "websockets": websockets.__version__, "cpus": os.cpu_count()}
+                     "websockets": websockets_version, "cpus": os.cpu_count()}
     return res
 
 

@@ -548,8 +548,7 @@ class StreamProtocol:
                 self._receive_open(data)
             else:
                 self._receive_accept(data)
-            if self.state is not State.FAILED:
-                self.state = nxt
+            self.state = nxt  # handlers raise on failure, so this runs only on success
         except ProtocolError as exc:
             self._fail_received(exc)
         except Exception as exc:  # safety net: the receive path never raises (§7)

@@ -362,9 +362,8 @@ async def test_oversized_message_from_a_shard_is_connection_lost_for_the_client(
     async with ws_serve(rogue, "127.0.0.1", 0, compression=None, max_size=None) as server:
         uri = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}/shard"
         ch = await TensorChannel.connect(uri, {}, chunk_bytes=1024)
-        with pytest.raises(ConnectionLost):
+        with pytest.raises(ConnectionLost, match="1009"):  # websockets refused it by size
             await ch.step(0, 0, hidden(1, 64))
-        assert ch.connection.close_code == 1009
         await ch.close()
 
 
@@ -462,7 +461,8 @@ async def test_connect_failures_are_typed() -> None:
         await TensorChannel.connect("ws://127.0.0.1:1/shard", {"wire_dtype": "int4"})
 
     async def never_answers(stream: ServerStream) -> None:
-        await asyncio.sleep(30)
+        with contextlib.suppress(HearthNetError):  # ends when the client gives up
+            await stream.recv_step(deadline_s=30)
 
     async with shard_server(never_answers) as uri:
         with pytest.raises(ConnectionLost, match="404"):

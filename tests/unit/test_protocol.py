@@ -408,7 +408,7 @@ def test_non_fatal_error_keeps_the_session_open_and_carries_step_and_details() -
 
 
 def test_non_fatal_error_is_ordered_after_queued_data() -> None:
-    c, s = opened(window=2, chunk_bytes=64)
+    _, s = opened(window=2, chunk_bytes=64)
     s.send_step(0, 0, x(128))  # 4 chunks, credit for 2
     s.send_error(BadRequest("later"))
     assert [f[0] for f in s.data_to_send()] == [Opcode.OUTPUT, Opcode.OUTPUT]
