@@ -486,11 +486,13 @@ class PipelineOrchestrator:
                     break
                 if first_ms is None:
                     first_ms = (time.perf_counter() - t0) * 1000
+                    self.metrics.first_token_ms.observe(first_ms)
                 self.metrics.tokens_generated_total.inc()
                 yield {"type": "token_delta", "text": ev.text, "token_id": ev.token_id,
                        "index": ev.index}
         finally:
             await loop.run_in_executor(self.executor, it.close)  # frees the local KV cache
+        self.metrics.tokens_per_second.observe(engine.timings.decode_tokens_per_s)
         yield {"type": "done", "finish_reason": gen.finish_reason,
                "usage": {"prompt_tokens": len(gen.prompt_ids),
                          "completion_tokens": len(gen.tokens)},
