@@ -7,7 +7,7 @@ HN := $(VENV)/bin/hearthnet
 STAMP := $(VENV)/.hearthnet-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install model demo test lint bench clean
+.PHONY: install model keys demo test lint bench clean
 
 install: $(STAMP) model
 
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml
 
 model: $(STAMP)
 	$(HN) models import smollm2
+
+# node keys (in each node's data dir) + member lists of the example configs (issue 7);
+# idempotent: existing keys are kept.
+keys: $(STAMP)
+	$(HN) keys provision config/mesh3 config/mesh4
 
 demo: install
 	$(HN) demo

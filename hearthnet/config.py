@@ -197,9 +197,15 @@ class MemberSection(_Section):
 
 
 class CommunitySection(_Section):
-    """``[community]`` (filled in by the security work; permissive for now)."""
+    """``[community]``: who is in the community and how far each is trusted (issue 7).
+
+    ``min_trust`` is the lowest trust a caller needs to open sessions on this node's
+    shards; ``route_min_trust`` the lowest trust of a shard host this node sends
+    activations to (M26 §5.9: both default to ``trusted``).
+    """
 
     min_trust: Trust = "trusted"
+    route_min_trust: Trust = "trusted"
     members: list[MemberSection] = Field(default_factory=list)
 
     @field_validator("members")
@@ -213,7 +219,21 @@ class CommunitySection(_Section):
 
 
 class SecuritySection(_Section):
-    insecure_plaintext: bool = True  # later: wss + mutual TLS by default
+    """``[security]``: transport security and hostile-input limits (issue 7).
+
+    Node links are ``wss://`` with mutual TLS unless ``insecure_plaintext = true``. The
+    loopback-only plaintext admin listener (``admin_port``; 0 = any free port, -1 = off)
+    serves the local CLI: ``/bus``, ``/status``, ``/health`` and ``/metrics``; its address
+    is written to ``<data_dir>/node.json`` while the node runs.
+    """
+
+    insecure_plaintext: bool = False
+    admin_port: Annotated[int, Field(ge=-1, le=65535)] = 0
+    max_connections_per_peer: Annotated[int, Field(ge=1)] = 64
+    max_connections_total: Annotated[int, Field(ge=1)] = 512
+    max_sessions_per_caller: Annotated[int, Field(ge=1)] = 64
+    connection_rate: Annotated[float, Field(gt=0)] = 50.0  # new connections/s per peer
+    connection_burst: Annotated[float, Field(ge=1)] = 100.0
 
 
 class TestingSection(_Section):
@@ -317,6 +337,11 @@ class NodeConfig(_Section):
         if ":" in host:  # IPv6 literal
             host = f"[{host}]"
         return f"{scheme}://{host}:{port if port is not None else self.node.listen_port}"
+
+    def peer_uris(self) -> list[str]:
+        """``node.peers`` with the scheme this node's links use (``wss`` unless plaintext)."""
+        scheme = "ws" if self.security.insecure_plaintext else "wss"
+        return [scheme + uri[uri.index("://"):] for uri in self.node.peers]
 
     def event_log_path(self) -> Path:
         return self.effective_data_dir() / "events.sqlite3"

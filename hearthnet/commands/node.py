@@ -9,10 +9,41 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("node", help="run a node daemon")
     p.add_argument("--config", required=True, help="node TOML file")
     p.add_argument("--port", type=int, default=None, help="override [node] listen_port")
+    p.add_argument("--reload", action="store_true",
+                   help="tell the running node of this config to re-read its member list "
+                        "(sends SIGHUP to the pid in <data_dir>/node.json)")
     p.set_defaults(func=_run)
 
 
+def _reload(config: str) -> int:
+    """Signal the running node of `config` to reload (issue 7 item 7)."""
+    import os
+    import signal
+    import sys
+
+    from hearthnet.config import load_config
+    from hearthnet.errors import HearthNetError
+    from hearthnet.mesh.guard import STATE_FILE, read_state
+
+    cfg = load_config(config)  # refuse a broken file here, before signalling
+    data = cfg.effective_data_dir()
+    state = read_state(data)
+    pid = state.get("pid") if state else None
+    if not isinstance(pid, int) or pid <= 0:
+        raise HearthNetError(f"node {cfg.node.id} is not running (no pid in "
+                             f"{data / STATE_FILE})", code="not_running")
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except ProcessLookupError:
+        raise HearthNetError(f"node {cfg.node.id} (pid {pid}) is not running; remove the "
+                             f"stale {data / STATE_FILE}", code="not_running") from None
+    print(f"asked node {cfg.node.id} (pid {pid}) to reload {config}", file=sys.stderr)
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.reload:
+        return _reload(args.config)
     from hearthnet.config import load_config
     from hearthnet.mesh.node import Node
     from hearthnet.observability import configure_logging

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,7 +204,7 @@ class PipelineOrchestrator:
     # ---- public API ----
 
     async def chat(self, request: ChatRequest, params: DistributedChatParams
-                   ) -> AsyncIterator[Frame]:
+                   ) -> AsyncGenerator[Frame, None]:
         """Stream the frames of one distributed chat (M26 §4.3)."""
         if not self.enabled:
             raise ExperimentalDisabled(
@@ -222,7 +222,7 @@ class PipelineOrchestrator:
     # ---- the call ----
 
     async def _chat(self, entry: ModelEntry, request: ChatRequest,
-                    params: DistributedChatParams) -> AsyncIterator[Frame]:
+                    params: DistributedChatParams) -> AsyncGenerator[Frame, None]:
         t0 = time.perf_counter()
         head, checker = await self._head(entry)
         gen = Generation(head.tokenizer, head.chat_prompt_ids(request.messages),

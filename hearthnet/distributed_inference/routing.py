@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -107,12 +107,17 @@ class ShardRouter:
         settings: routing limits and preferences.
         health: when given, suspect/offline shards are avoided and p95 breaks ties.
         self_node_id: this node's id (for the "avoid self as first shard" rule).
+        host_allowed: trust filter — whether activations may go to a shard on this host
+            (issue 7 item 4: the daemon passes "member at ``route_min_trust`` or higher");
+            shards of other hosts are never picked. None allows every host.
     """
 
     def __init__(self, store: ShardStore, settings: RoutingSettings | None = None,
                  health: ShardHealthTracker | None = None, *,
-                 self_node_id: str | None = None) -> None:
+                 self_node_id: str | None = None,
+                 host_allowed: Callable[[str], bool] | None = None) -> None:
         self.store = store
+        self.host_allowed = host_allowed
         self.settings = settings or RoutingSettings()
         self.health = health
         self.self_node_id = self_node_id
@@ -231,10 +236,14 @@ class ShardRouter:
         out = []
         for ad in self.store.candidates(model, sha):
             d = ad.descriptor
-            if d.shard_id in excl or d.hi >= total or self._full(ad):
+            if d.shard_id in excl or d.hi >= total or self._full(ad) \
+                    or not self._trusted(d.host):
                 continue
             out.append(self._cand(ad))
         return out
+
+    def _trusted(self, host: str) -> bool:
+        return self.host_allowed is None or self.host_allowed(host)
 
     def _full(self, ad: Advertisement) -> bool:
         active = ad.health.active_sessions if ad.health is not None else 0
@@ -339,6 +348,8 @@ class ShardRouter:
                 continue
             if d.shard_id in excl:
                 out.append(f"{d.shard_id} excluded")
+            elif not self._trusted(d.host):
+                out.append(f"{d.shard_id}: host {d.host} is below the routing minimum trust")
             elif d.hi >= total:
                 out.append(f"{d.shard_id} claims layers beyond the model's {total}")
             elif self._full(ad):

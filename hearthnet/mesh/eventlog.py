@@ -62,6 +62,8 @@ _ORIGIN_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 Signer = Callable[[bytes], bytes]
 Verifier = Callable[[str, bytes, bytes], bool]
+# Membership policy for ingested events: the reason to reject one, or None to accept.
+Admission = Callable[["Event"], "str | None"]
 Subscriber = Callable[["Event"], object]
 
 _log = get_logger("mesh.eventlog")
@@ -156,6 +158,9 @@ class EventLog:
         signer: signs `Event.signing_bytes()` of appended events.
         verifier: ``verifier(origin, data, signature) -> bool`` for ingested events; when
             set, unsigned events are rejected too.
+        admit: ``admit(event) -> reason | None`` for ingested events that passed the
+            other checks (the daemon's membership policy, issue 7 item 2): a reason
+            rejects the event, counted in ``events_rejected_total{reason}``.
         clock: wall clock for event timestamps (Unix seconds).
         compact_retain_s: when set, `compact(compact_retain_s)` runs every
             `compact_every` stored events (the daemon passes 4 × the health timeout).
@@ -163,6 +168,7 @@ class EventLog:
 
     def __init__(self, path: str | Path, node_id: str, *, metrics: Metrics | None = None,
                  signer: Signer | None = None, verifier: Verifier | None = None,
+                 admit: Admission | None = None,
                  clock: Callable[[], float] = time.time,
                  compact_retain_s: float | None = None,
                  compact_every: int = DEFAULT_COMPACT_EVERY) -> None:
@@ -173,6 +179,7 @@ class EventLog:
         self.metrics = metrics
         self._signer = signer
         self._verifier = verifier
+        self._admit_policy = admit
         self._clock = clock
         self._compact_retain_s = compact_retain_s
         self._compact_every = max(1, compact_every)
@@ -275,6 +282,15 @@ class EventLog:
                 return False
             if not good:
                 self._reject("bad_signature", ev)
+                return False
+        if self._admit_policy is not None:
+            try:
+                reason = self._admit_policy(ev)
+            except Exception as e:  # a policy bug must not break ingestion
+                reason = "policy_error"
+                _log.warning("event_policy_failed", node=self.node_id, error=repr(e))
+            if reason is not None:
+                self._reject(reason, ev)
                 return False
         return True
 

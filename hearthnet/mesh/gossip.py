@@ -41,7 +41,7 @@ import msgpack
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
-from hearthnet.errors import BadRequest, HearthNetError, ProtocolError
+from hearthnet.errors import AuthError, BadRequest, HearthNetError, ProtocolError
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.observability import get_logger
 
@@ -351,18 +351,26 @@ class GossipPeerLink:
         connect_kwargs: extra arguments for `websockets.asyncio.client.connect`
             (``ssl=``, ``additional_headers=`` ... for the security work).
         on_peer: called ``(peer_node_id, True/False)`` on connect / disconnect.
+        ssl_factory: builds the ``ssl=`` context for each dial, so a dial reflects the
+            current member list (issue 7 item 5).
+        check_peer: called with the open connection before the session; raising (e.g.
+            `AuthError` from `tls.peer_node_id`) drops it and retries with backoff.
     """
 
     def __init__(self, log: EventLog, uri: str, *, min_backoff: float = 0.2,
                  max_backoff: float = 10.0, open_timeout: float = 5.0,
                  connect_kwargs: Mapping[str, Any] | None = None,
-                 on_peer: PeerCallback | None = None) -> None:
+                 on_peer: PeerCallback | None = None,
+                 ssl_factory: Callable[[], Any] | None = None,
+                 check_peer: Callable[[Any], object] | None = None) -> None:
         self.log = log
         self.uri = uri.rstrip("/")
         self.min_backoff, self.max_backoff = min_backoff, max(min_backoff, max_backoff)
         self.open_timeout = open_timeout
         self._connect_kwargs = dict(connect_kwargs or {})
         self._on_peer = on_peer
+        self._ssl_factory = ssl_factory
+        self._check_peer = check_peer
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self.peer_id: str | None = None
@@ -403,7 +411,11 @@ class GossipPeerLink:
         while True:
             reached_hello = False
             try:
+                if self._ssl_factory is not None:
+                    kwargs["ssl"] = self._ssl_factory()
                 async with connect(self.uri + GOSSIP_PATH, **kwargs) as ws:
+                    if self._check_peer is not None:
+                        self._check_peer(ws)
                     def hello(node: str) -> None:
                         nonlocal reached_hello
                         reached_hello = True
@@ -420,6 +432,10 @@ class GossipPeerLink:
             except asyncio.CancelledError:
                 self._disconnected(reached_hello)
                 raise
+            except AuthError as e:
+                self.failures += 1
+                _log.warning("gossip_peer_refused", node=self.log.node_id, uri=self.uri,
+                             error=e.message)
             except (OSError, WebSocketException, TimeoutError, HearthNetError) as e:
                 self.failures += 1
                 _log.debug("gossip_dial_failed", node=self.log.node_id, uri=self.uri,

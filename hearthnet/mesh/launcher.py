@@ -4,6 +4,12 @@
 directory per node, the shared model store), starts each node as a separate process,
 waits for its `node_ready` line and for the model to be covered, and stops every process
 it started — on exit, on error and on Ctrl-C.
+
+Secure by default (issue 7): `LocalMesh` gives every node a key and every config the
+full member list (`security.provision`), so the nodes talk ``wss://`` with mutual TLS and
+sign their events and session opens. Clients in this process reach a node through its
+loopback admin listener (`NodeProc.uri`), or as a member with `client_ssl` / `sign_open`.
+Pass ``insecure_plaintext=True`` for plain ``ws://`` links.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -21,8 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hearthnet.config import load_config
 from hearthnet.errors import HearthNetError
 from hearthnet.paths import models_dir
+from hearthnet.security import MemberDirectory, NodeKey, client_context, sign_open
+from hearthnet.security.keys import KEY_FILE_NAME
+from hearthnet.security.provision import provision
 
 
 def free_port() -> int:
@@ -39,6 +50,8 @@ class NodeSpec:
     shards: list[tuple[int, int]] = field(default_factory=list)
     faults: dict[str, Any] = field(default_factory=dict)
     extra_di: dict[str, Any] = field(default_factory=dict)
+    trust: str = "trusted"  # this node's trust in every member list
+    extra_host: dict[str, Any] = field(default_factory=dict)  # [...distributed_inference.host]
 
 
 @dataclass
@@ -48,10 +61,18 @@ class NodeProc:
     config: Path
     proc: subprocess.Popen[str] | None = None
     endpoint: str = ""
+    admin: str = ""  # the loopback admin listener, known once the node is ready
+    tls: bool = True
 
     @property
     def uri(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
+        """Where a local client calls the node: its admin listener (``/bus``, HTTP)."""
+        return self.admin or self.listen_uri
+
+    @property
+    def listen_uri(self) -> str:
+        """The node's main listener (``/shard``, ``/gossip``; TLS unless plaintext)."""
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}"
 
 
 def _toml_value(v: Any) -> str:
@@ -65,7 +86,10 @@ def _toml_value(v: Any) -> str:
 
 
 def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, models: Path,
-              *, model: str = "smollm2", timeout_s: float = 30.0, threads: int = 1) -> str:
+              *, model: str = "smollm2", timeout_s: float = 30.0, threads: int = 1,
+              members: list[NodeSpec] | None = None, insecure_plaintext: bool = False
+              ) -> str:
+    """One node's TOML. `members` are listed without keys (`provision` fills them in)."""
     di = {"enabled": True, "shard_health_timeout_seconds": timeout_s,
           "activation_dtype": "fp16", **spec.extra_di}
     lines = ["[node]", f'id = "{spec.node_id}"', 'listen_host = "127.0.0.1"',
@@ -75,13 +99,18 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
              "[research]", "enable = true", "", "[research.distributed_inference]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in di.items()]
     lines += ["", "[research.distributed_inference.host]",
-              f"serve_shards = {_toml_value(bool(spec.shards))}", ""]
+              f"serve_shards = {_toml_value(bool(spec.shards))}"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in spec.extra_host.items()] + [""]
     for lo, hi in spec.shards:
         lines += ["[[shards]]", f'model = "{model}"', f"layers = [{lo}, {hi}]",
                   "max_concurrent_streams = 8", ""]
     if spec.faults:
         lines += ["[testing.faults]"] + [f"{k} = {_toml_value(v)}"
                                          for k, v in spec.faults.items()] + [""]
+    lines += ["[security]", f"insecure_plaintext = {_toml_value(insecure_plaintext)}", ""]
+    for m in members or []:
+        lines += ["[[community.members]]", f'node_id = "{m.node_id}"', 'public_key = ""',
+                  f'trust = "{m.trust}"', ""]
     return "\n".join(lines)
 
 
@@ -90,20 +119,23 @@ class LocalMesh:
 
     def __init__(self, specs: list[NodeSpec], *, root: Path | None = None,
                  model: str = "smollm2", timeout_s: float = 30.0, threads: int = 1,
-                 quiet: bool = True) -> None:
+                 quiet: bool = True, insecure_plaintext: bool = False) -> None:
         self.root = Path(root or tempfile.mkdtemp(prefix="hearthnet-mesh-"))
+        self.tls = not insecure_plaintext
         self.model, self.timeout_s, self.threads, self.quiet = model, timeout_s, threads, quiet
         self.models = models_dir()
         self.nodes: dict[str, NodeProc] = {}
         ports = [free_port() for _ in specs]
-        first = f"ws://127.0.0.1:{ports[0]}"
+        first = f"{'wss' if self.tls else 'ws'}://127.0.0.1:{ports[0]}"
         for i, (spec, port) in enumerate(zip(specs, ports, strict=True)):
             # a star around the first node: gossip from anyone reaches everyone through it
             peers = [] if i == 0 else [first]
             cfg = self.root / f"{spec.node_id}.toml"
             cfg.write_text(node_toml(spec, port, peers, self.root / spec.node_id, self.models,
-                                     model=model, timeout_s=timeout_s, threads=threads))
-            self.nodes[spec.node_id] = NodeProc(spec, port, cfg)
+                                     model=model, timeout_s=timeout_s, threads=threads,
+                                     members=specs, insecure_plaintext=insecure_plaintext))
+            self.nodes[spec.node_id] = NodeProc(spec, port, cfg, tls=self.tls)
+        provision(self.root)  # a key per node, every key in every member list (issue 7)
 
     def __enter__(self) -> LocalMesh:
         try:
@@ -153,6 +185,7 @@ class LocalMesh:
                 continue
             if msg.get("event") == "node_ready":
                 n.endpoint = msg["endpoint"]
+                n.admin = msg.get("admin") or ""
                 return
         raise HearthNetError(f"node {n.spec.node_id} not ready within {timeout:.0f} s")
 
@@ -165,6 +198,27 @@ class LocalMesh:
         with urllib.request.urlopen(self.nodes[node_id].uri.replace("ws://", "http://")
                                     + "/metrics", timeout=5) as r:
             return str(r.read().decode())
+
+    # ---- acting as a member (tests) ----
+
+    def key(self, node_id: str) -> NodeKey:
+        """The node key `provision` made for `node_id`."""
+        return NodeKey.load(self.root / node_id / KEY_FILE_NAME)
+
+    def directory(self, node_id: str) -> MemberDirectory:
+        """The member list in `node_id`'s config file, as it is now."""
+        cfg = load_config(self.nodes[node_id].config)
+        return MemberDirectory.from_dicts([m.model_dump() for m in cfg.community.members])
+
+    def client_ssl(self, as_node: str, expect: str | None = None) -> ssl.SSLContext:
+        """A TLS context presenting `as_node`'s certificate, pinned to `expect` (or any)."""
+        return client_context(self.key(as_node), as_node, self.directory(as_node),
+                              expect=expect)
+
+    def sign_open(self, as_node: str, params: dict[str, Any],
+                  now: float | None = None) -> dict[str, Any]:
+        """Session OPEN fields signed by `as_node`."""
+        return sign_open(self.key(as_node), as_node, params, now)
 
     def wait_covered(self, node_id: str, timeout: float = 60.0, shards: int | None = None
                      ) -> dict[str, Any]:

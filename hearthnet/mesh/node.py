@@ -8,6 +8,15 @@ One asyncio process per machine (DESIGN.md decision 6). One WebSocket server on
 - `/bus`    capability calls (`experimental.distributed_llm.chat`)
 - plain HTTP `GET /metrics` (Prometheus), `GET /health`, `GET /status` (JSON)
 
+Security (issue 7, `mesh.guard`): the listener is ``wss://`` with mutual TLS pinned to
+the community members (plain ``ws://`` only with ``insecure_plaintext = true``); every
+connection is rate- and count-limited per peer; shard opens must be signed by a member
+at ``min_trust`` or higher *before* any shard work (or weight reload); gossiped events
+must be signed by a member. A second, loopback-only plaintext **admin listener** serves
+the local CLI (`/bus`, `/status`, `/health`, `/metrics`; no `/shard`, no `/gossip`); its
+URI is in the ``node_ready`` line and in ``<data_dir>/node.json`` with the pid. SIGHUP
+re-reads the config's member list (`hearthnet node --reload`).
+
 When the node is up it prints one JSON line ``{"event": "node_ready", ...}`` on stdout
 (scripts and tests wait for it); logs are JSON lines on stderr.
 """
@@ -20,6 +29,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any
@@ -44,12 +54,14 @@ from hearthnet.distributed_inference.pipeline import (
 from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
 from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
 from hearthnet.distributed_inference.store import ShardStore
-from hearthnet.errors import BadRequest, HearthNetError, ShardUnavailable
+from hearthnet.errors import AuthError, BadRequest, HearthNetError, ShardUnavailable
 from hearthnet.mesh.bus import CapabilityBus
 from hearthnet.mesh.eventlog import ADVERTISED, WITHDRAWN, EventLog
 from hearthnet.mesh.gossip import MAX_MESSAGE_BYTES, GossipPeerLink, handle_gossip_connection
+from hearthnet.mesh.guard import NodeGuard, remove_state, write_state
 from hearthnet.models.store import ModelStore
 from hearthnet.observability import Metrics, get_logger
+from hearthnet.security import note_refusal, split_open
 from hearthnet.transport.codec import max_frame_bytes
 from hearthnet.transport.websocket import ServerStream, TensorChannel
 
@@ -70,6 +82,8 @@ class Node:
         self.shards: dict[str, ShardServer] = {}
         self.links: list[GossipPeerLink] = []
         self.server: Server | None = None
+        self.admin_server: Server | None = None
+        self.admin_uri = ""
         self.port = cfg.node.listen_port
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = asyncio.Event()
@@ -82,8 +96,13 @@ class Node:
         torch.set_num_threads(cfg.node.torch_threads)
         data = cfg.effective_data_dir()
         data.mkdir(parents=True, exist_ok=True)
-        self.log = EventLog(cfg.event_log_path(), self.node_id, metrics=self.metrics)
-        self.health = ShardHealthTracker()
+        self.guard = NodeGuard(cfg, self.metrics)  # key, members, TLS, limits (issue 7)
+        self._gate = self.guard.gate()
+        self.log = EventLog(cfg.event_log_path(), self.node_id, metrics=self.metrics,
+                            compact_retain_s=cfg.di.advertisement_expiry_s,
+                            signer=self.guard.key.sign, admit=self.guard.admit_event)
+        self.health = ShardHealthTracker(
+            offline_after_s=cfg.di.shard_health_timeout_seconds)
         self.store = ShardStore(cfg.di.advertisement_expiry_s,
                                 lan_networks=cfg.node.lan_networks, metrics=self.metrics,
                                 tracker=self.health)
@@ -92,14 +111,23 @@ class Node:
         self.models = ModelStore(cfg.effective_models_dir())
         size = max(max_frame_bytes(cfg.di.chunk_bytes), MAX_MESSAGE_BYTES)
         self.server = await serve(self._route, cfg.node.listen_host, cfg.node.listen_port,
-                                  process_request=self._http, max_size=size,
-                                  compression=None, ping_interval=20, ping_timeout=20)
+                                  ssl=self.guard.server_ssl(), process_request=self._process,
+                                  max_size=size, compression=None, ping_interval=20,
+                                  ping_timeout=20)
         self.port = self.server.sockets[0].getsockname()[1] if self.server.sockets else \
             cfg.node.listen_port
+        if cfg.security.admin_port >= 0:
+            self.admin_server = await serve(self._route_admin, "127.0.0.1",
+                                            cfg.security.admin_port,
+                                            process_request=self._http, max_size=size,
+                                            compression=None)
+            admin_port = self.admin_server.sockets[0].getsockname()[1]
+            self.admin_uri = f"ws://127.0.0.1:{admin_port}"
         self.endpoint = cfg.endpoint(self.port)
         await self._start_shards()
         self.router = ShardRouter(self.store, RoutingSettings.from_config(cfg.di), self.health,
-                                  self_node_id=self.node_id)
+                                  self_node_id=self.node_id,
+                                  host_allowed=self.guard.host_allowed)
         self.orchestrator = PipelineOrchestrator(
             models=self.models, router=self.router, health=self.health,
             metrics=self.metrics, connect=self._connect, executor=self.executor,
@@ -108,10 +136,14 @@ class Node:
                 max_shards=cfg.di.max_shards_per_request,
                 timeout_s=cfg.di.shard_health_timeout_seconds,
                 fallback_after_failures=cfg.di.fallback_after_failures),
-            enabled=cfg.distributed_enabled, max_concurrent_pipelines=cfg.di.max_concurrent_pipelines)
+            enabled=cfg.distributed_enabled, sign_open=self.guard.sign_open,
+            max_concurrent_pipelines=cfg.di.max_concurrent_pipelines)
         self.bus.register(CHAT_CAPABILITY, self._chat_capability)
-        for peer in cfg.node.peers:
-            link = GossipPeerLink(self.log, peer)
+        for peer in cfg.peer_uris():
+            link = GossipPeerLink(
+                self.log, peer,
+                ssl_factory=(lambda: self.guard.client_ssl(None)) if self.guard.tls else None,
+                check_peer=self.guard.peer_of if self.guard.tls else None)
             link.start()
             self.links.append(link)
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
@@ -119,10 +151,14 @@ class Node:
             self._tasks.append(asyncio.create_task(self._prepare_models(), name="prepare"))
         for w in cfg.warnings():
             log.warning("config_warning", warning=w)
-        log.info("node_started", endpoint=self.endpoint, shards=list(self.shards))
-        print(json.dumps({"event": "node_ready", "node_id": self.node_id,
-                          "endpoint": self.endpoint, "port": self.port, "pid": os.getpid(),
-                          "shards": list(self.shards)}), flush=True)
+        log.info("node_started", endpoint=self.endpoint, admin=self.admin_uri,
+                 tls=self.guard.tls, members=len(self.guard.directory),
+                 shards=list(self.shards))
+        ready = {"event": "node_ready", "node_id": self.node_id, "endpoint": self.endpoint,
+                 "port": self.port, "admin": self.admin_uri, "pid": os.getpid(),
+                 "shards": list(self.shards)}
+        write_state(data, {k: v for k, v in ready.items() if k != "event"})
+        print(json.dumps(ready), flush=True)
 
     async def _start_shards(self) -> None:
         cfg = self.cfg
@@ -176,15 +212,23 @@ class Node:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, self._stopping.set)
+        with contextlib.suppress(NotImplementedError, AttributeError):
+            loop.add_signal_handler(signal.SIGHUP, self.reload)
         await self.start()
         try:
             await self._stopping.wait()
         finally:
             await self.stop()
 
+    def reload(self) -> bool:
+        """Re-read the config's member list and trust minimums (SIGHUP, issue 7 item 7)."""
+        return self.guard.reload() if hasattr(self, "guard") else False
+
     async def stop(self) -> None:
         """Withdraw advertisements, close sessions and links, flush the log."""
         log.info("node_stopping")
+        if hasattr(self, "guard"):
+            remove_state(self.cfg.effective_data_dir())
         for t in self._tasks:
             t.cancel()
         for sid in self.shards:
@@ -196,10 +240,11 @@ class Node:
             await shard.close_all()
         for link in self.links:
             await link.stop()
-        if self.server is not None:
-            self.server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.server.wait_closed(), 5)
+        for server in (self.server, self.admin_server):
+            if server is not None:
+                server.close()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(server.wait_closed(), 5)
         self.log.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         log.info("node_stopped")
@@ -208,38 +253,64 @@ class Node:
 
     async def _route(self, ws: ServerConnection) -> None:
         path = ws.request.path.split("?", 1)[0] if ws.request else ""
-        if path == "/shard":
-            await self._serve_shard(ws)
-        elif path == "/gossip":
-            await handle_gossip_connection(self.log, ws)
-        elif path == "/bus":
+        addr = ws.remote_address
+        try:
+            peer = self.guard.peer_of(ws)  # the TLS member; None in plaintext mode
+            with self.guard.connection(peer or str(addr[0] if addr else "?")):
+                if path == "/shard":
+                    await self._serve_shard(ws, peer)
+                elif path == "/gossip":
+                    await handle_gossip_connection(self.log, ws)
+                elif path == "/bus":
+                    await self.bus.serve_connection(ws)
+                else:
+                    await ws.close(1008, "unknown path")
+        except AuthError as e:  # not a member, over a connection or rate limit
+            note_refusal(self.metrics, e, peer=e.details.get("peer"), path=path[:64])
+            with contextlib.suppress(Exception):
+                await ws.close(1008, str(e.details.get("reason", "refused")))
+
+    async def _route_admin(self, ws: ServerConnection) -> None:
+        """The loopback admin listener: capability calls of the local CLI only."""
+        path = ws.request.path.split("?", 1)[0] if ws.request else ""
+        if path == "/bus":
             await self.bus.serve_connection(ws)
         else:
-            await ws.close(1008, "unknown path")
+            await ws.close(1008, "the admin listener serves /bus only")
 
-    async def _serve_shard(self, ws: ServerConnection) -> None:
+    async def _serve_shard(self, ws: ServerConnection, peer: str | None = None) -> None:
         di = self.cfg.di
         try:
             stream = await ServerStream.accept_open(
                 ws, window=di.flow_control_window, chunk_bytes=di.chunk_bytes,
                 deadline_s=di.shard_health_timeout_seconds, metrics=self.metrics)
         except HearthNetError as e:
-            log.info("shard_open_failed", code=e.code)
+            log.info("shard_open_failed", code=e.code, peer=peer)
             return
+        try:  # M26 §5.8: authenticate before any shard work or weight reload
+            caller = self.guard.verify_open(stream.open_params, peer)
+        except AuthError as e:
+            await stream.refuse(e)
+            return
+        params, _ = split_open(stream.open_params)
         try:
-            params = stream.open_params
             shard = self.shards.get(str(params.get("shard_id")))
             if shard is None:
                 raise ShardUnavailable(f"this node does not host {params.get('shard_id')!r}; "
                                        f"it hosts {sorted(self.shards)}")
-            req = shard.validate_open(params)
+            req = shard.validate_open(params, caller=caller)
         except HearthNetError as e:
-            sid = str(stream.open_params.get("shard_id"))[:200]
-            self.metrics.shard_sessions_total.labels(sid, e.code, "anonymous").inc()
+            sid = str(params.get("shard_id"))[:200]
+            self.metrics.shard_sessions_total.labels(sid, e.code, caller).inc()
             await stream.refuse(e)
             return
         try:
-            await shard.serve_session(stream, req)
+            with self.guard.limiter.session(caller):
+                await shard.serve_session(stream, req)
+        except AuthError as e:  # too many sessions of this caller
+            note_refusal(self.metrics, e, caller=caller, shard_id=shard.shard_id)
+            if not stream.closed:
+                await stream.refuse(e)
         except HearthNetError as e:
             if not stream.closed:
                 await stream.refuse(e)
@@ -248,16 +319,36 @@ class Node:
 
     async def _connect(self, uri: str, params: dict[str, Any], deadline_s: float) -> Any:
         di = self.cfg.di
-        return await TensorChannel.connect(uri, params, window=di.flow_control_window,
-                                           chunk_bytes=di.chunk_bytes, deadline_s=deadline_s,
-                                           metrics=self.metrics)
+        host = str(params.get("shard_id", "")).rsplit("@", 1)[-1]
+        ssl = self.guard.client_ssl(host)  # pinned to the shard's host (issue 7 item 5)
+        if ssl is not None and not uri.startswith("wss://"):
+            raise AuthError(f"refusing to send activations to {host} over plaintext {uri}",
+                            reason="plaintext_peer")
+        ch = await TensorChannel.connect(uri, params, window=di.flow_control_window,
+                                         chunk_bytes=di.chunk_bytes, deadline_s=deadline_s,
+                                         ssl=ssl, metrics=self.metrics)
+        try:
+            self.guard.peer_of(ch.connection, expect=host)
+        except AuthError:
+            await ch.close("unexpected peer")
+            raise
+        return ch
 
-    async def _chat_capability(self, args: dict[str, Any]):  # type: ignore[no-untyped-def]
+    async def _process(self, conn: ServerConnection, request: Request) -> Response | None:
+        """The listener's ``process_request``: member gate (TLS), then HTTP paths."""
+        if self._gate is not None:
+            refused: Response | None = await self._gate(conn, request)
+            if refused is not None:
+                return refused
+        return await self._http(conn, request)
+
+    async def _chat_capability(self, args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         request = ChatRequest.from_dict(args.get("request", {}))
         params = DistributedChatParams.from_dict(args.get("params", {}),
                                                  self.orchestrator.defaults)
-        async for frame in self.orchestrator.chat(request, params):
-            yield frame
+        async with contextlib.aclosing(self.orchestrator.chat(request, params)) as it:
+            async for frame in it:
+                yield frame
 
     # ---- HTTP ----
 

@@ -1,9 +1,12 @@
-"""`hearthnet keys init|show`: the node's identity (issue 7 item 1).
+"""`hearthnet keys init|show|provision`: the node's identity (issue 7 item 1).
 
 ``keys init`` creates ``<data_dir>/node.key`` (mode 0600) if it does not exist and prints
 the node id, the public key and a ``[[community.members]]`` block to paste into every
 member's config; ``keys show`` prints the same for an existing key. The node id comes from
 ``--node-id``, else the config's ``[node] id``, else the id remembered by ``keys init``.
+``keys provision FOLDER...`` creates the key of every node config in the folders (in each
+node's data directory, so: nodes of one machine) and writes every node into every
+config's member list.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     show = ksub.add_parser("show", help="print the node id and public key")
     _common(show)
     show.set_defaults(func=_show)
+    prov = ksub.add_parser(
+        "provision", help="give every node config in folders a key and the full member list")
+    prov.add_argument("folders", nargs="+", help="folders of node TOMLs (e.g. config/mesh3)")
+    prov.add_argument("--trust", default="trusted", help="trust given to new entries")
+    prov.add_argument("--pattern", default="*.toml", help="which files (default *.toml)")
+    prov.set_defaults(func=_provision)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -117,3 +126,14 @@ def _print(key: NodeKey, node_id: str | None, trust: Trust, *, created: bool,
     if block:
         print("\n# add this node to every member's config:")
         sys.stdout.write(block)
+
+
+def _provision(args: argparse.Namespace) -> int:
+    """`hearthnet keys provision FOLDER...` — `provision.provision` on each folder."""
+    from hearthnet.security.provision import provision
+
+    for folder in args.folders:
+        for n in provision(folder, trust=Trust.parse(args.trust), pattern=args.pattern):
+            state = "new key" if n.key_created else "existing key"
+            print(f"{n.node_id:<12} {n.fingerprint}  {state:<12} {n.config}")
+    return 0

@@ -86,8 +86,9 @@ class Member:
         pk_text = d.get("public_key")
         if not isinstance(pk_text, str) or not pk_text.strip():
             raise ConfigError(
-                f"member {node_id} has no public_key: run `python scripts/gen_mesh_keys.py "
-                "<config folder>`, or paste `hearthnet keys show` from that node",
+                f"member {node_id} has no public_key: run `hearthnet keys provision "
+                "<config folder>` (or scripts/gen_mesh_keys.py), or paste `hearthnet keys "
+                "show` from that node",
                 key="community.members.public_key", reason="missing")
         public_key = decode_public_key(pk_text)
         trust = Trust.parse(d.get("trust", "member"))

@@ -28,6 +28,13 @@ def mesh(smollm2):
         yield m
 
 
+async def _open(m, host, params, *, as_node="node-a", **kw):
+    """A signed shard session on `host`, over mutual TLS as member `as_node` (issue 7)."""
+    return await TensorChannel.connect(m.nodes[host].listen_uri + "/shard",
+                                       m.sign_open(as_node, params),
+                                       ssl=m.client_ssl(as_node, host), **kw)
+
+
 def _params(smollm2, **kw):
     p = {"shard_id": f"{smollm2.model_id}:0-14@node-b", "model_id": smollm2.model_id,
          "weights_sha256": smollm2.weights_sha256, "start": 0, "end": 14, "max_length": 64,
@@ -51,8 +58,7 @@ async def _compare_session(mesh, smollm2):
     ids = head.chat_prompt_ids([{"role": "user", "content": "Hello there"}])
     x = head.embed(ids)
     ref = LayeredStack(smollm2, 0, 14).open_session(3, 9, 64)
-    ch = await TensorChannel.connect(mesh.nodes["node-b"].uri + "/shard",
-                                     _params(smollm2, start=3, end=9), deadline_s=10)
+    ch = await _open(mesh, "node-b", _params(smollm2, start=3, end=9), deadline_s=10)
     try:
         got = (await ch.step(1, 0, x)).tensor
         assert torch.equal(got, ref.forward(x, 0))
@@ -72,24 +78,22 @@ async def _compare_session(mesh, smollm2):
 ])
 async def test_refused_opens_are_typed(mesh, smollm2, override, err):
     with pytest.raises(err):
-        await TensorChannel.connect(mesh.nodes["node-b"].uri + "/shard",
-                                    _params(smollm2, **override), deadline_s=10)
+        await _open(mesh, "node-b", _params(smollm2, **override), deadline_s=10)
 
 
 async def test_max_concurrent_streams_refuses_at_once(mesh, smollm2):
-    uri = mesh.nodes["node-b"].uri + "/shard"
-    chans = [await TensorChannel.connect(uri, _params(smollm2), deadline_s=10)
+    chans = [await _open(mesh, "node-b", _params(smollm2), deadline_s=10)
              for _ in range(8)]  # max_concurrent_streams = 8 in LocalMesh
     try:
         t = time.monotonic()
         with pytest.raises(ShardUnavailable):
-            await TensorChannel.connect(uri, _params(smollm2), deadline_s=10)
+            await _open(mesh, "node-b", _params(smollm2), deadline_s=10)
         assert time.monotonic() - t < 5  # refused, not queued until a slot frees
     finally:
         for c in chans:
             await c.close()
     await asyncio.sleep(0.3)
-    c = await TensorChannel.connect(uri, _params(smollm2), deadline_s=10)  # a slot is free again
+    c = await _open(mesh, "node-b", _params(smollm2), deadline_s=10)  # a slot is free again
     await c.close()
 
 
@@ -155,5 +159,28 @@ def test_research_disabled_emits_nothing(smollm2):
         st = m.status("node-q")
         assert st["shards"] == []  # M26 §5.1: opted out, no advertisement
         assert st["models"][0]["fully_covered"] is False
+    finally:
+        m.stop()
+
+
+async def test_idle_shard_evicts_and_reloads_on_next_open(smollm2):
+    spec = NodeSpec("node-e", [(0, 14)], extra_di={"shard_health_timeout_seconds": 1.0},
+                    extra_host={"shard_eviction_idle_seconds": 1.0})
+    m = LocalMesh([spec])
+    m.start(wait_cover=False)  # one node with half the model: never fully covered
+    try:
+        deadline = time.monotonic() + 30
+        while '"shard_evicted"' not in m.log_text("node-e") and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert '"shard_evicted"' in m.log_text("node-e")
+        assert m.log_text("node-e").count('"shard_loaded"') == 1
+        params = _params(smollm2, shard_id=f"{smollm2.model_id}:0-14@node-e")
+        ch = await _open(m, "node-e", params, as_node="node-e", deadline_s=30)
+        try:
+            out = (await ch.step(1, 0, torch.randn(1, 4, 576))).tensor
+            assert out.shape == (1, 4, 576)
+        finally:
+            await ch.close()
+        assert m.log_text("node-e").count('"shard_loaded"') == 2  # reloaded for the open
     finally:
         m.stop()

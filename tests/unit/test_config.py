@@ -37,8 +37,8 @@ def test_mesh3_layout() -> None:
     assert [(s.model, s.layers) for s in b.hosted_shards()] == [("smollm2", (0, 14))]
     assert [(s.model, s.layers) for s in c.hosted_shards()] == [("smollm2", (15, 29))]
     # gossip chain A - B - C: A and C dial B
-    assert a.node.peers == ["ws://127.0.0.1:7702"] == c.node.peers
-    assert b.endpoint() == "ws://127.0.0.1:7702"
+    assert a.node.peers == ["wss://127.0.0.1:7702"] == c.node.peers
+    assert b.endpoint() == "wss://127.0.0.1:7702"  # secure by default (issue 7)
     d = load_config(REPO / "config" / "mesh4" / "node-d.toml")
     assert [s.layers for s in d.hosted_shards()] == [(10, 29)]
 
@@ -56,7 +56,7 @@ def test_defaults_are_the_spec_section_7_values() -> None:
             di.host.shard_max_vram_mb) == (False, 600, 20000)
     assert di.advertisement_expiry_s == 120 and di.heartbeat_interval_s == 15
     assert cfg.research.enable is False and not cfg.distributed_enabled
-    assert cfg.security.insecure_plaintext and cfg.testing.faults == {}
+    assert not cfg.security.insecure_plaintext and cfg.testing.faults == {}
     assert cfg.community.min_trust == "trusted"
 
 
@@ -195,7 +195,11 @@ def test_endpoint() -> None:
                        'advertise_host = "192.168.1.5"\n[security]\ninsecure_plaintext = false\n')
     assert cfg.endpoint(41000) == "wss://192.168.1.5:41000"
     v6 = parse_config('[node]\nid = "node-x"\nlisten_host = "::1"\n')
-    assert v6.endpoint() == "ws://[::1]:7700"
+    assert v6.endpoint() == "wss://[::1]:7700"
+    plain = parse_config('[node]\nid = "node-x"\npeers = ["wss://10.0.0.2:7701"]\n'
+                         '[security]\ninsecure_plaintext = true\n')
+    assert plain.endpoint() == "ws://127.0.0.1:7700"
+    assert plain.peer_uris() == ["ws://10.0.0.2:7701"]
 
 
 def test_config_is_immutable() -> None:
