@@ -65,7 +65,7 @@ class NodeSection(_Section):
     advertise_host: str = ""  # host others use to reach us; default listen_host
     data_dir: str = ""  # default <HEARTHNET_DATA_DIR>/nodes/<id>
     models_dir: str = ""  # default <HEARTHNET_DATA_DIR>/models
-    metrics_port: Port = 0  # 0 = /metrics only on the main port
+    metrics_port: Port = 0  # >0: also a plain-HTTP /metrics (only) on this port
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     torch_threads: Annotated[int, Field(ge=1, le=256)] = 1
     peers: list[str] = Field(default_factory=list)

@@ -147,6 +147,13 @@ class Node:
             link.start()
             self.links.append(link)
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        self._metrics_server: Any = None
+        if cfg.node.metrics_port:  # a plain-HTTP /metrics for a LAN Prometheus (TLS-free)
+            from prometheus_client import start_http_server
+
+            self._metrics_server, _ = start_http_server(
+                cfg.node.metrics_port, addr=cfg.node.listen_host,
+                registry=self.metrics.registry)
         if cfg.distributed_enabled:  # load heads + sanity bounds now, not in the first call
             self._tasks.append(asyncio.create_task(self._prepare_models(), name="prepare"))
         for w in cfg.warnings():
@@ -245,6 +252,8 @@ class Node:
                 server.close()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(server.wait_closed(), 5)
+        if getattr(self, "_metrics_server", None) is not None:
+            self._metrics_server.shutdown()
         self.log.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         log.info("node_stopped")

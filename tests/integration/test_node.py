@@ -184,3 +184,21 @@ async def test_idle_shard_evicts_and_reloads_on_next_open(smollm2):
         assert m.log_text("node-e").count('"shard_loaded"') == 2  # reloaded for the open
     finally:
         m.stop()
+
+
+def test_metrics_port_serves_plain_http_metrics(smollm2):
+    import urllib.request
+
+    from hearthnet.mesh.launcher import free_port
+
+    port = free_port()
+    m = LocalMesh([NodeSpec("node-m")])
+    cfg = m.nodes["node-m"].config
+    cfg.write_text(cfg.read_text().replace("[node]\n", f"[node]\nmetrics_port = {port}\n", 1))
+    m.start(wait_cover=False)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert "hearthnet_distributed_inference_failovers_total" in text
+    finally:
+        m.stop()
