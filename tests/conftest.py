@@ -31,3 +31,22 @@ def smollm2(model_store):
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def local_answer(smollm2):
+    """`local_answer(prompt, n)`: the local engine's greedy token ids — the reference every
+    distributed answer must match. One engine and one answer per (prompt, n) per run."""
+    from hearthnet.distributed_inference.generation import SamplingParams
+    from hearthnet.distributed_inference.local import LocalEngine
+
+    engine = LocalEngine(smollm2)
+    cache: dict[tuple[str, int], list[int]] = {}
+
+    def answer(prompt: str, n: int) -> list[int]:
+        if (prompt, n) not in cache:
+            cache[(prompt, n)] = [e.token_id for e in engine.generate(
+                [{"role": "user", "content": prompt}], SamplingParams(max_tokens=n))]
+        return cache[(prompt, n)]
+
+    return answer

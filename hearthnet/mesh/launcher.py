@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,31 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
     return "\n".join(lines)
 
 
+def wait_node_ready(proc: subprocess.Popen[str], timeout: float, node_id: str,
+                    on_exit: Callable[[], str]) -> dict[str, Any]:
+    """Read a node process's stdout until its `node_ready` line; returns that line's map.
+
+    Raises:
+        HearthNetError: the process exited first (with `on_exit()`'s text), or timeout.
+    """
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                raise HearthNetError(f"node {node_id} exited with {proc.returncode}; "
+                                     f"{on_exit()}")
+            continue
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(msg, dict) and msg.get("event") == "node_ready":
+            return msg
+    raise HearthNetError(f"node {node_id} not ready within {timeout:.0f} s")
+
+
 class LocalMesh:
     """A mesh of node processes on this machine; use as a context manager."""
 
@@ -169,25 +195,11 @@ class LocalMesh:
         return n
 
     def _wait_ready(self, n: NodeProc, timeout: float) -> None:
-        assert n.proc is not None and n.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = n.proc.stdout.readline()
-            if not line:
-                if n.proc.poll() is not None:
-                    raise HearthNetError(f"node {n.spec.node_id} exited with "
-                                         f"{n.proc.returncode}; see {self.root}/"
-                                         f"{n.spec.node_id}.log")
-                continue
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if msg.get("event") == "node_ready":
-                n.endpoint = msg["endpoint"]
-                n.admin = msg.get("admin") or ""
-                return
-        raise HearthNetError(f"node {n.spec.node_id} not ready within {timeout:.0f} s")
+        assert n.proc is not None
+        msg = wait_node_ready(n.proc, timeout, n.spec.node_id,
+                              lambda: f"see {self.root}/{n.spec.node_id}.log")
+        n.endpoint = msg["endpoint"]
+        n.admin = msg.get("admin") or ""
 
     def status(self, node_id: str) -> dict[str, Any]:
         with urllib.request.urlopen(self.nodes[node_id].uri.replace("ws://", "http://")

@@ -30,7 +30,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hearthnet.distributed_inference.faults import MODES
 from hearthnet.distributed_inference.generation import SamplingParams
-from hearthnet.distributed_inference.local import LocalEngine
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
@@ -60,11 +59,8 @@ def _fault_node(mode: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2) -> dict[str, list[int]]:
-    eng = LocalEngine(smollm2)
-    return {p: [e.token_id for e in eng.generate([{"role": "user", "content": p}],
-                                                 SamplingParams(max_tokens=N))]
-            for p in PROMPTS}
+def reference(local_answer) -> dict[str, list[int]]:
+    return {p: local_answer(p, N) for p in PROMPTS}
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from hearthnet.distributed_inference.generation import SamplingParams
-from hearthnet.distributed_inference.local import LocalEngine
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
@@ -22,11 +21,8 @@ N = 64
 
 
 @pytest.fixture(scope="module")
-def local_answers(smollm2):
-    eng = LocalEngine(smollm2)
-    return {p: [e.token_id for e in eng.generate([{"role": "user", "content": p}],
-                                                 SamplingParams(max_tokens=N))]
-            for p in PROMPTS}
+def local_answers(local_answer):
+    return {p: local_answer(p, N) for p in PROMPTS}
 
 
 async def _chat(uri: str, prompt: str, **params) -> list[dict]:

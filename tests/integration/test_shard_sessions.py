@@ -27,7 +27,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 
 from hearthnet.distributed_inference.generation import SamplingParams
-from hearthnet.distributed_inference.local import LocalEngine
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
@@ -42,10 +41,8 @@ GAUGE = "hearthnet_distributed_inference_shard_active_sessions"
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2) -> list[int]:
-    eng = LocalEngine(smollm2)
-    return [e.token_id for e in eng.generate([{"role": "user", "content": PROMPT}],
-                                             SamplingParams(max_tokens=N))]
+def reference(local_answer) -> list[int]:
+    return local_answer(PROMPT, N)
 
 
 @pytest.fixture(scope="module")

@@ -27,14 +27,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hearthnet.mesh.launcher import NodeSpec, node_toml
+from hearthnet.mesh.launcher import NodeSpec, node_toml, wait_node_ready
 from hearthnet.paths import models_dir
 from hearthnet.security.provision import provision
 
@@ -185,18 +184,8 @@ class NetnsLan:
             self._wait_ready(self.nodes[i], timeout)
 
     def _wait_ready(self, n: LanNode, timeout: float) -> None:
-        assert n.proc is not None and n.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = n.proc.stdout.readline()
-            if not line:
-                if n.proc.poll() is not None:
-                    raise RuntimeError(f"{n.spec.node_id} exited: {self.log_tail(n)}")
-                continue
-            with contextlib.suppress(ValueError):
-                if json.loads(line).get("event") == "node_ready":
-                    return
-        raise RuntimeError(f"{n.spec.node_id} not ready in {timeout:.0f} s")
+        assert n.proc is not None
+        wait_node_ready(n.proc, timeout, n.spec.node_id, lambda: self.log_tail(n))
 
     def log_tail(self, n: LanNode) -> str:
         return (self.root / f"{n.spec.node_id}.log").read_text()[-2000:]

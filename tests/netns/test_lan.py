@@ -22,8 +22,6 @@ from typing import Any
 
 import pytest
 
-from hearthnet.distributed_inference.generation import SamplingParams
-from hearthnet.distributed_inference.local import LocalEngine
 from hearthnet.mesh.launcher import NodeSpec
 from tests.netns.conftest import NetnsLan
 
@@ -35,10 +33,8 @@ TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2) -> list[int]:
-    eng = LocalEngine(smollm2)
-    return [e.token_id for e in eng.generate([{"role": "user", "content": PROMPT}],
-                                             SamplingParams(max_tokens=N))]
+def reference(local_answer) -> list[int]:
+    return local_answer(PROMPT, N)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from hearthnet.distributed_inference.generation import SamplingParams
-from hearthnet.distributed_inference.local import LocalEngine
 from hearthnet.distributed_inference.pipeline import (
     ChatRequest,
     DistributedChatParams,
@@ -21,9 +20,8 @@ PROMPT = [{"role": "user", "content": "Write a short poem about a lighthouse kee
 
 
 @pytest.fixture(scope="module")
-def local_tokens(smollm2):
-    eng = LocalEngine(smollm2)
-    return [ev.token_id for ev in eng.generate(PROMPT, SamplingParams(max_tokens=24))]
+def local_tokens(local_answer):
+    return local_answer(PROMPT[0]["content"], 24)
 
 
 async def _chosen(mesh: InProcessMesh, smollm2, layer: int):
