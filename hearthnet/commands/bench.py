@@ -45,9 +45,30 @@ def _transport_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return res, format_report(res)
 
 
+def _lazy(module: str) -> tuple[AddArgs, RunBench]:
+    """`add_args` and `run` of ``hearthnet.bench.<module>``, imported when used."""
+    import importlib
+
+    def add_args(p: argparse.ArgumentParser) -> None:
+        importlib.import_module(f"hearthnet.bench.{module}").add_args(p)
+
+    def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+        res: tuple[dict[str, Any], str] = importlib.import_module(
+            f"hearthnet.bench.{module}").run(args)
+        return res
+
+    return add_args, run
+
+
 BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
     "transport": ("tensor transport round trips against an echo peer process on 127.0.0.1",
                   _transport_args, _transport_run),
+    "local": ("one machine: prefill, decode tokens/s, peak RSS of the whole model, each half "
+              "and the head (each in a fresh process)", *_lazy("local")),
+    "pipeline": ("distributed vs local tokens/s, per-hop overhead, first token, concurrency "
+                 "(shards in separate processes on 127.0.0.1)", *_lazy("pipeline")),
+    "failover": ("kill -9 the last-stage shard mid-answer: time to the next token, total "
+                 "time and tokens against an unfaulted run", *_lazy("failover")),
 }
 """name → (help, add_args, run). ``run`` returns (figures as a JSON-able dict, report)."""
 

@@ -1,36 +1,145 @@
-"""`hearthnet demo`: the README's first command — stream a real answer."""
+"""`hearthnet demo`: the README's first command — a real answer through a real mesh.
+
+Starts three `hearthnet node` processes on 127.0.0.1 (`LocalMesh`): node A orchestrates,
+node B hosts layers 0–14 and node C layers 15–29 of SmolLM2, each with its node state in a
+fresh temporary folder and the shared model store. It waits until A sees the model fully
+covered, streams a greedy answer through A's `experimental.distributed_llm.chat`
+capability, prints a per-shard latency summary, and stops every process it started — also
+on Ctrl-C, SIGTERM or an error — then deletes the temporary folder.
+
+With ``--json`` every line on stdout is one JSON object: ``demo_mesh`` (the nodes, their
+pids and the temporary folder), then the chat's frames as the node sends them
+(``shard_status``, ``token_delta``, ``done`` …), then ``demo_stopped``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
 
 DEFAULT_PROMPT = "In two sentences, why is it useful to share one computer's work across several?"
+MODEL = "smollm2"
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("demo", help="stream a real answer (three-node mesh on 127.0.0.1)")
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("demo", help="stream a real answer (three-node mesh on 127.0.0.1)",
+                       description="Start a three-node mesh on 127.0.0.1, stream an answer "
+                                   "through it, print per-shard latencies, stop the mesh.")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per frame on stdout")
     p.set_defaults(func=_run)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # SIGTERM / SIGHUP: the same clean stop as Ctrl-C
+
+
+def _say(text: str, as_json: bool) -> None:
+    if not as_json:
+        print(text, flush=True)
 
 
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from hearthnet.commands.chat import emit
-    from hearthnet.distributed_inference.generation import SamplingParams
-    from hearthnet.distributed_inference.local import LocalEngine
+    from hearthnet.mesh.launcher import LocalMesh, NodeSpec
     from hearthnet.models import ModelStore
 
-    torch.set_num_threads(2)
-    engine = LocalEngine(ModelStore().get("smollm2"))
-    n = 0
-    for ev in engine.generate([{"role": "user", "content": args.prompt}],
-                              SamplingParams(max_tokens=args.max_tokens)):
-        n += 1
-        emit({"type": "token_delta", "text": ev.text, "token_id": ev.token_id}, args.json)
-    emit({"type": "done", "usage": {"completion_tokens": n},
-          "timings": {"first_token_ms": engine.timings.first_token_ms,
-                      "tokens_per_second": engine.timings.decode_tokens_per_s}}, args.json)
+    torch.set_num_threads(1)  # this process only relays frames; the nodes compute
+    entry = ModelStore().get(MODEL)  # a clear error now if the model is not imported
+    half = entry.num_layers // 2
+    specs = [NodeSpec("node-a"), NodeSpec("node-b", [(0, half - 1)]),
+             NodeSpec("node-c", [(half, entry.num_layers - 1)])]
+    root = Path(tempfile.mkdtemp(prefix="hearthnet-demo-"))
+    old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    mesh: LocalMesh | None = None
+    try:
+        _say(f"HearthNet demo: starting 3 node processes on 127.0.0.1 (node state in {root})",
+             args.json)
+        t0 = time.perf_counter()
+        mesh = LocalMesh(specs, root=root, model=MODEL, threads=1)
+        mesh.start()
+        _announce(mesh, specs, root, time.perf_counter() - t0, args.json)
+        return asyncio.run(_chat(mesh.nodes["node-a"].uri, args))
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up
+        pids = _stop(mesh)
+        shutil.rmtree(root, ignore_errors=True)
+        if args.json:
+            print(json.dumps({"type": "demo_stopped", "pids": pids}), flush=True)
+        else:
+            print(f"stopped {len(pids)} node processes", flush=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _stop(mesh: Any) -> list[int]:
+    if mesh is None:
+        return []
+    pids = [n.proc.pid for n in mesh.nodes.values() if n.proc is not None]
+    mesh.stop()
+    return pids
+
+
+def _announce(mesh: Any, specs: list[Any], root: Path, start_s: float, as_json: bool) -> None:
+    nodes = {s.node_id: {"pid": mesh.nodes[s.node_id].proc.pid, "uri": mesh.nodes[s.node_id].uri,
+                         "layers": [list(r) for r in s.shards]} for s in specs}
+    if as_json:
+        print(json.dumps({"type": "demo_mesh", "root": str(root), "model": MODEL,
+                          "nodes": nodes, "start_s": round(start_s, 1)}), flush=True)
+        return
+    for node_id, n in nodes.items():
+        role = "orchestrator" if not n["layers"] else \
+            "layers " + ", ".join(f"{lo}–{hi}" for lo, hi in n["layers"])
+        print(f"  {node_id}  {role:<14} pid {n['pid']}")
+    print(f"model {MODEL} fully covered after {start_s:.1f} s\n", flush=True)
+
+
+async def _chat(uri: str, args: argparse.Namespace) -> int:
+    from hearthnet.commands.chat import emit
+    from hearthnet.distributed_inference.generation import SamplingParams
+    from hearthnet.mesh.bus import bus_call
+    from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+
+    call = chat_args(args.prompt, MODEL, SamplingParams(max_tokens=args.max_tokens))
+    _say(f"> {args.prompt}\n", args.json)
+    last: dict[str, Any] = {}
+    async for frame in bus_call(uri, CHAT_CAPABILITY, call):
+        last = frame
+        if args.json or frame.get("type") in ("token_delta", "shard_failover",
+                                              "pipeline_aborted", "error"):
+            emit(frame, args.json)
+    if last.get("type") != "done":
+        return 1
+    if not args.json:
+        print("\n\n" + summary(last), flush=True)
     return 0
+
+
+def summary(done: dict[str, Any]) -> str:
+    """The per-shard latency summary of a `done` frame, for a person."""
+    t = done.get("timings", {})
+    rows = [f"{'shard':<28} {'layers':>7} {'p50 ms':>8} {'p95 ms':>8} {'overhead p50/p95 ms':>20}"]
+    for sid, s in t.get("per_shard", {}).items():
+        name = sid.rsplit(":", 1)[-1]  # "0-14@node-b"
+        rows.append(f"{name:<28} {s['layers'][0]:>3}–{s['layers'][1]:<3} {s['p50_ms']:>8.1f} "
+                    f"{s['p95_ms']:>8.1f} {s['overhead_p50_ms']:>9.2f} / "
+                    f"{s['overhead_p95_ms']:<8.2f}")
+    n = done.get("usage", {}).get("completion_tokens", 0)
+    via = "local fallback" if done.get("fallback") else " → ".join(
+        str(s).rsplit(":", 1)[-1] for s in done.get("pipeline", []))
+    rows.append(f"{n} tokens via {via}: first token {t.get('first_token_ms', 0):.0f} ms, "
+                f"{t.get('tokens_per_second', 0):.1f} tokens/s, pipeline construction "
+                f"{t.get('construction_ms', 0):.0f} ms, total {t.get('total_ms', 0):.0f} ms")
+    return "\n".join(r.rstrip() for r in rows)

@@ -1,0 +1,109 @@
+"""Benchmarks behind `hearthnet bench local|pipeline|failover` (issues 2, 5 and 6).
+
+Each module exposes ``add_args(parser)`` and ``run(args) -> (figures, report)`` for the
+`BENCHMARKS` table of `hearthnet.commands.bench`. This module holds what they share:
+percentiles, a plain-text table, the machine description every result carries, and
+writing the figures to ``bench-results/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path("bench-results")
+
+# Prompts that make SmolLM2 write at length (greedy answers of 64+ tokens).
+PROMPTS = ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
+           "Explain in detail how a refrigerator keeps food cold.",
+           "Describe a walk through a busy market on a summer morning.",
+           "Write a letter to a friend about learning to bake bread.")
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The `q`-quantile (0..1) of `xs` by nearest rank; 0.0 when empty."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return float(s[min(len(s) - 1, int(q * len(s)))])
+
+
+def median(xs: Sequence[float]) -> float:
+    """The median of `xs` (mean of the middle two for an even count); 0.0 when empty."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    mid = len(s) // 2
+    return float(s[mid]) if len(s) % 2 else float((s[mid - 1] + s[mid]) / 2)
+
+
+def machine() -> dict[str, Any]:
+    """Where and when a figure was measured (every result carries it)."""
+    import torch
+
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = []
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "host": platform.node(),
+            "cpus": os.cpu_count(), "cpu": _cpu_model(), "python": platform.python_version(),
+            "torch": torch.__version__, "loadavg_at_start": [round(x, 2) for x in load]}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table with columns padded to fit."""
+    cells = [[str(h) for h in header]] + [[_cell(v) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+    return "-" if v is None else str(v)
+
+
+def write_results(name: str, figures: dict[str, Any], directory: Path = RESULTS_DIR) -> Path:
+    """Write `figures` to ``<directory>/<name>.json``; returns the path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def proc_memory() -> dict[str, float]:
+    """This process's memory in MiB from /proc/self/status: peak (VmHWM) and current RSS.
+
+    Falls back to ``getrusage`` (peak only) where /proc is missing.
+    """
+    out: dict[str, float] = {}
+    keys = {"VmHWM": "peak_rss_mb", "VmRSS": "rss_mb", "RssAnon": "rss_anon_mb",
+            "RssFile": "rss_file_mb"}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k in keys:
+                out[keys[k]] = round(int(v.split()[0]) / 1024, 1)  # kB
+    except OSError:
+        import resource
+
+        out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return out

@@ -1,0 +1,242 @@
+"""`hearthnet bench local`: one machine's figures for a model (issue 2).
+
+Prefill time and decode tokens/s of the whole model in one process (`LocalEngine`, greedy,
+median of ``--runs`` runs after a warm-up), and the peak resident memory of the processes a
+mesh is made of: the whole model, each half of the layers (what a two-shard node holds),
+the head alone (what an orchestrator holds: tokenizer, embeddings, final norm, lm_head) and
+the bare runtime (Python, torch, transformers; nothing loaded).
+
+Every part is measured in its own fresh child process (``python -m hearthnet.bench.local
+--part PART``) that loads only that part, runs it, and reports its peak RSS (VmHWM from
+/proc/self/status), so no figure includes memory another part left behind. The halves and
+the head run on synthetic hidden states of the prompt's length: their compute time does
+not depend on the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from hearthnet.bench import (
+    PROMPTS,
+    machine,
+    median,
+    percentile,
+    proc_memory,
+    table,
+    write_results,
+)
+from hearthnet.errors import HearthNetError
+
+PARTS = ("runtime", "head", "lower", "upper", "full")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """Options of `hearthnet bench local`."""
+    p.add_argument("--model", default="smollm2", help="model alias in the store")
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
+    p.add_argument("--runs", type=int, default=3, help="measured runs (median; default 3)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    p.add_argument("--prompt", default=PROMPTS[0])
+    p.add_argument("--results-dir", default="bench-results",
+                   help="folder for local.json (default bench-results)")
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Measure every part in a fresh child process; returns (figures, report)."""
+    from pathlib import Path
+
+    if args.runs < 1 or args.tokens < 2:
+        raise HearthNetError("--runs must be ≥ 1 and --tokens ≥ 2")
+    figures: dict[str, Any] = {
+        "benchmark": "local", "model": args.model, "tokens": args.tokens, "runs": args.runs,
+        "settings": {"torch_threads_per_process": args.threads, "compute_dtype": "fp32",
+                     "sampling": "greedy", "prompt": args.prompt,
+                     "memory": "peak RSS (VmHWM) of a fresh process per part"},
+        "machine": machine()}
+    full = _child(args, "full")
+    parts = {"full": full}
+    for part in ("lower", "upper", "head", "runtime"):
+        parts[part] = _child(args, part, prompt_tokens=full["prompt_tokens"])
+    figures.update({
+        "model_id": full["model_id"], "num_layers": full["num_layers"],
+        "prompt_tokens": full["prompt_tokens"],
+        "prefill_ms": round(median(full["prefill_ms"]), 2),
+        "first_token_ms": round(median(full["first_token_ms"]), 2),
+        "decode_tokens_per_s": round(median(full["decode_tokens_per_s"]), 2),
+        "runs_detail": {k: full[k] for k in ("prefill_ms", "first_token_ms",
+                                             "decode_tokens_per_s", "completion_tokens")},
+        "memory_mb": {_label(p, parts[p]): parts[p]["memory"] for p in PARTS},
+        "parts": parts})
+    figures["results_file"] = str(write_results("local", figures, Path(args.results_dir)))
+    return figures, report(figures)
+
+
+def _label(part: str, res: dict[str, Any]) -> str:
+    if part in ("lower", "upper"):
+        lo, hi = res["layers"]
+        return f"layers_{lo}_{hi}"
+    return part
+
+
+def _child(args: argparse.Namespace, part: str, prompt_tokens: int = 0) -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "hearthnet.bench.local", "--part", part,
+           "--model", args.model, "--tokens", str(args.tokens), "--runs", str(args.runs),
+           "--threads", str(args.threads), "--prompt", args.prompt,
+           "--prompt-tokens", str(prompt_tokens)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        raise HearthNetError(f"bench child for part {part!r} failed ({r.returncode}): "
+                             f"{r.stderr.strip()[-2000:]}")
+    return dict(json.loads(lines[-1]))
+
+
+def report(f: dict[str, Any]) -> str:
+    """The human-readable table of a `run` result."""
+    rows = [["full model", f"0-{f['num_layers'] - 1}", f["parts"]["full"]["memory"]
+             ["peak_rss_mb"], f["prefill_ms"], f["decode_tokens_per_s"],
+             round(1000 / f["decode_tokens_per_s"], 2) if f["decode_tokens_per_s"] else None]]
+    for part, name in (("lower", "first half"), ("upper", "second half")):
+        r = f["parts"][part]
+        rows.append([name, f"{r['layers'][0]}-{r['layers'][1]}", r["memory"]["peak_rss_mb"],
+                     median(r["prefill_ms"]), None, median(r["decode_step_ms_p50"])])
+    h = f["parts"]["head"]
+    rows.append(["head only", "-", h["memory"]["peak_rss_mb"], None, None,
+                 median(h["decode_step_ms_p50"])])
+    rows.append(["runtime only", "-", f["parts"]["runtime"]["memory"]["peak_rss_mb"], None,
+                 None, None])
+    t = table(["part (own process)", "layers", "peak RSS MiB", "prefill ms", "decode tok/s",
+               "step ms p50"], rows)
+    return (f"bench local: {f['model_id']}, {f['tokens']} tokens × {f['runs']} runs "
+            f"(median), prompt {f['prompt_tokens']} tokens, "
+            f"{f['settings']['torch_threads_per_process']} torch threads, fp32\n{t}\n"
+            f"first token {f['first_token_ms']:.1f} ms; written to {f['results_file']}")
+
+
+# ---------------------------------------------------------------------------------------
+# The child process: load one part, run it, report.
+
+
+def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
+    from hearthnet.distributed_inference.generation import SamplingParams
+    from hearthnet.distributed_inference.local import LocalEngine
+
+    engine = LocalEngine(entry)
+    out: dict[str, Any] = {}
+    msgs = [{"role": "user", "content": a.prompt}]
+    list(engine.generate(msgs, SamplingParams(max_tokens=4)))  # warm-up
+    keys = ("prefill_ms", "first_token_ms", "decode_tokens_per_s", "completion_tokens")
+    runs: dict[str, list[Any]] = {k: [] for k in keys}
+    for _ in range(a.runs):
+        n = sum(1 for _ in engine.generate(msgs, SamplingParams(max_tokens=a.tokens)))
+        t = engine.timings
+        runs["prefill_ms"].append(round(t.prefill_ms, 2))
+        runs["first_token_ms"].append(round(t.first_token_ms, 2))
+        runs["decode_tokens_per_s"].append(round(t.decode_tokens_per_s, 2))
+        runs["completion_tokens"].append(n)
+    out.update(runs)
+    out["prompt_tokens"] = len(engine.head.chat_prompt_ids(msgs))
+    out["memory"] = proc_memory()  # while the model is alive
+    return out
+
+
+def _measure_layers(entry: Any, lo: int, hi: int, a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
+
+    stack = LayeredStack(entry, lo, hi)
+    out: dict[str, Any] = {"layers": [lo, hi],
+                           "param_mb": round(stack.param_bytes() / 2**20, 1)}
+    t_prompt = max(1, a.prompt_tokens)
+    gen = torch.Generator().manual_seed(0)
+    prefill, steps = [], []
+    for _ in range(a.runs + 1):  # the first is the warm-up
+        s = stack.open_session(lo, hi, t_prompt + a.tokens + 1)
+        x = torch.randn(1, t_prompt, stack.hidden_size, generator=gen)  # (1, T, H)
+        t0 = time.perf_counter()
+        s.forward(x, 0)
+        prefill.append((time.perf_counter() - t0) * 1000)
+        run_steps = []
+        for pos in range(t_prompt, t_prompt + a.tokens - 1):
+            x = torch.randn(1, 1, stack.hidden_size, generator=gen)  # (1, 1, H)
+            t0 = time.perf_counter()
+            s.forward(x, pos)
+            run_steps.append((time.perf_counter() - t0) * 1000)
+        steps.append(run_steps)
+        s.close()
+    out["prefill_ms"] = [round(x, 2) for x in prefill[1:]]
+    out["decode_step_ms_p50"] = [round(percentile(r, 0.5), 3) for r in steps[1:]]
+    out["decode_step_ms_p95"] = [round(percentile(r, 0.95), 3) for r in steps[1:]]
+    out["memory"] = proc_memory()  # while the layers are alive
+    return out
+
+
+def _measure_head(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
+    from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
+
+    head = LayeredHead(entry)
+    out: dict[str, Any] = {}
+    ids = head.chat_prompt_ids([{"role": "user", "content": a.prompt}])
+    steps: list[list[float]] = []
+    for _ in range(a.runs + 1):
+        run_steps = []
+        tok = ids[-1]
+        for _ in range(a.tokens):
+            t0 = time.perf_counter()
+            h = head.embed([tok])  # (1, 1, H): the hidden state is the embedding itself
+            tok = int(head.logits(h).argmax())
+            run_steps.append((time.perf_counter() - t0) * 1000)
+        steps.append(run_steps)
+    out["decode_step_ms_p50"] = [round(percentile(r, 0.5), 3) for r in steps[1:]]
+    out["memory"] = proc_memory()  # while the head is alive
+    return out
+
+
+def child_main(argv: list[str] | None = None) -> int:
+    """Entry point of one measuring child; prints one JSON line."""
+    p = argparse.ArgumentParser(prog="python -m hearthnet.bench.local")
+    p.add_argument("--part", choices=PARTS, required=True)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt", default=PROMPTS[0])
+    p.add_argument("--prompt-tokens", type=int, default=0)
+    a = p.parse_args(argv)
+    import torch
+
+    import hearthnet.distributed_inference.backends.small_model_layered  # noqa: F401
+    from hearthnet.models import ModelStore
+
+    torch.set_num_threads(a.threads)
+    entry = ModelStore().get(a.model)
+    n = entry.num_layers
+    if a.part == "full":
+        out = _measure_full(entry, a)
+    elif a.part == "lower":
+        out = _measure_layers(entry, 0, n // 2 - 1, a)
+    elif a.part == "upper":
+        out = _measure_layers(entry, n // 2, n - 1, a)
+    elif a.part == "head":
+        out = _measure_head(entry, a)
+    else:
+        import transformers  # noqa: F401  (the runtime every part pays for)
+
+        out = {"memory": proc_memory()}
+    out.update({"part": a.part, "model_id": entry.model_id,
+                "num_layers": n, "threads": torch.get_num_threads(), "pid": os.getpid()})
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

@@ -1,0 +1,284 @@
+"""`hearthnet bench pipeline`: distributed against local on one machine (issue 5 item 8).
+
+Starts a mesh of separate `hearthnet node` processes on 127.0.0.1 (`LocalMesh`): node A
+orchestrates, and N shard nodes host an even split of the layers (N=2: 0–14/15–29; N=3:
+0–9/10–19/20–29). After a warm-up call on each side it measures, per run and reported as
+the median of ``--runs``:
+
+- local decode tokens/s: `LocalEngine` in this process, greedy, with ``--local-threads``
+  and with one thread (on a small model and a shared 2-core machine one thread can be the
+  faster); ratios are given to both, and the goal uses the faster of the two;
+- distributed decode tokens/s through node A over the bus, with the wire dtype of
+  ``--wire`` (fp16 by default) and, unless ``--no-fp32``, fp32 too; their ratios to local;
+- per-hop overhead (a stage's round trip minus the shard's own compute), first-token ms
+  and construction ms, from the `done` frame's timings;
+- aggregate tokens/s at each ``--concurrency`` level: that many chats at once through the
+  same mesh, total completion tokens / wall time.
+
+Local and distributed runs alternate so a change in the machine's load hits both. Every
+node process runs ``--node-threads`` torch threads. The goals are those of issue 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hearthnet.bench import PROMPTS, machine, median, table, write_results
+from hearthnet.errors import HearthNetError
+
+GOALS = {"ratio_min": 0.85, "first_token_ms_max": 300.0, "construction_ms_max": 100.0,
+         "overhead_p95_ms_max": 2.0}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """Options of `hearthnet bench pipeline`."""
+    p.add_argument("--model", default="smollm2", help="model alias in the store")
+    p.add_argument("--shards", type=int, default=2, help="shard nodes (even layer split)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per chat")
+    p.add_argument("--runs", type=int, default=3, help="measured runs (median; default 3)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4],
+                   help="concurrent chats for the aggregate figure (default 1 2 4)")
+    p.add_argument("--local-threads", type=int, default=2,
+                   help="torch threads of the local baseline (this process)")
+    p.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
+    p.add_argument("--wire", choices=["fp16", "bf16", "fp32"], default="fp16")
+    p.add_argument("--no-fp32", action="store_true", help="skip the fp32-wire comparison")
+    p.add_argument("--prompt", default=PROMPTS[0])
+    p.add_argument("--results-dir", default="bench-results",
+                   help="folder for pipeline-<N>.json (default bench-results)")
+
+
+def split_layers(num_layers: int, n: int) -> list[tuple[int, int]]:
+    """`n` contiguous inclusive ranges covering ``0..num_layers-1``, as even as possible."""
+    if not 1 <= n <= num_layers:
+        raise HearthNetError(f"cannot split {num_layers} layers into {n} shards")
+    base, extra = divmod(num_layers, n)
+    out, lo = [], 0
+    for i in range(n):
+        hi = lo + base + (1 if i < extra else 0) - 1
+        out.append((lo, hi))
+        lo = hi + 1
+    return out
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Start the mesh, measure, stop it; returns (figures, report)."""
+    import torch
+
+    from hearthnet.distributed_inference.local import LocalEngine
+    from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+    from hearthnet.models import ModelStore
+
+    if args.runs < 1 or args.tokens < 2 or min(args.concurrency) < 1:
+        raise HearthNetError("--runs, --concurrency must be ≥ 1 and --tokens ≥ 2")
+    entry = ModelStore().get(args.model)
+    ranges = split_layers(entry.num_layers, args.shards)
+    figures: dict[str, Any] = {
+        "benchmark": "pipeline", "model": args.model, "model_id": entry.model_id,
+        "shards": args.shards, "layer_split": [list(r) for r in ranges],
+        "tokens": args.tokens, "runs": args.runs, "machine": machine(),
+        "settings": {"local_torch_threads": args.local_threads,
+                     "node_torch_threads": args.node_threads,
+                     "processes": f"1 orchestrator node + {args.shards} shard nodes, "
+                                  "each its own process on 127.0.0.1",
+                     "wire_dtype": args.wire, "compute_dtype": "fp32",
+                     "sampling": "greedy", "prompt": args.prompt, "warmup_calls": 1}}
+    torch.set_num_threads(args.local_threads)
+    engine = LocalEngine(entry)
+    specs = [NodeSpec("node-a")] + [NodeSpec(f"node-{chr(ord('b') + i)}", [r])
+                                    for i, r in enumerate(ranges)]
+    t0 = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="hearthnet-bench-"))
+    try:
+        with LocalMesh(specs, root=root, model=args.model, threads=args.node_threads) as mesh:
+            figures["mesh_start_s"] = round(time.perf_counter() - t0, 1)
+            figures.update(asyncio.run(_measure(mesh.nodes["node-a"].uri, engine, args)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    figures["goals"] = _goals(figures)
+    name = f"pipeline-{args.shards}"
+    figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
+    return figures, report(figures)
+
+
+async def chat_frames(uri: str, prompt: str, model: str, tokens: int,
+                      **params: Any) -> tuple[list[dict[str, Any]], float]:
+    """One greedy chat through the node at `uri`: (its frames, wall seconds)."""
+    from hearthnet.distributed_inference.generation import SamplingParams
+    from hearthnet.mesh.bus import bus_call
+    from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+
+    args = chat_args(prompt, model, SamplingParams(max_tokens=tokens), **params)
+    t0 = time.perf_counter()
+    frames = [f async for f in bus_call(uri, CHAT_CAPABILITY, args)]
+    wall = time.perf_counter() - t0
+    if not frames or frames[-1].get("type") != "done":
+        raise HearthNetError(f"the chat did not finish: {frames[-1:]}")
+    return frames, wall
+
+
+def token_ids(frames: list[dict[str, Any]]) -> list[int]:
+    return [int(f["token_id"]) for f in frames if f.get("type") == "token_delta"]
+
+
+def _local_run(engine: Any, prompt: str, tokens: int) -> tuple[list[int], dict[str, float]]:
+    from hearthnet.distributed_inference.generation import SamplingParams
+
+    ids = [ev.token_id for ev in engine.generate([{"role": "user", "content": prompt}],
+                                                 SamplingParams(max_tokens=tokens))]
+    t = engine.timings
+    return ids, {"tokens_per_second": t.decode_tokens_per_s, "first_token_ms": t.first_token_ms}
+
+
+async def _measure(uri: str, engine: Any, a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    wires = [a.wire] + ([] if a.no_fp32 or a.wire == "fp32" else ["fp32"])
+    _local_run(engine, a.prompt, 8)  # warm-ups
+    for w in wires:
+        await chat_frames(uri, a.prompt, a.model, 8, wire_dtype=w)
+    local: list[dict[str, float]] = []
+    local_1t: list[float] = []
+    dist: dict[str, list[dict[str, Any]]] = {w: [] for w in wires}
+    local_ids: list[int] = []
+    match: dict[str, bool] = {w: True for w in wires}
+    for _ in range(a.runs):  # interleaved, so a change in the machine's load hits all
+        local_ids, lt = _local_run(engine, a.prompt, a.tokens)
+        local.append(lt)
+        torch.set_num_threads(1)  # the same baseline on one thread
+        try:
+            local_1t.append(_local_run(engine, a.prompt, a.tokens)[1]["tokens_per_second"])
+        finally:
+            torch.set_num_threads(a.local_threads)
+        for w in wires:
+            frames, wall = await chat_frames(uri, a.prompt, a.model, a.tokens, wire_dtype=w)
+            done = frames[-1]
+            dist[w].append({**done["timings"], "wall_ms": wall * 1000,
+                            "pipeline": done["pipeline"],
+                            "completion_tokens": done["usage"]["completion_tokens"]})
+            match[w] = match[w] and token_ids(frames) == local_ids
+    out: dict[str, Any] = _summarise(local, dist, a.wire, local_1t)
+    out["tokens_match_local"] = match
+    out["completion_tokens"] = len(local_ids)
+    out["concurrency"] = [await _concurrent(uri, a, c) for c in a.concurrency]
+    return out
+
+
+def _summarise(local: list[dict[str, float]], dist: dict[str, list[dict[str, Any]]],
+               wire: str, local_1t_runs: list[float]) -> dict[str, Any]:
+    ltps = median([r["tokens_per_second"] for r in local])
+    local_1t = median(local_1t_runs)
+    best = max(ltps, local_1t)
+    out: dict[str, Any] = {
+        "local": {"tokens_per_second": round(ltps, 2),
+                  "tokens_per_second_runs": [round(r["tokens_per_second"], 2) for r in local],
+                  "first_token_ms": round(median([r["first_token_ms"] for r in local]), 1),
+                  "tokens_per_second_1_thread": round(local_1t, 2),
+                  "tokens_per_second_1_thread_runs": [round(x, 2) for x in local_1t_runs],
+                  "best_tokens_per_second": round(best, 2)}}
+    for w, runs in dist.items():
+        tps = median([r["tokens_per_second"] for r in runs])
+        out[f"distributed_{w}"] = {
+            "tokens_per_second": round(tps, 2),
+            "tokens_per_second_runs": [r["tokens_per_second"] for r in runs],
+            "ratio_to_local": round(tps / ltps, 3) if ltps else None,
+            "ratio_to_local_1_thread": round(tps / local_1t, 3) if local_1t else None,
+            # the goal's ratio: against the faster local setting, so never flattering
+            "ratio_to_best_local": round(tps / best, 3) if best else None,
+            "first_token_ms": round(median([r["first_token_ms"] for r in runs]), 1),
+            "construction_ms": round(median([r["construction_ms"] for r in runs]), 1),
+            "wall_ms": round(median([r["wall_ms"] for r in runs]), 1),
+            "pipeline": runs[-1]["pipeline"], "hops": _hops(runs, tps)}
+    out["distributed"] = out[f"distributed_{wire}"]
+    return out
+
+
+def _hops(runs: list[dict[str, Any]], tps: float) -> dict[str, Any]:
+    """Per-stage round trip and overhead (median over runs of each run's p50/p95)."""
+    stages: dict[str, dict[str, Any]] = {}
+    for sid in runs[-1]["per_shard"]:
+        per = [r["per_shard"][sid] for r in runs if sid in r["per_shard"]]
+        stages[sid] = {"layers": per[-1]["layers"],
+                       **{k: round(median([p[k] for p in per]), 3)
+                          for k in ("p50_ms", "p95_ms", "overhead_p50_ms", "overhead_p95_ms")}}
+    rtt = sum(s["p50_ms"] for s in stages.values())
+    step_ms = 1000 / tps if tps else 0.0
+    return {"stages": stages,
+            "overhead_p50_ms_max": max((s["overhead_p50_ms"] for s in stages.values()),
+                                       default=0.0),
+            "overhead_p95_ms_max": max((s["overhead_p95_ms"] for s in stages.values()),
+                                       default=0.0),
+            "step_ms": round(step_ms, 3),
+            "stages_rtt_p50_ms_sum": round(rtt, 3),
+            # what is left of a decode step: embed, norm + lm_head, sampling, frame out
+            "orchestrator_ms_per_step_est": round(step_ms - rtt, 3)}
+
+
+async def _concurrent(uri: str, a: argparse.Namespace, c: int) -> dict[str, Any]:
+    """`c` chats at once, `runs` times: aggregate tokens/s = total tokens / wall time."""
+    aggs, per_call = [], []
+    for _ in range(a.runs):
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(chat_frames(uri, p, a.model, a.tokens,
+                                                     wire_dtype=a.wire) for p in prompts))
+        wall = time.perf_counter() - t0
+        n = sum(len(token_ids(frames)) for frames, _ in results)
+        aggs.append(n / wall)
+        per_call += [frames[-1]["timings"]["tokens_per_second"] for frames, _ in results]
+    return {"concurrency": c, "aggregate_tokens_per_second": round(median(aggs), 2),
+            "aggregate_runs": [round(x, 2) for x in aggs],
+            "per_call_decode_tokens_per_second": round(median(per_call), 2)}
+
+
+def _goals(f: dict[str, Any]) -> dict[str, Any]:
+    d = f["distributed"]
+    ratio = d["ratio_to_best_local"] or 0.0
+    checks = {
+        "ratio_to_best_local": (ratio, GOALS["ratio_min"], ratio >= GOALS["ratio_min"]),
+        "first_token_ms": (d["first_token_ms"], GOALS["first_token_ms_max"],
+                           d["first_token_ms"] <= GOALS["first_token_ms_max"]),
+        "construction_ms": (d["construction_ms"], GOALS["construction_ms_max"],
+                            d["construction_ms"] <= GOALS["construction_ms_max"]),
+        "overhead_p95_ms": (d["hops"]["overhead_p95_ms_max"], GOALS["overhead_p95_ms_max"],
+                            d["hops"]["overhead_p95_ms_max"] <= GOALS["overhead_p95_ms_max"])}
+    return {k: {"measured": m, "goal": g, "met": ok} for k, (m, g, ok) in checks.items()}
+
+
+def report(f: dict[str, Any]) -> str:
+    """The human-readable tables of a `run` result."""
+    lo = f["local"]
+    rows = [["local (1 process)", f["settings"]["local_torch_threads"],
+             lo["tokens_per_second"], None, lo["first_token_ms"], None, None, None],
+            ["local (1 process)", 1, lo["tokens_per_second_1_thread"], None, None, None,
+             None, None]]
+    for key in sorted(k for k in f if k.startswith("distributed_")):
+        d = f[key]
+        rows.append([f"mesh, {key.split('_', 1)[1]} wire", f["settings"]["node_torch_threads"],
+                     d["tokens_per_second"], d["ratio_to_best_local"], d["first_token_ms"],
+                     d["construction_ms"], d["hops"]["overhead_p50_ms_max"],
+                     d["hops"]["overhead_p95_ms_max"]])
+    t1 = table(["run", "threads", "decode tok/s", "ratio to best local", "first ms",
+                "construct ms", "hop ovh p50", "hop ovh p95"], rows)
+    d = f["distributed"]
+    t2 = table(["stage", "layers", "rtt p50 ms", "rtt p95 ms", "ovh p50 ms", "ovh p95 ms"],
+               [[sid, f"{s['layers'][0]}-{s['layers'][1]}", s["p50_ms"], s["p95_ms"],
+                 s["overhead_p50_ms"], s["overhead_p95_ms"]]
+                for sid, s in d["hops"]["stages"].items()])
+    t3 = table(["concurrent chats", "aggregate tok/s", "per-call decode tok/s"],
+               [[c["concurrency"], c["aggregate_tokens_per_second"],
+                 c["per_call_decode_tokens_per_second"]] for c in f["concurrency"]])
+    goals = ", ".join(f"{k} {g['measured']} ({'met' if g['met'] else 'MISSED'}, goal "
+                      f"{g['goal']})" for k, g in f["goals"].items())
+    return (f"bench pipeline: {f['model_id']}, {f['shards']} shards {f['layer_split']}, "
+            f"{f['tokens']} tokens, median of {f['runs']} runs\n{t1}\n\n{t2}\n"
+            f"decode step {d['hops']['step_ms']} ms = stages {d['hops']['stages_rtt_p50_ms_sum']}"
+            f" ms + orchestrator ≈{d['hops']['orchestrator_ms_per_step_est']} ms\n\n{t3}\n\n"
+            f"tokens identical to local: {f['tokens_match_local']}\ngoals: {goals}\n"
+            f"written to {f['results_file']}")

@@ -1,0 +1,177 @@
+"""`hearthnet demo` and `hearthnet bench local|pipeline|failover` as a user runs them.
+
+Each test runs the real command as a subprocess: real node processes on 127.0.0.1, the
+real model. No timing is asserted — only that the figures exist, are consistent, and that
+no process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hearthnet.bench import median, percentile
+from hearthnet.bench.pipeline import split_layers
+
+CLI = [sys.executable, "-m", "hearthnet.cli"]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie is not running)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _procs_mentioning(text: str) -> list[int]:
+    """Pids whose command line mentions `text` (e.g. the demo's temporary folder)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return [p for p in out if _alive(p)]
+
+
+def _frames(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+# ---- pure helpers --------------------------------------------------------------------
+
+
+def test_split_layers_is_an_even_contiguous_cover():
+    assert split_layers(30, 2) == [(0, 14), (15, 29)]
+    assert split_layers(30, 3) == [(0, 9), (10, 19), (20, 29)]
+    assert split_layers(30, 4) == [(0, 7), (8, 15), (16, 22), (23, 29)]
+    assert split_layers(30, 1) == [(0, 29)]
+
+
+def test_median_and_percentile():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([1.0, 2.0, 3.0, 4.0]) == 2.5
+    assert percentile([float(i) for i in range(100)], 0.95) == 95.0
+    assert median([]) == 0.0 and percentile([], 0.5) == 0.0
+
+
+# ---- demo ------------------------------------------------------------------------------
+
+
+def test_demo_json_streams_through_the_mesh_and_stops_every_node(smollm2):
+    r = subprocess.run([*CLI, "demo", "--max-tokens", "16", "--json"], capture_output=True,
+                       text=True, timeout=600, env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    frames = _frames(r.stdout)
+    assert frames[0]["type"] == "demo_mesh" and frames[-1]["type"] == "demo_stopped"
+    mesh = frames[0]
+    assert {n: v["layers"] for n, v in mesh["nodes"].items()} == {
+        "node-a": [], "node-b": [[0, 14]], "node-c": [[15, 29]]}
+    kinds = [f["type"] for f in frames]
+    assert kinds.count("shard_status") == 2
+    tokens = [f for f in frames if f["type"] == "token_delta"]
+    assert 1 <= len(tokens) <= 16 and "".join(t["text"] for t in tokens).strip()
+    done = next(f for f in frames if f["type"] == "done")
+    assert done["usage"]["completion_tokens"] == len(tokens) and not done.get("fallback")
+    assert [s.rsplit("@", 1)[1] for s in done["pipeline"]] == ["node-b", "node-c"]
+    for s in done["timings"]["per_shard"].values():
+        assert 0 < s["p50_ms"] <= s["p95_ms"]
+    pids = [n["pid"] for n in mesh["nodes"].values()]
+    assert sorted(frames[-1]["pids"]) == sorted(pids)
+    assert not [p for p in pids if _alive(p)]
+    assert not _procs_mentioning(mesh["root"])
+    assert not Path(mesh["root"]).exists()
+
+
+def test_demo_ctrl_c_stops_every_node(smollm2):
+    p = subprocess.Popen([*CLI, "demo", "--max-tokens", "400", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert p.stdout is not None
+        mesh = json.loads(p.stdout.readline())
+        assert mesh["type"] == "demo_mesh"
+        line = p.stdout.readline()  # the chat is under way
+        assert line, p.stderr.read() if p.stderr else ""
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, err[-2000:]
+    assert _frames(out)[-1]["type"] == "demo_stopped"
+    pids = [n["pid"] for n in mesh["nodes"].values()]
+    deadline = time.monotonic() + 30
+    while any(_alive(x) for x in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [x for x in pids if _alive(x)]
+    assert not _procs_mentioning(mesh["root"])
+
+
+# ---- benchmarks --------------------------------------------------------------------------
+
+
+def _bench(args: list[str], out_dir: Path) -> dict:
+    r = subprocess.run([*CLI, "bench", *args, "--json", "--results-dir", str(out_dir)],
+                       capture_output=True, text=True, timeout=900, env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    figures = json.loads(r.stdout)
+    saved = json.loads(Path(figures["results_file"]).read_text())
+    assert saved == {k: v for k, v in figures.items() if k != "results_file"}
+    return figures
+
+
+def test_bench_local_measures_each_part_in_its_own_process(smollm2, tmp_path):
+    f = _bench(["local", "--model", "smollm2", "--tokens", "8", "--runs", "3"], tmp_path)
+    assert f["prefill_ms"] > 0 and f["decode_tokens_per_s"] > 0
+    assert len(f["runs_detail"]["decode_tokens_per_s"]) == 3
+    mem = f["memory_mb"]
+    assert set(mem) == {"full", "layers_0_14", "layers_15_29", "head", "runtime"}
+    pids = {p["pid"] for p in f["parts"].values()}
+    assert len(pids) == 5 and os.getpid() not in pids  # five fresh processes
+    peak = {k: v["peak_rss_mb"] for k, v in mem.items()}
+    # a half holds half the layers and no head: less than the whole; all more than bare
+    assert peak["runtime"] < peak["layers_0_14"] < peak["full"]
+    assert peak["runtime"] < peak["layers_15_29"] < peak["full"]
+    assert peak["runtime"] < peak["head"] < peak["full"]
+    assert f["parts"]["lower"]["param_mb"] == f["parts"]["upper"]["param_mb"]
+
+
+def test_bench_pipeline_three_shards(smollm2, tmp_path):
+    f = _bench(["pipeline", "--shards", "3", "--tokens", "12", "--runs", "1",
+                "--concurrency", "1", "2"], tmp_path)
+    assert f["layer_split"] == [[0, 9], [10, 19], [20, 29]]
+    assert f["settings"]["node_torch_threads"] == 1
+    d = f["distributed"]
+    assert [s.rsplit("@", 1)[1] for s in d["pipeline"]] == ["node-b", "node-c", "node-d"]
+    assert d["tokens_per_second"] > 0 and d["ratio_to_local"] > 0
+    assert len(d["hops"]["stages"]) == 3 and d["construction_ms"] > 0
+    assert f["tokens_match_local"]["fp32"]  # fp32 wire is exact (test_mesh_chat)
+    assert [c["concurrency"] for c in f["concurrency"]] == [1, 2]
+    assert all(c["aggregate_tokens_per_second"] > 0 for c in f["concurrency"])
+    assert set(f["goals"]) == {"ratio_to_best_local", "first_token_ms", "construction_ms",
+                               "overhead_p95_ms"}
+
+
+def test_bench_failover_kills_the_last_stage_and_keeps_the_answer(smollm2, tmp_path):
+    f = _bench(["failover", "--tokens", "24", "--kill-after", "6"], tmp_path)
+    (r,) = f["runs_detail"]
+    assert r["victim"] in ("node-c", "node-d") and r["victim_exit"] == -signal.SIGKILL
+    assert not _alive(r["victim_pid"])
+    assert r["frames"].get("shard_failover") == 1 and not r["fallback_to_local"]
+    assert r["pipeline_after"][-1] != r["victim_shard"]
+    assert r["kill_to_next_token_ms"] is not None and r["completion_tokens"] == 24
+    assert f["tokens_identical"]
