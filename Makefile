@@ -42,6 +42,8 @@ lint: $(STAMP)
 bench: install
 	$(HN) bench local --model smollm2 --tokens 64 --json
 	$(HN) bench transport --json
+	$(HN) bench pipeline --shards 2 --tokens 64 --json
+	$(HN) bench failover --json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -185,7 +185,8 @@ class LocalMesh:
     def start_node(self, node_id: str, wait: bool = True, timeout: float = 120.0) -> NodeProc:
         n = self.nodes[node_id]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads),
-                   TOKENIZERS_PARALLELISM="false")
+                   TOKENIZERS_PARALLELISM="false",
+                   HEARTHNET_EXIT_WITH_PARENT=str(os.getpid()))
         log = (self.root / f"{node_id}.log").open("a")
         n.proc = subprocess.Popen(
             [sys.executable, "-m", "hearthnet.cli", "node", "--config", str(n.config)],

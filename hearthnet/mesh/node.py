@@ -222,9 +222,12 @@ class Node:
         with contextlib.suppress(NotImplementedError, AttributeError):
             loop.add_signal_handler(signal.SIGHUP, self.reload)
         await self.start()
+        watch = _watch_parent(self._stopping)
         try:
             await self._stopping.wait()
         finally:
+            if watch is not None:
+                watch.cancel()
             await self.stop()
 
     def reload(self) -> bool:
@@ -381,6 +384,29 @@ class Node:
         from hearthnet.mesh.status import mesh_status
 
         return await mesh_status(self)
+
+
+def _watch_parent(stopping: asyncio.Event) -> asyncio.Task[None] | None:
+    """With `HEARTHNET_EXIT_WITH_PARENT=<pid>` (set by `LocalMesh`), stop when that process
+    is gone — a demo or test killed with SIGKILL leaves no orphan nodes behind."""
+    raw = os.environ.get("HEARTHNET_EXIT_WITH_PARENT", "")
+    if not raw.isdigit():
+        return None
+    pid = int(raw)
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                log.warning("parent_gone", parent_pid=pid)
+                stopping.set()
+                return
+            except PermissionError:
+                continue
+
+    return asyncio.create_task(watch(), name="watch-parent")
 
 
 def _response(status: HTTPStatus, body: bytes, ctype: str) -> Response:

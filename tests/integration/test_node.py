@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -202,3 +203,27 @@ def test_metrics_port_serves_plain_http_metrics(smollm2):
         assert "hearthnet_distributed_inference_failovers_total" in text
     finally:
         m.stop()
+
+
+def test_nodes_exit_when_their_launcher_is_killed(tmp_path):
+    """A demo or test killed with SIGKILL leaves no orphan node processes."""
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "import os\n"
+        "from hearthnet.mesh.launcher import LocalMesh, NodeSpec\n"
+        "m = LocalMesh([NodeSpec('node-o')])\n"
+        "m.start(wait_cover=False)\n"
+        "print(m.nodes['node-o'].proc.pid, flush=True)\n"
+        "os.kill(os.getpid(), 9)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=120)
+    pid = int(r.stdout.strip())
+    deadline = time.monotonic() + 15
+    alive = True
+    while alive and time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            time.sleep(0.2)
+        except ProcessLookupError:
+            alive = False
+    assert not alive
