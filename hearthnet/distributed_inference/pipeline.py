@@ -51,6 +51,7 @@ from hearthnet.observability import Metrics, get_logger
 log = get_logger("pipeline")
 
 Frame = dict[str, Any]
+_OPEN_ATTEMPTS = 3
 # (uri, open_params, deadline_s) -> channel with .step(step, start_pos, tensor, deadline_s)
 # returning an object with .tensor and .compute_us, and .close(). The transport seam.
 Connector = Callable[[str, dict[str, Any], float], Awaitable[Any]]
@@ -296,21 +297,39 @@ class PipelineOrchestrator:
 
     async def _construct(self, entry: ModelEntry, gen: Generation,
                          params: DistributedChatParams) -> _Call:
-        pipeline = await self.router.pick(entry.model_id, entry.weights_sha256,
-                                          entry.num_layers)
-        if len(pipeline.stages) > params.max_shards:
-            self.router.release(pipeline)
-            raise ShardUnavailable(f"the cover needs {len(pipeline.stages)} shards; "
-                                   f"max_shards is {params.max_shards}")
+        """Pick a pipeline and open every stage concurrently (M26 §4.3 steps 1-2).
+
+        A shard that refuses the open (e.g. at `max_concurrent_streams`, M26 §5.6) or cannot
+        be reached is excluded and the router picks again, up to `_OPEN_ATTEMPTS` times.
+        """
         max_len = len(gen.prompt_ids) + params.sampling.max_tokens + 1
-        call = _Call(pipeline, [], gen, params, max_len)
-        try:
-            call.stages = list(await asyncio.gather(
-                *(self._open(s, entry, params, max_len) for s in pipeline.stages)))
-        except BaseException:
+        exclude: set[str] = set()
+        reasons: list[str] = []
+        for _ in range(_OPEN_ATTEMPTS):
+            pipeline = await self.router.pick(entry.model_id, entry.weights_sha256,
+                                              entry.num_layers, exclude=exclude)
+            if len(pipeline.stages) > params.max_shards:
+                self.router.release(pipeline)
+                raise ShardUnavailable(f"the cover needs {len(pipeline.stages)} shards; "
+                                       f"max_shards is {params.max_shards}")
+            opened = await asyncio.gather(
+                *(self._open(s, entry, params, max_len) for s in pipeline.stages),
+                return_exceptions=True)
+            stages = [o for o in opened if isinstance(o, _Stage)]
+            if len(stages) == len(opened):
+                return _Call(pipeline, stages, gen, params, max_len)
+            for st in stages:
+                with contextlib.suppress(Exception):
+                    await st.channel.close()
             self.router.release(pipeline)
-            raise
-        return call
+            for stage, o in zip(pipeline.stages, opened, strict=True):
+                if isinstance(o, BaseException) and not isinstance(o, HearthNetError):
+                    raise o
+                if isinstance(o, HearthNetError):
+                    exclude.add(stage.shard.shard_id)
+                    reasons.append(o.message)
+        raise ShardUnavailable(f"could not open sessions in {_OPEN_ATTEMPTS} attempts: "
+                               + "; ".join(reasons[-3:]))
 
     async def _open(self, stage: PipelineStage, entry: ModelEntry,
                     params: DistributedChatParams, max_len: int) -> _Stage:
@@ -322,7 +341,8 @@ class PipelineOrchestrator:
         try:
             ch = await self.connect(uri, p, params.timeout_s)
         except HearthNetError as e:
-            self.health.mark_suspect(stage.shard.shard_id, e.code)
+            if not isinstance(e, ShardUnavailable):  # busy is healthy; unreachable is not
+                self.health.mark_suspect(stage.shard.shard_id, e.code)
             raise ShardUnavailable(f"could not open a session on {stage.shard.shard_id}: "
                                    f"{e.message}", shard_id=stage.shard.shard_id) from e
         return _Stage(stage, ch)

@@ -42,6 +42,7 @@ class Host:
     transform: Any = None  # corrupt outputs: f(tensor) -> tensor
     steps: int = 0
     opened: int = 0
+    refuse_opens: bool = False  # answer every open with shard_unavailable (a busy shard)
 
 
 @dataclass
@@ -100,8 +101,8 @@ class InProcessMesh:
         host = self.hosts[uri]
         if host.dead:
             raise ConnectionLost(f"cannot reach {host.node_id}")
-        if params["weights_sha256"] != self.entry.weights_sha256:
-            raise ShardUnavailable("hash")
+        if host.refuse_opens:
+            raise ShardUnavailable(f"{host.node_id} is at max_concurrent_streams")
         host.opened += 1
         s = host.stack.open_session(params["start"], params["end"], params["max_length"])
         ch = Channel(host, s, _WIRE[params["wire_dtype"]])

@@ -166,3 +166,18 @@ async def test_disabled_and_unknown_model(smollm2, model_store):
     orch.enabled = False
     with pytest.raises(ExperimentalDisabled):
         [f async for f in orch.chat(ChatRequest("smollm2", PROMPT), DistributedChatParams())]
+
+
+async def test_refused_open_repicks_instead_of_queuing(smollm2, model_store, local_answer):
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    mesh.add("node-c", 15, 29)
+    mesh.add("node-d", 15, 29)
+    busy = await _chosen(mesh, smollm2, 29)
+    busy.refuse_opens = True  # at max_concurrent_streams: refuses at once (M26 §5.6)
+    orch, m = _orch(mesh, model_store)
+    frames = await _run(orch)
+    assert _tokens(frames) == local_answer(PROMPT[0]["content"], 24)
+    assert busy.descriptor.shard_id not in frames[-1]["pipeline"]
+    assert not mesh.health.is_suspect(busy.descriptor.shard_id)  # busy, not broken
+    assert sum(1 for c in mesh.channels if not c.closed) == 0
