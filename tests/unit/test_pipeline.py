@@ -175,7 +175,7 @@ async def test_refused_open_repicks_instead_of_queuing(smollm2, model_store, loc
     mesh.add("node-d", 15, 29)
     busy = await _chosen(mesh, smollm2, 29)
     busy.refuse_opens = True  # at max_concurrent_streams: refuses at once (M26 §5.6)
-    orch, m = _orch(mesh, model_store)
+    orch, _ = _orch(mesh, model_store)
     frames = await _run(orch)
     assert _tokens(frames) == local_answer(PROMPT[0]["content"], 24)
     assert busy.descriptor.shard_id not in frames[-1]["pipeline"]
