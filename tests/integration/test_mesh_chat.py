@@ -97,3 +97,13 @@ async def test_bad_requests_are_typed(mesh3):
     assert frames[-1]["code"] == "bad_request"
     frames = [f async for f in bus_call(uri, "no.such.capability", {})]
     assert frames[-1]["code"] == "bad_request"
+
+
+async def test_fp32_wire_identical_to_local_three_shards(smollm2, local_answers):
+    with LocalMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 9)]),
+                    NodeSpec("node-c", [(10, 19)]), NodeSpec("node-d", [(20, 29)])]) as m:
+        for p in PROMPTS:
+            frames = await _chat(m.nodes["node-a"].uri, p, wire_dtype="fp32")
+            assert frames[-1]["type"] == "done", frames[-1]
+            assert len(frames[-1]["pipeline"]) == 3
+            assert _tokens(frames) == local_answers[p]
