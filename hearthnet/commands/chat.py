@@ -52,6 +52,8 @@ def emit(frame: dict[str, Any], as_json: bool) -> None:
         print(f"[{u.get('completion_tokens', 0)} tokens, first token "
               f"{t.get('first_token_ms', 0):.0f} ms, {t.get('tokens_per_second', 0):.1f} tok/s]",
               file=sys.stderr)
+    elif kind == "shard_status" and frame.get("status") == "ok":
+        return  # routine; `--json` shows it
     elif kind in ("shard_status", "shard_failover", "pipeline_aborted"):
         print(f"\n[{kind}] {json.dumps({k: v for k, v in frame.items() if k != 'type'})}",
               file=sys.stderr)
