@@ -35,6 +35,7 @@ from hearthnet.distributed_inference.generation import Generation, SamplingParam
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.routing import ShardRouter
 from hearthnet.distributed_inference.sanity import SanityChecker, calibrate
+from hearthnet.distributed_inference.shard import WIRE_DTYPES
 from hearthnet.errors import (
     BadRequest,
     ExperimentalDisabled,
@@ -110,7 +111,7 @@ class DistributedChatParams:
                                                         defaults.fallback_after_failures)))
         except (TypeError, ValueError) as e:
             raise BadRequest(f"bad params: {e}") from e
-        if out.wire_dtype not in ("fp16", "bf16", "fp32"):
+        if out.wire_dtype not in WIRE_DTYPES:
             raise BadRequest("wire_dtype must be fp16, bf16 or fp32")
         if not 0.1 <= out.timeout_s <= 600:
             raise BadRequest("timeout_s must be in 0.1..600")

@@ -25,7 +25,10 @@ from typing import Any
 
 import torch
 
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
+from hearthnet.distributed_inference.backends.small_model_layered import (
+    LayeredStack,
+    compute_dtype,
+)
 from hearthnet.distributed_inference.descriptors import ShardDescriptor, ShardHealth, to_datetime
 from hearthnet.distributed_inference.faults import CloseMidFrame
 from hearthnet.errors import (
@@ -41,7 +44,7 @@ from hearthnet.observability import Metrics, get_logger
 
 log = get_logger("shard")
 
-_WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+WIRE_DTYPES = ("fp16", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -173,8 +176,8 @@ class ShardServer:
         if not 1 <= max_len <= self.settings.max_session_tokens:
             raise BadRequest(f"max_length must be in 1..{self.settings.max_session_tokens}")
         wire = params.get("wire_dtype", "fp16")
-        if wire not in _WIRE:
-            raise BadRequest(f"wire_dtype must be one of {sorted(_WIRE)}")
+        if wire not in WIRE_DTYPES:
+            raise BadRequest(f"wire_dtype must be one of {list(WIRE_DTYPES)}")
         if self.active >= self.settings.max_concurrent_streams:
             raise ShardUnavailable(f"shard {self.shard_id} is at max_concurrent_streams "
                                    f"({self.settings.max_concurrent_streams}); pick another")
@@ -192,7 +195,7 @@ class ShardServer:
             await stream.accept({"shard_id": self.shard_id, "hidden_size": stack.hidden_size,
                                  "compute_dtype": self.settings.compute_dtype})
             self.metrics.shard_sessions_total.labels(self.shard_id, "accepted", req.caller).inc()
-            await self._step_loop(stream, session, _WIRE[req.wire_dtype])
+            await self._step_loop(stream, session, compute_dtype(req.wire_dtype))
         except (ConnectionLost, StreamStalled) as e:
             log.info("session_ended", shard_id=self.shard_id, caller=req.caller,
                      reason=e.code)
