@@ -234,6 +234,8 @@ class SecuritySection(_Section):
     max_sessions_per_caller: Annotated[int, Field(ge=1)] = 64
     connection_rate: Annotated[float, Field(gt=0)] = 50.0  # new connections/s per peer
     connection_burst: Annotated[float, Field(ge=1)] = 100.0
+    message_rate: Annotated[float, Field(gt=0)] = 200.0  # gossip messages/s per peer
+    message_burst: Annotated[float, Field(ge=1)] = 400.0
 
 
 class TestingSection(_Section):

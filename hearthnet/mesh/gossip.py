@@ -330,10 +330,12 @@ async def _close_for(ws: GossipConnection, e: BaseException, log: EventLog,
             await ws.close(e.code, e.reason)
         return
     if not isinstance(e, (ConnectionClosed, OSError)):
-        if isinstance(e, HearthNetError):
+        if isinstance(e, HearthNetError):  # e.g. a peer over its message rate
             _log.warning("gossip_error", node=log.node_id, peer=peer, error=e.message)
-        else:
-            _log.exception("gossip_failed", node=log.node_id, peer=peer)
+            with contextlib.suppress(Exception):
+                await ws.close(CLOSE_POLICY, e.code)
+            return
+        _log.exception("gossip_failed", node=log.node_id, peer=peer)
         with contextlib.suppress(Exception):
             await ws.close(1011, "internal error")
 

@@ -24,7 +24,7 @@ import contextlib
 import json
 import os
 import ssl
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,7 @@ class NodeGuard:
                                          max_sessions_per_caller=sec.max_sessions_per_caller,
                                          max_connections_total=sec.max_connections_total)
         self.rate = RateLimiter(sec.connection_rate, sec.connection_burst)
+        self.message_rate = RateLimiter(sec.message_rate, sec.message_burst)
         self._server_ssl: ssl.SSLContext | None = None
         self._client_ssl: dict[tuple[str | None, int], ssl.SSLContext] = {}
         if not self.tls:
@@ -197,6 +198,10 @@ class NodeGuard:
         with self.limiter.connection(peer):
             yield
 
+    def rate_limited(self, ws: Any, peer: str) -> RateLimitedConnection:
+        """`ws` whose every received message counts against `peer`'s message rate."""
+        return RateLimitedConnection(ws, lambda: self.message_rate.check(peer))
+
     # ---- reload (issue 7 item 7) ----
 
     def reload(self, path: str | Path | None = None) -> bool:
@@ -225,6 +230,29 @@ class NodeGuard:
         log.info("reloaded", members=len(self.directory), min_trust=min_trust.label,
                  route_min_trust=route_min.label)
         return True
+
+
+class RateLimitedConnection:
+    """A WebSocket connection whose `recv` first checks a message-rate limit (issue 7 §6).
+
+    Over the limit, `recv` raises `AuthError` (`rate_limited`); the connection's handler
+    then closes it. Shard sessions need no such wrapper: their steps are bounded by the
+    credit window, and a bus connection carries a single call.
+    """
+
+    def __init__(self, ws: Any, check: Callable[[], None]) -> None:
+        self._ws, self._check = ws, check
+
+    async def recv(self) -> str | bytes:
+        data: str | bytes = await self._ws.recv()
+        self._check()
+        return data
+
+    async def send(self, message: bytes) -> None:
+        await self._ws.send(message)
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        await self._ws.close(code, reason)
 
 
 def _event_host(ev: Event) -> str | None:

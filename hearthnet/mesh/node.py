@@ -272,7 +272,9 @@ class Node:
                 if path == "/shard":
                     await self._serve_shard(ws, peer)
                 elif path == "/gossip":
-                    await handle_gossip_connection(self.log, ws)
+                    await handle_gossip_connection(
+                        self.log, self.guard.rate_limited(ws, peer or str(addr[0] if addr
+                                                                          else "?")))
                 elif path == "/bus":
                     await self.bus.serve_connection(ws)
                 else:

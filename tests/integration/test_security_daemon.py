@@ -286,3 +286,31 @@ async def test_removed_member_is_refused_after_reload(mesh, smollm2, tmp_path):
                   reason="unknown_origin") == before + 1
     assert any('"members_replaced"' in line and '"removed": ["node-a"]' in line
                for line in mesh.log_text(HOST).splitlines())
+
+
+async def test_gossip_flood_is_cut_at_the_message_rate(mesh, smollm2):
+    """A member's gossip connection over `[security] message_rate` is closed (issue 7 §6).
+
+    Runs as node-g (a guest, still a member after the reload test removed node-a)."""
+    from websockets.exceptions import ConnectionClosed
+
+    ctx = mesh.client_ssl("node-g", HOST)
+    sent = 0
+    closed_code = None
+    async with connect(mesh.nodes[HOST].listen_uri + "/gossip", ssl=ctx,
+                       open_timeout=10) as ws:
+        await ws.send(encode_hello("node-g", {}))
+        try:
+            for _ in range(5000):  # far above the default burst of 400 messages
+                await ws.send(encode_events([]))
+                sent += 1
+            await asyncio.wait_for(ws.wait_closed(), 10)
+        except ConnectionClosed:
+            pass
+        closed_code = ws.close_code
+    assert closed_code == 1008
+    # and the node goes on serving: a fresh, polite connection works
+    async with connect(mesh.nodes[HOST].listen_uri + "/gossip", ssl=ctx,
+                       open_timeout=10) as ws:
+        await ws.send(encode_hello("node-g", {}))
+        assert decode_message(await asyncio.wait_for(ws.recv(), 5)) is not None
