@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -65,5 +64,3 @@ def chat_via_node(args: argparse.Namespace, messages: list[dict[str, str]],
 
     return run(go())
 
-
-__all__ = ["asyncio", "chat_via_node", "http_get_json", "node_uri"]

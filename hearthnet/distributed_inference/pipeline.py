@@ -40,10 +40,8 @@ from hearthnet.errors import (
     BadRequest,
     ExperimentalDisabled,
     HearthNetError,
-    PeerError,
     ShardCorrupted,
     ShardUnavailable,
-    TransportError,
     WeightsMismatch,
 )
 from hearthnet.models.store import ModelEntry, ModelStore
@@ -568,9 +566,3 @@ class PipelineOrchestrator:
                 await st.channel.close()
 
 
-def _positions(hist: list[torch.Tensor]) -> int:
-    return sum(int(h.shape[1]) for h in hist)
-
-
-__all__ = ["ChatRequest", "DistributedChatParams", "PeerError", "PipelineOrchestrator",
-           "TransportError"]

@@ -54,7 +54,7 @@ from hearthnet.distributed_inference.pipeline import (
 from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
 from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
 from hearthnet.distributed_inference.store import ShardStore
-from hearthnet.errors import AuthError, BadRequest, HearthNetError, ShardUnavailable
+from hearthnet.errors import AuthError, HearthNetError, ShardUnavailable
 from hearthnet.mesh.bus import CapabilityBus
 from hearthnet.mesh.eventlog import ADVERTISED, WITHDRAWN, EventLog
 from hearthnet.mesh.gossip import MAX_MESSAGE_BYTES, GossipPeerLink, handle_gossip_connection
@@ -430,5 +430,3 @@ def chat_args(prompt: str, model: str, sampling: SamplingParams, **params: Any
     return {"request": {"model": model, "messages": [{"role": "user", "content": prompt}]},
             "params": {"sampling": s, **{k: v for k, v in params.items() if v is not None}}}
 
-
-__all__ = ["CHAT_CAPABILITY", "BadRequest", "Node", "chat_args"]
