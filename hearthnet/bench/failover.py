@@ -84,7 +84,7 @@ async def _stream(uri: str, a: argparse.Namespace, on_token: Any = None
     """One chat; (frames with their arrival times, start time). `on_token(n)` after each."""
     from hearthnet.distributed_inference.generation import SamplingParams
     from hearthnet.mesh.bus import bus_call
-    from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+    from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 
     args = chat_args(a.prompt, a.model, SamplingParams(max_tokens=a.tokens),
                      wire_dtype=a.wire)

@@ -112,7 +112,7 @@ async def chat_frames(uri: str, prompt: str, model: str, tokens: int,
     """One greedy chat through the node at `uri`: (its frames, wall seconds)."""
     from hearthnet.distributed_inference.generation import SamplingParams
     from hearthnet.mesh.bus import bus_call
-    from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+    from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 
     args = chat_args(prompt, model, SamplingParams(max_tokens=tokens), **params)
     t0 = time.perf_counter()

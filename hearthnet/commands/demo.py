@@ -110,7 +110,7 @@ async def _chat(uri: str, args: argparse.Namespace) -> int:
     from hearthnet.commands.chat import emit
     from hearthnet.distributed_inference.generation import SamplingParams
     from hearthnet.mesh.bus import bus_call
-    from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+    from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 
     call = chat_args(args.prompt, MODEL, SamplingParams(max_tokens=args.max_tokens))
     _say(f"> {args.prompt}\n", args.json)

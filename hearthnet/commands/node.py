@@ -23,7 +23,7 @@ def _reload(config: str) -> int:
 
     from hearthnet.config import load_config
     from hearthnet.errors import HearthNetError
-    from hearthnet.mesh.guard import STATE_FILE, read_state
+    from hearthnet.node.guard import STATE_FILE, read_state
 
     cfg = load_config(config)  # refuse a broken file here, before signalling
     data = cfg.effective_data_dir()
@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.reload:
         return _reload(args.config)
     from hearthnet.config import load_config
-    from hearthnet.mesh.node import Node
+    from hearthnet.node.daemon import Node
     from hearthnet.observability import configure_logging
     from hearthnet.transport.websocket import run
 

@@ -20,7 +20,7 @@ def node_uri(config_path: str) -> str:
     ``insecure_plaintext = true`` and no admin listener is reached on its main port.
     """
     from hearthnet.config import load_config
-    from hearthnet.mesh.guard import STATE_FILE, read_state
+    from hearthnet.node.guard import STATE_FILE, read_state
 
     cfg = load_config(config_path)
     data = cfg.effective_data_dir()
@@ -48,7 +48,7 @@ def chat_via_node(args: argparse.Namespace, messages: list[dict[str, str]],
                   params: SamplingParams) -> int:
     from hearthnet.commands.chat import emit
     from hearthnet.mesh.bus import bus_call
-    from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+    from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
     from hearthnet.transport.websocket import run
 
     uri = node_uri(args.config)

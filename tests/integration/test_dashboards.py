@@ -23,9 +23,9 @@ import yaml
 from hearthnet.config import load_config
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.mesh.bus import bus_call
-from hearthnet.mesh.guard import NodeGuard
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
-from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from hearthnet.node.guard import NodeGuard
 from hearthnet.observability import Metrics
 from hearthnet.security.provision import provision
 

@@ -32,7 +32,7 @@ from hearthnet.distributed_inference.faults import MODES
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
-from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
-from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 
 PROMPTS = ["What is the capital of France?",
            "Write a short poem about a lighthouse keeper.",

@@ -48,7 +48,7 @@ import asyncio, json, sys, time, urllib.request
 from hearthnet.commands.remote import node_uri
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.mesh.bus import bus_call
-from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 
 cfg, mode, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 

@@ -58,8 +58,8 @@ from hearthnet.errors import AuthError, HearthNetError, ShardUnavailable
 from hearthnet.mesh.bus import CapabilityBus
 from hearthnet.mesh.eventlog import ADVERTISED, WITHDRAWN, EventLog
 from hearthnet.mesh.gossip import MAX_MESSAGE_BYTES, GossipPeerLink, handle_gossip_connection
-from hearthnet.mesh.guard import NodeGuard, remove_state, write_state
 from hearthnet.models.store import ModelStore
+from hearthnet.node.guard import NodeGuard, remove_state, write_state
 from hearthnet.observability import Metrics, get_logger
 from hearthnet.security import note_refusal, split_open
 from hearthnet.transport.codec import max_frame_bytes
@@ -383,7 +383,7 @@ class Node:
 
     async def status(self) -> dict[str, Any]:
         """What this node knows of the mesh (`hearthnet status`)."""
-        from hearthnet.mesh.status import mesh_status
+        from hearthnet.node.status import mesh_status
 
         return await mesh_status(self)
 
