@@ -31,6 +31,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from hearthnet.errors import BadRequest
+from hearthnet.mesh.eventlog import EVENT_TYPES, EventType
 
 ShardID = str
 NodeID = str
@@ -38,6 +39,18 @@ Endpoint = str
 
 NODE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _shard_subject(payload: Mapping[str, Any]) -> str | None:
+    """Both shard events are about their ``shard_id``: the latest one supersedes the rest."""
+    sid = payload.get("shard_id")
+    return sid if isinstance(sid, str) else None
+
+
+ADVERTISED = EVENT_TYPES.register(EventType("experimental.shard.advertised", _shard_subject))
+"""A shard is ready (and, repeated on every heartbeat, still ready with this health)."""
+WITHDRAWN = EVENT_TYPES.register(EventType("experimental.shard.withdrawn", _shard_subject))
+"""A shard was stopped cleanly."""
 
 
 def make_shard_id(model_id: str, lo: int, hi: int, host: NodeID) -> ShardID:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from hearthnet.distributed_inference.descriptors import (
+    ADVERTISED,
+    WITHDRAWN,
     ShardDescriptor,
     ShardHealth,
     ShardID,
@@ -43,7 +45,7 @@ from hearthnet.distributed_inference.descriptors import (
 )
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.errors import BadRequest
-from hearthnet.mesh.eventlog import ADVERTISED, WITHDRAWN, Event
+from hearthnet.mesh.eventlog import Event
 from hearthnet.observability import Metrics, get_logger
 
 DEFAULT_LAN_NETWORKS = ("127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",

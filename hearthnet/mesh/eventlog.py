@@ -20,12 +20,19 @@ Invariants the gossip relies on:
   again at seq 1, and peers drop those events as duplicates until its seq passes what they
   hold (it recovers its own history from peers' catch-up, which moves its counter on).
 
-Growth is bounded by compaction (`compact`): an advertisement or withdrawal that a later
-advertisement/withdrawal *of the same shard by the same origin* supersedes, and that is
-older than `compact_retain_s`, is deleted. Heartbeats are re-advertisements (see
-`hearthnet.distributed_inference.descriptors`), so a host heartbeating every 15 s keeps at
-most ``retain / 15 + 1`` events per shard. Other event types are never compacted. The
-per-origin high-water marks live in their own table, so compaction never moves them back.
+Event types. The log knows no event semantics of its own: the module that owns a type
+registers an `EventType` in `EVENT_TYPES` (the registry other checks — allow-lists, size
+limits, trust — hang off too). A type's optional ``subject(payload)`` names what the event
+is about; an event is *superseded* by a later event of the same origin with the same
+subject (the shard events of `hearthnet.distributed_inference.descriptors` use the shard
+id, so a re-advertisement supersedes the previous one). Types that share a subject
+namespace supersede each other.
+
+Growth is bounded by compaction (`compact`): a superseded event older than
+`compact_retain_s` is deleted. Heartbeats are re-advertisements, so a host heartbeating
+every 15 s keeps at most ``retain / 15 + 1`` events per shard. Events without a subject are
+never compacted. The per-origin high-water marks live in their own table, so compaction
+never moves them back.
 """
 
 from __future__ import annotations
@@ -47,13 +54,6 @@ import msgpack
 from hearthnet.errors import BadRequest, HearthNetError
 from hearthnet.observability import Metrics, get_logger
 
-ADVERTISED = "experimental.shard.advertised"
-"""A shard is ready (and, repeated on every heartbeat, still ready with this health)."""
-WITHDRAWN = "experimental.shard.withdrawn"
-"""A shard was stopped cleanly."""
-COMPACTABLE_TYPES = frozenset({ADVERTISED, WITHDRAWN})
-"""Types whose older events are superseded by a newer one with the same ``shard_id``."""
-
 MAX_PAYLOAD_BYTES = 64 * 1024
 MAX_TYPE_LEN = 128
 DEFAULT_COMPACT_EVERY = 256
@@ -67,6 +67,59 @@ Admission = Callable[["Event"], "str | None"]
 Subscriber = Callable[["Event"], object]
 
 _log = get_logger("mesh.eventlog")
+
+Subject = Callable[[Mapping[str, Any]], "str | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class EventType:
+    """What the log knows of one event type; registered by the module that owns the type.
+
+    Attributes:
+        name: the wire type string (1..`MAX_TYPE_LEN` characters).
+        subject: ``subject(payload) -> str | None``, what an event is about; a later event
+            of the same origin with the same subject supersedes it (compaction). None:
+            events of this type are never superseded.
+    """
+
+    name: str
+    subject: Subject | None = None
+
+
+class EventTypes:
+    """A registry of `EventType`s; `EVENT_TYPES` is the process-wide one."""
+
+    def __init__(self) -> None:
+        self._types: dict[str, EventType] = {}
+
+    def register(self, event_type: EventType) -> str:
+        """Add `event_type`; returns its name. Registering the same definition twice is a
+        no-op; a different definition under a taken name raises `ValueError`."""
+        _check_type(event_type.name)
+        known = self._types.setdefault(event_type.name, event_type)
+        if known != event_type:
+            raise ValueError(f"event type {event_type.name!r} is already registered")
+        return event_type.name
+
+    def get(self, name: str) -> EventType | None:
+        """The registered type `name`, or None."""
+        return self._types.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._types
+
+    def subject(self, event: Event) -> str | None:
+        """What `event` is about (its compaction key), or None."""
+        known = self._types.get(event.type)
+        if known is None or known.subject is None:
+            return None
+        try:
+            return known.subject(event.payload)
+        except Exception:  # a malformed payload simply has no subject
+            return None
+
+
+EVENT_TYPES = EventTypes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +217,7 @@ class EventLog:
         clock: wall clock for event timestamps (Unix seconds).
         compact_retain_s: when set, `compact(compact_retain_s)` runs every
             `compact_every` stored events (the daemon passes 4 × the health timeout).
+        types: the event-type registry (subjects for compaction); `EVENT_TYPES` by default.
     """
 
     def __init__(self, path: str | Path, node_id: str, *, metrics: Metrics | None = None,
@@ -171,7 +225,8 @@ class EventLog:
                  admit: Admission | None = None,
                  clock: Callable[[], float] = time.time,
                  compact_retain_s: float | None = None,
-                 compact_every: int = DEFAULT_COMPACT_EVERY) -> None:
+                 compact_every: int = DEFAULT_COMPACT_EVERY,
+                 types: EventTypes = EVENT_TYPES) -> None:
         if not _ORIGIN_RE.match(node_id):
             raise BadRequest(f"node id {node_id!r} is not [a-z0-9-]+")
         self.path = Path(path)
@@ -183,6 +238,7 @@ class EventLog:
         self._clock = clock
         self._compact_retain_s = compact_retain_s
         self._compact_every = max(1, compact_every)
+        self._types = types
         self._since_compact = 0
         self._subscribers: list[Subscriber] = []
         self._lock = threading.RLock()
@@ -303,7 +359,7 @@ class EventLog:
     def _write(self, events: list[Event]) -> None:
         now = float(self._clock())
         rows = [(e.event_id, e.origin, e.seq, e.type, _pack(canonical(e.payload)), e.ts,
-                 e.signature, _subject(e), now) for e in events]
+                 e.signature, self._types.subject(e), now) for e in events]
         try:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.executemany(
@@ -384,10 +440,10 @@ class EventLog:
     # ---- maintenance ----
 
     def compact(self, retain_s: float) -> int:
-        """Delete superseded shard events older than `retain_s` seconds; returns how many.
+        """Delete superseded events older than `retain_s` seconds; returns how many.
 
-        Superseded: a later ADVERTISED/WITHDRAWN event of the same origin with the same
-        ``shard_id``. The latest event of every shard is always kept.
+        Superseded: a later event of the same origin with the same subject (see
+        `EventType.subject`). The latest event of every subject is always kept.
         """
         cutoff = float(self._clock()) - retain_s
         with self._lock:
@@ -469,14 +525,6 @@ def _check_payload(payload: object) -> bytes:
         raise BadRequest(f"event payload is {len(packed)} bytes, more than "
                          f"{MAX_PAYLOAD_BYTES}")
     return packed
-
-
-def _subject(ev: Event) -> str | None:
-    if ev.type in COMPACTABLE_TYPES:
-        sid = ev.payload.get("shard_id")
-        if isinstance(sid, str):
-            return sid
-    return None
 
 
 def _is_number(v: object) -> bool:

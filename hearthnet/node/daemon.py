@@ -41,6 +41,8 @@ from websockets.http11 import Request, Response
 
 from hearthnet.config import NodeConfig
 from hearthnet.distributed_inference.descriptors import (
+    ADVERTISED,
+    WITHDRAWN,
     advertisement_payload,
     withdrawal_payload,
 )
@@ -56,7 +58,7 @@ from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
 from hearthnet.distributed_inference.store import ShardStore
 from hearthnet.errors import AuthError, HearthNetError, ShardUnavailable
 from hearthnet.mesh.bus import CapabilityBus
-from hearthnet.mesh.eventlog import ADVERTISED, WITHDRAWN, EventLog
+from hearthnet.mesh.eventlog import EventLog
 from hearthnet.mesh.gossip import MAX_MESSAGE_BYTES, GossipPeerLink, handle_gossip_connection
 from hearthnet.models.store import ModelStore
 from hearthnet.node.guard import NodeGuard, remove_state, write_state

@@ -29,9 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from hearthnet.config import NodeConfig, load_config
-from hearthnet.distributed_inference.descriptors import parse_advertisement, parse_withdrawal
+from hearthnet.distributed_inference.descriptors import (
+    ADVERTISED,
+    WITHDRAWN,
+    parse_advertisement,
+    parse_withdrawal,
+)
 from hearthnet.errors import AuthError, BadRequest, ConfigError
-from hearthnet.mesh.eventlog import ADVERTISED, WITHDRAWN, Event
+from hearthnet.mesh.eventlog import Event
 from hearthnet.observability import Metrics, get_logger
 from hearthnet.security import (
     ConnectionLimiter,

@@ -15,12 +15,16 @@ from typing import Any
 import torch
 
 from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
-from hearthnet.distributed_inference.descriptors import ShardDescriptor, advertisement_payload
+from hearthnet.distributed_inference.descriptors import (
+    ADVERTISED,
+    ShardDescriptor,
+    advertisement_payload,
+)
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
 from hearthnet.distributed_inference.store import ShardStore
 from hearthnet.errors import ConnectionLost, ShardUnavailable
-from hearthnet.mesh.eventlog import ADVERTISED, EventLog
+from hearthnet.mesh.eventlog import EventLog
 from hearthnet.models.store import ModelEntry
 
 _WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

@@ -19,8 +19,11 @@ from typing import Any
 
 import pytest
 
-from hearthnet.distributed_inference.descriptors import ShardDescriptor, advertisement_payload
-from hearthnet.mesh.eventlog import ADVERTISED
+from hearthnet.distributed_inference.descriptors import (
+    ADVERTISED,
+    ShardDescriptor,
+    advertisement_payload,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 Line = dict[str, Any]

@@ -25,9 +25,13 @@ import pytest
 import torch
 from websockets.asyncio.client import connect
 
-from hearthnet.distributed_inference.descriptors import ShardDescriptor, advertisement_payload
+from hearthnet.distributed_inference.descriptors import (
+    ADVERTISED,
+    ShardDescriptor,
+    advertisement_payload,
+)
 from hearthnet.errors import AuthError, ConnectionLost, HearthNetError
-from hearthnet.mesh.eventlog import ADVERTISED, Event, EventLog
+from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.mesh.gossip import decode_message, encode_events, encode_hello
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from hearthnet.security import MemberDirectory, NodeKey, client_context, sign_open

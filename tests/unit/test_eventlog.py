@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from hearthnet.distributed_inference.descriptors import ADVERTISED, WITHDRAWN
 from hearthnet.errors import BadRequest
 from hearthnet.mesh.eventlog import (
-    ADVERTISED,
+    EVENT_TYPES,
     MAX_PAYLOAD_BYTES,
-    WITHDRAWN,
     Event,
     EventLog,
+    EventType,
+    EventTypes,
     canonical,
 )
 from hearthnet.observability import Metrics
@@ -249,3 +251,38 @@ def test_automatic_compaction_bounds_growth(tmp_path: Path) -> None:
         clock.t += 15
     assert log.count() <= 120 // 15 + 16 + 1
     assert log.vector() == {"node-a": 200}
+
+
+def test_registry_gives_the_log_its_subjects(tmp_path: Path) -> None:
+    """The log knows no event semantics: compaction follows the registered subjects only."""
+    types = EventTypes()
+    up = types.register(EventType("test.lamp.on", lambda p: p.get("lamp")))
+    clock = Clock()
+    log = EventLog(tmp_path / "a.db", "node-a", clock=clock, types=types)
+    for i in range(3):
+        log.append(up, {"lamp": "l1", "n": i})
+        log.append(ADVERTISED, {"shard_id": "s", "n": i})  # not registered in `types`
+        clock.t += 100
+    assert log.compact(retain_s=0) == 2
+    assert [(e.type, e.payload["n"]) for e in log.all_events()] == \
+        [(ADVERTISED, 0), (ADVERTISED, 1), (up, 2), (ADVERTISED, 2)]
+
+
+def test_registry_refuses_a_conflicting_definition() -> None:
+    types = EventTypes()
+    first = EventType("test.x")
+    assert types.register(first) == "test.x"
+    assert types.register(EventType("test.x")) == "test.x"  # the same definition again
+    assert "test.x" in types and types.get("test.x") == first and types.get("nope") is None
+    with pytest.raises(ValueError):
+        types.register(EventType("test.x", lambda p: "other"))
+    with pytest.raises(BadRequest):
+        types.register(EventType(""))
+
+
+def test_shard_events_register_themselves() -> None:
+    for name in (ADVERTISED, WITHDRAWN):
+        known = EVENT_TYPES.get(name)
+        assert known is not None and known.subject is not None
+        assert known.subject({"shard_id": "m:0-3@a"}) == "m:0-3@a"
+        assert known.subject({"shard_id": 5}) is None

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 import pytest
 
 from hearthnet.distributed_inference.descriptors import (
+    ADVERTISED,
     ShardDescriptor,
     ShardHealth,
     advertisement_payload,
@@ -16,7 +17,7 @@ from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
 from hearthnet.distributed_inference.store import ShardStore
 from hearthnet.errors import BadRequest, ShardUnavailable, WeightsMismatch
-from hearthnet.mesh.eventlog import ADVERTISED, Event
+from hearthnet.mesh.eventlog import Event
 
 SHA = "ab" * 32
 SHA2 = "cd" * 32

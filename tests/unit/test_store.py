@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from hearthnet.distributed_inference.descriptors import (
+    ADVERTISED,
+    WITHDRAWN,
     ShardDescriptor,
     ShardHealth,
     advertisement_payload,
@@ -15,7 +17,7 @@ from hearthnet.distributed_inference.descriptors import (
 )
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.store import ShardStore
-from hearthnet.mesh.eventlog import ADVERTISED, WITHDRAWN, Event, EventLog
+from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.observability import Metrics
 
 SHA = "ab" * 32
