@@ -1,12 +1,31 @@
-"""`small_model_layered`: per-layer forward for small decoder-only models (M26 §5.7).
+"""`small_model_layered`: per-layer forward for decoder-only text models (M26 §5.7).
 
 A shard is `layers[lo:hi+1]` of the same model (gpt-fast's way: features applied from
 outside, not a fork of the model code). The layers are the model family's own
 `transformers` decoder-layer modules: we build the family's base model on the `meta`
 device (no memory), keep the layers we host, and fill them with exactly their tensors read
-from the safetensors file(s) — nothing else is read. Rotary embeddings and attention masks
-come from the same transformers modules, so Llama, Qwen2, Qwen3, Mistral (and other
-families with the same decoder-layer calling convention) need no per-family code.
+from the safetensors file(s) — nothing else is read. Everything else a family needs also
+comes from transformers' own modules and config, called the way the family's full model
+calls them:
+
+- the attention implementation the family's model class picks by itself (sdpa, or eager
+  where the family needs it, e.g. Gemma-2's attention soft-capping);
+- rotary embeddings from the base model's rotary module, one set per layer type when the
+  module takes a `layer_type` (Gemma-3: different `rope_theta` for sliding and full
+  layers), with any `rope_scaling` (Llama-3.x `llama3`, Phi-3 `longrope`) it implements;
+- masks per layer type (`full_attention` / `sliding_attention`, from `layer_types` or
+  the config's sliding-window settings) from `transformers.masking_utils`;
+- the embedding module itself (Gemma's scaled embedding), whose non-persistent buffers
+  (`embed_scale`) are re-created the way transformers' own loading does — a CPU
+  placeholder filled by the model class's `_init_weights`;
+- final-logit soft-capping from the config in the head (Gemma-2).
+
+Covered and tested against the full transformers model (logits within 1e-4 in fp32, greedy
+tokens identical, prompts longer than the sliding window): Llama (incl. Llama-3.x
+`rope_scaling`), Qwen2/2.5, Qwen3, Mistral, Gemma-2, Gemma-3 (text) and Phi-3 — see
+tests/helpers/tiny_models.py and tests/unit/test_families.py. Other families load when
+their decoder layers take the same call (hidden state, masks, position embeddings, cache);
+any tensor left unloaded is a `bad_request` naming the family and the tensor.
 
 KV caches are transformers `DynamicCache`s, one per session; a session over `[start, end]`
 only fills the cache layers of that sub-range.
@@ -14,6 +33,7 @@ only fills the cache layers of that sub-range.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Iterable
@@ -43,12 +63,20 @@ def compute_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def load_config(entry: ModelEntry) -> Any:
-    """The transformers config of a stored model, set up for CPU inference."""
+    """The decoder's transformers config of a stored model.
+
+    The attention implementation is left to the family's model class (it picks sdpa where
+    the family supports it, eager where it does not — Gemma-2's soft-capped attention).
+    """
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(entry.path))
-    cfg._attn_implementation = "sdpa"
-    return cfg
+    return cfg.get_text_config(decoder=True)
+
+
+def family(config: Any) -> str:
+    """The config's `model_type` (for messages)."""
+    return str(getattr(config, "model_type", "unknown"))
 
 
 class _WeightsReader:
@@ -68,6 +96,11 @@ class _WeightsReader:
         self.layer_prefix = self._find_layer_prefix()
 
     def _find_layer_prefix(self) -> str:
+        for k in self.index:  # the decoder's prefix is its embedding's (not a vision tower's)
+            if k.endswith("embed_tokens.weight") and \
+                    any(x.startswith(k[:-len("embed_tokens.weight")] + "layers.")
+                        for x in self.index):
+                return k[:-len("embed_tokens.weight")]
         for k in self.index:
             m = _LAYER_KEY.match(k)
             if m:
@@ -104,14 +137,54 @@ def _meta_base_model(config: Any) -> Any:
 
 
 def _fill(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str,
-          dtype: torch.dtype, where: str) -> None:
-    """Materialise a meta module from `tensors` (keys under `prefix`), strictly."""
+          dtype: torch.dtype, where: str, base: Any) -> None:
+    """Materialise a meta module from `tensors` (keys under `prefix`), strictly.
+
+    Non-persistent buffers (not in any weights file) are then re-created as transformers'
+    own loading does; anything still on meta is a `bad_request` naming family and tensor.
+    """
     sd = {k[len(prefix):]: v.to(dtype) for k, v in tensors.items() if k.startswith(prefix)}
     missing, unexpected = module.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
         raise WeightsMismatch(
             f"{where}: weights do not match the model structure "
             f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+    _materialise_buffers(module, base, where)
+
+
+def _materialise_buffers(module: nn.Module, base: Any, where: str) -> None:
+    """Re-create `module`'s meta buffers on CPU with the model class's own initialiser.
+
+    transformers' `from_pretrained` does the same: a CPU placeholder per non-persistent
+    buffer, then `_init_weights`, which skips every tensor flagged `_is_hf_initialized`
+    (all the loaded weights) and fills the buffers (e.g. Gemma's `embed_scale`).
+    """
+    owners: list[nn.Module] = []
+    for sub in module.modules():
+        for name, buf in list(sub.named_buffers(recurse=False)):
+            if buf is not None and buf.is_meta:
+                persistent = name not in sub._non_persistent_buffers_set
+                sub.register_buffer(name, torch.empty_like(buf, device="cpu"),
+                                    persistent=persistent)
+                owners.append(sub)
+        for p in sub.parameters(recurse=False):
+            p._is_hf_initialized = True  # type: ignore[attr-defined]
+    init = getattr(base, "_init_weights", None)
+    with torch.no_grad():
+        for sub in owners:
+            if init is not None:
+                init(sub)
+    _refuse_meta(module, base.config, where)
+
+
+def _refuse_meta(module: nn.Module, config: Any, where: str) -> None:
+    """`BadRequest` naming the family and the first tensor still on the meta device."""
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.is_meta:
+            raise BadRequest(f"{where}: family {family(config)!r}: tensor {name!r} has no "
+                             f"value after loading (not in the weights and not re-creatable)"
+                             f"; this family is not supported by small_model_layered",
+                             family=family(config), tensor=name)
 
 
 def _layer_types(config: Any) -> list[str]:
@@ -126,11 +199,27 @@ def _layer_types(config: Any) -> list[str]:
     return list(types)
 
 
-def _rotary(config: Any, base: Any) -> nn.Module:
-    """A real (CPU) copy of the base model's rotary embedding module."""
-    with torch.device("cpu"):
-        rotary: nn.Module = type(base.rotary_emb)(config=config)
-    return rotary
+class _Rotary:
+    """The base model's rotary embedding module (a CPU copy), called as the model does.
+
+    Families with one rotary per layer type (Gemma-3: `rope_theta` differs between
+    sliding and full layers) take a `layer_type`; the others give one pair for all.
+    """
+
+    def __init__(self, config: Any, base: Any, where: str) -> None:
+        with torch.device("cpu"):
+            self.module: nn.Module = type(base.rotary_emb)(config=config)
+        _refuse_meta(self.module, config, where + " rotary embedding")
+        self.per_type = "layer_type" in inspect.signature(self.module.forward).parameters
+
+    def __call__(self, h: torch.Tensor, pos: torch.Tensor, types: Iterable[str]
+                 ) -> dict[str, Any]:
+        """Position embeddings for every layer type in `types`."""
+        kinds = sorted(set(types))
+        if not self.per_type:
+            pe = self.module(h, position_ids=pos)
+            return dict.fromkeys(kinds, pe)
+        return {k: self.module(h, position_ids=pos, layer_type=k) for k in kinds}
 
 
 class LayeredSession:
@@ -175,10 +264,10 @@ class LayeredSession:
         h = hidden.to(self.stack.dtype)  # (1, T, H)
         pos = torch.arange(start_pos, start_pos + t).unsqueeze(0)  # (1, T)
         masks = self._masks(h, pos)
-        pe = self.stack.rotary(h, position_ids=pos)
+        pe = self.stack.rotary(h, pos, self._types)
         for layer, kind in zip(self.layers, self._types, strict=True):
             h = layer(h, attention_mask=masks[kind], position_ids=pos,
-                      past_key_values=self.cache, use_cache=True, position_embeddings=pe)
+                      past_key_values=self.cache, use_cache=True, position_embeddings=pe[kind])
         self._len = start_pos + t
         return h
 
@@ -221,10 +310,10 @@ class LayeredStack:
             layer = base.layers[i]
             keys = reader.keys_for_layer(i)
             prefix = f"{reader.layer_prefix}layers.{i}."
-            _fill(layer, reader.read(keys), prefix, self.dtype, f"{entry.path} layer {i}")
+            _fill(layer, reader.read(keys), prefix, self.dtype, f"{entry.path} layer {i}", base)
             layer.eval()
             self.layers.append(layer)
-        self.rotary = _rotary(self.config, base)
+        self.rotary = _Rotary(self.config, base, str(entry.path))
         del base
         self.layer_types = _layer_types(self.config)
 
@@ -263,9 +352,15 @@ class LayeredHead:
         self.embed_tokens: nn.Module = base.embed_tokens
         self.norm: nn.Module = base.norm
         _fill(self.embed_tokens, reader.read([p + "embed_tokens.weight"]), p + "embed_tokens.",
-              self.dtype, f"{entry.path} embeddings")
+              self.dtype, f"{entry.path} embeddings", base)
         norm_keys = [k for k in reader.index if k.startswith(p + "norm.")]
-        _fill(self.norm, reader.read(norm_keys), p + "norm.", self.dtype, f"{entry.path} norm")
+        _fill(self.norm, reader.read(norm_keys), p + "norm.", self.dtype, f"{entry.path} norm",
+              base)
+        self.embed_tokens.eval()
+        self.norm.eval()
+        # Gemma-2's final-logit soft-capping, applied as its CausalLM head does
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        self.final_logit_softcapping: float | None = float(cap) if cap else None
         if "lm_head.weight" in reader.index and not getattr(self.config, "tie_word_embeddings",
                                                              False):
             w = reader.read(["lm_head.weight"])["lm_head.weight"].to(self.dtype)
@@ -310,4 +405,8 @@ class LayeredHead:
     def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         """(vocab,) fp32 logits of the last position of a (1, T, H) final hidden state."""
         h = self.norm(hidden_last[:, -1:, :].to(self.dtype))
-        return torch.nn.functional.linear(h, self.lm_head_weight)[0, -1].float()
+        logits = torch.nn.functional.linear(h, self.lm_head_weight)[0, -1]
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
