@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 from hearthnet.models.importer import import_model
+from hearthnet.models.progress import progress_bar
 from hearthnet.models.store import ModelStore
+from hearthnet.models.synth import SHAPES, shape_config, synth_model, tensor_plan
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -18,6 +20,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     imp.add_argument("source")
     imp.add_argument("--alias", default=None)
     imp.set_defaults(func=_import)
+    syn = msub.add_parser("synth", help="write a real-shape model with random weights: "
+                          + ", ".join(SHAPES))
+    syn.add_argument("shape")
+    syn.add_argument("--alias", default=None, help="store alias (default: SHAPE)")
+    syn.add_argument("--seed", type=int, default=0)
+    syn.set_defaults(func=_synth)
     ls = msub.add_parser("list", help="list imported models")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_list)
@@ -37,6 +45,17 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _synth(args: argparse.Namespace) -> int:
+    _, cfg = shape_config(args.shape)  # unknown shape: one-line error before any work
+    total = sum(t.nbytes for t in tensor_plan(cfg))
+    with progress_bar(total, f"synth {args.shape}") as bar:
+        e = synth_model(_store(args), args.shape, alias=args.alias, seed=args.seed,
+                        progress=bar.update)
+    print(f"{e.alias}: {e.model_id} ({e.num_layers} layers, synthetic) "
+          f"weights_sha256={e.weights_sha256} at {e.path}")
+    return 0
+
+
 def _list(args: argparse.Namespace) -> int:
     entries = _store(args).entries()
     if args.json:
@@ -45,8 +64,10 @@ def _list(args: argparse.Namespace) -> int:
     if not entries:
         print("no models; import one with `hearthnet models import smollm2`")
     for e in entries:
-        print(f"{e.alias:<12} {e.model_id:<40} layers={e.num_layers:<3} "
-              f"sha256={e.weights_sha256[:16]}…  {e.path}")
+        size = sum(int(f["size"]) for f in e.files.values()) / 2**20
+        tag = " synthetic" if e.synthetic else ""
+        print(f"{e.alias:<14} {e.model_id:<40} layers={e.num_layers:<3} {e.dtype:<9} "
+              f"{size:>8.0f} MB sha256={e.weights_sha256[:16]}…{tag}  {e.path}")
     return 0
 
 

@@ -26,9 +26,11 @@ from typing import Any
 
 from hearthnet.errors import ModelNotFound, WeightsMismatch
 from hearthnet.models.hashing import file_sha256, read_safetensors_header, weights_sha256
+from hearthnet.models.writer import WrittenModel
 from hearthnet.paths import models_dir
 
 MANIFEST = "manifest.json"
+IMPORTING = ".importing"  # suffix of a folder being written (renamed when complete)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class ModelEntry:
     source: str
     path: Path
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    synthetic: bool = False
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -89,6 +92,8 @@ class ModelStore:
     def entries(self) -> list[ModelEntry]:
         out = []
         for d in sorted(self.root.iterdir()):
+            if d.name.endswith(IMPORTING):
+                continue  # an import under way or interrupted: not a model
             if (d / MANIFEST).is_file():
                 try:
                     out.append(ModelEntry.load(d))
@@ -117,23 +122,33 @@ class ModelStore:
         except ModelNotFound:
             return None
 
-    def write_manifest(self, folder: Path, *, model_id: str, alias: str, source: str) -> ModelEntry:
-        """Hash the weights in `folder` and write its manifest (atomically)."""
+    def write_manifest(self, folder: Path, *, model_id: str, alias: str, source: str,
+                       written: WrittenModel | None = None,
+                       synthetic: bool = False) -> ModelEntry:
+        """Hash the weights in `folder` and write its manifest (atomically).
+
+        `written`: hashes a `SafetensorsWriter` computed while writing the folder, so the
+        files are not read back. `synthetic`: the
+        weights are random (`hearthnet models synth`).
+        """
         cfg = json.loads((folder / "config.json").read_text())
         text_cfg = cfg.get("text_config", cfg)
         files = {}
         for f in sorted(folder.glob("*.safetensors")):
             st = f.stat()
-            files[f.name] = {"sha256": file_sha256(f), "size": st.st_size,
+            known = written.file_sha256.get(f.name) if written else None
+            files[f.name] = {"sha256": known or file_sha256(f), "size": st.st_size,
                              "mtime_ns": st.st_mtime_ns}
         if not files:
             raise ModelNotFound(f"{folder}: no *.safetensors weights in the folder")
         dtype = str(text_cfg.get("dtype") or text_cfg.get("torch_dtype") or "float32")
         entry = ModelEntry(
-            model_id=model_id, alias=alias, weights_sha256=weights_sha256(folder),
+            model_id=model_id, alias=alias,
+            weights_sha256=written.weights_sha256 if written else weights_sha256(folder),
             num_layers=int(text_cfg["num_hidden_layers"]),
             hidden_size=int(text_cfg["hidden_size"]), model_type=str(text_cfg["model_type"]),
-            dtype=dtype, source=source, path=folder, files=files)
+            dtype=dtype, source=source, path=folder, files=files,
+            synthetic=synthetic)
         data = entry.to_json()
         data.pop("path")
         tmp = folder / (MANIFEST + ".tmp")

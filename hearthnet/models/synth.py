@@ -1,0 +1,190 @@
+"""`hearthnet models synth SHAPE`: real-shape models with random weights (issue 12 §3).
+
+A synthetic model is a normal store folder: the real `config.json` of a published model
+(M26 §5.7's Qwen2.5-{1.5B,3B,7B}, Llama-3.2-{1B,3B}), bf16 weights drawn from a seeded
+normal distribution (std = the config's `initializer_range`; RMSNorm weights are ones), a
+working tokenizer, and a manifest with `synthetic: true`. Everything else (shards, chat,
+bench) treats it as any model; its output is meaningless text, its cost is real.
+
+Weights are generated and written tensor by tensor, in row chunks (`SafetensorsWriter`), so
+a 15 GB model never sits in memory. Each tensor's generator is seeded from the seed and the
+tensor's name, so the same SHAPE and seed always give the same `weights_sha256`.
+
+The tokenizer is SmolLM2's (shipped with the bundled model, so it works offline): its ids
+(< 49,152) all fall inside every shape's embedding; the config's special-token ids are set
+to the tokenizer's, and `vocab_size` stays the real one. Embedding / lm_head rows above the
+tokenizer's ids are zero — padding rows, as in the real models' padded vocabularies — so
+they are never looked up and never win the arg-max (random logits of real rows do).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hearthnet.errors import BadRequest
+from hearthnet.models.store import IMPORTING, ModelEntry, ModelStore
+from hearthnet.models.writer import DEFAULT_MAX_FILE_BYTES, SafetensorsWriter, TensorPlan
+
+_QWEN_COMMON: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
+    "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "use_sliding_window": False, "use_cache": True,
+}
+_LLAMA_COMMON: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+    "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
+    "max_position_embeddings": 131072, "mlp_bias": False, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": True,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "use_cache": True, "vocab_size": 128256,
+}
+
+# The published config.json of each shape (Instruct variants), keyed by SHAPE.
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2.5-1.5b": ("Qwen/Qwen2.5-1.5B-Instruct", {
+        **_QWEN_COMMON, "hidden_size": 1536, "intermediate_size": 8960,
+        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+        "max_window_layers": 21, "tie_word_embeddings": True, "vocab_size": 151936}),
+    "qwen2.5-3b": ("Qwen/Qwen2.5-3B-Instruct", {
+        **_QWEN_COMMON, "hidden_size": 2048, "intermediate_size": 11008,
+        "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "max_window_layers": 70, "tie_word_embeddings": True, "vocab_size": 151936}),
+    "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", {
+        **_QWEN_COMMON, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "max_window_layers": 28, "tie_word_embeddings": False, "vocab_size": 152064}),
+    "llama-3.2-1b": ("meta-llama/Llama-3.2-1B-Instruct", {
+        **_LLAMA_COMMON, "hidden_size": 2048, "intermediate_size": 8192, "head_dim": 64,
+        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8}),
+    "llama-3.2-3b": ("meta-llama/Llama-3.2-3B-Instruct", {
+        **_LLAMA_COMMON, "hidden_size": 3072, "intermediate_size": 8192, "head_dim": 128,
+        "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8}),
+}
+
+_ROWS_PER_CHUNK_ELEMS = 16 << 20  # ~64 MB of fp32 randoms at a time
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "generation_config.json")
+Progress = Callable[[int], None]
+
+
+def shape_config(shape: str) -> tuple[str, dict[str, Any]]:
+    """(model id, config.json dict) of SHAPE; `BadRequest` naming the known shapes."""
+    try:
+        model_id, cfg = SHAPES[shape]
+    except KeyError:
+        raise BadRequest(f"unknown synthetic shape {shape!r}; known shapes: "
+                         f"{', '.join(SHAPES)}") from None
+    return model_id, {**cfg, "torch_dtype": "bfloat16"}
+
+
+def tensor_plan(config: dict[str, Any]) -> list[TensorPlan]:
+    """Every stored tensor of a model with this config (names and shapes from transformers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
+    sd = model.state_dict()
+    if config.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)  # tied: stored once, as the embedding
+    return [TensorPlan(k, torch.bfloat16, tuple(sd[k].shape)) for k in sorted(sd)]
+
+
+def _generate(writer: SafetensorsWriter, t: TensorPlan, seed: int, std: float,
+              vocab_used: int, vocab_size: int) -> None:
+    """Write tensor `t` in row chunks; rows of a vocab-sized matrix past the tokenizer's ids
+    are zero (padding rows, never looked up and never the arg-max)."""
+    if len(t.shape) == 1 and t.name.endswith("norm.weight"):
+        writer.write(t.name, torch.ones(t.shape, dtype=t.dtype))
+        return
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(t.name.encode()))
+    rows = t.shape[0]
+    cols = math.prod(t.shape[1:])
+    pad = len(t.shape) == 2 and rows == vocab_size
+    step = max(1, _ROWS_PER_CHUNK_ELEMS // cols)
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        part = torch.randn((n, *t.shape[1:]), generator=g).mul_(std)
+        if pad and r + n > vocab_used:
+            part[max(0, vocab_used - r):] = 0
+        writer.write(t.name, part.to(t.dtype))
+
+
+def _tokenizer_source(store: ModelStore) -> Path:
+    from hearthnet.models.importer import SMOLLM2_ALIAS, import_smollm2
+
+    e = store.find(SMOLLM2_ALIAS) or import_smollm2(store)
+    return e.path
+
+
+def _write_tokenizer(src: Path, out: Path, config: dict[str, Any]) -> int:
+    """Copy the tokenizer files; set the config's special ids; returns the tokenizer's size."""
+    for name in _TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out))
+    if len(tok) > int(config["vocab_size"]):
+        raise BadRequest(f"tokenizer has {len(tok)} ids, more than the shape's vocab_size")
+    gen_file = out / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    config.update({k: gen[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                   if k in gen})
+    return len(tok)
+
+
+def synth_model(store: ModelStore, shape: str, *, alias: str | None = None, seed: int = 0,
+                progress: Progress | None = None) -> ModelEntry:
+    """Write a synthetic model of SHAPE into the store (idempotent: an existing alias is
+    returned as is)."""
+    _, config = shape_config(shape)
+    alias = alias or shape
+    existing = store.find(alias)
+    if existing is not None:
+        return existing
+    return write_synthetic(store, alias, config, model_id=f"hearthnet-synthetic/{shape}",
+                           seed=seed, tokenizer_from=None,
+                           source=f"synth:{shape}:seed={seed}", progress=progress)
+
+
+def write_synthetic(store: ModelStore, alias: str, config: dict[str, Any], *, model_id: str,
+                    seed: int,
+                    tokenizer_from: Path | None, source: str,
+                    progress: Progress | None = None,
+                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> ModelEntry:
+    """Write a random-weight model with `config` as `alias` (see the module docstring).
+
+    Nothing is visible to `models list` until it is complete: the folder is written as
+    `<alias>.importing` and renamed at the end.
+    """
+    config = dict(config)
+    src = tokenizer_from or _tokenizer_source(store)
+    folder, tmp = store.root / alias, store.root / (alias + IMPORTING)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    vocab_used = _write_tokenizer(src, tmp, config)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    plan = tensor_plan(config)
+    writer = SafetensorsWriter(tmp, plan, max_file_bytes)
+    std = float(config.get("initializer_range", 0.02))
+    for t in plan:
+        _generate(writer, t, seed, std, vocab_used, int(config["vocab_size"]))
+        if progress:
+            progress(t.nbytes)
+    written = writer.close()
+    store.write_manifest(tmp, model_id=model_id, alias=alias, source=source, written=written,
+                         synthetic=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return ModelEntry.load(folder)

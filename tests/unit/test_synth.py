@@ -1,0 +1,86 @@
+"""`hearthnet models synth` (issue 12 §3) and the streaming safetensors writer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hearthnet.errors import BadRequest
+from hearthnet.models.hashing import file_sha256, weights_sha256
+from hearthnet.models.store import ModelStore
+from hearthnet.models.synth import SHAPES, shape_config, tensor_plan, write_synthetic
+
+TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 50000, "tie_word_embeddings": False,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
+        "torch_dtype": "bfloat16"}
+
+
+def _tiny(store: ModelStore, smollm2, alias: str = "tiny", seed: int = 0, **kw):
+    return write_synthetic(store, alias, TINY, model_id="hearthnet-synthetic/tiny",
+                           seed=seed, tokenizer_from=smollm2.path, source="test", **kw)
+
+
+def test_synthetic_model_is_a_normal_bf16_store_model(tmp_path, smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    store = ModelStore(tmp_path)
+    # a tiny file limit forces several files and an index, as for a 7B model
+    e = _tiny(store, smollm2, max_file_bytes=2 << 20)
+    assert e.synthetic and e.dtype == "bfloat16" and e.num_layers == 3
+    assert len(e.files) > 1 and (e.path / "model.safetensors.index.json").is_file()
+    assert [x.alias for x in store.entries()] == ["tiny"]
+    # hashes computed while streaming equal the definitions computed from disk
+    assert weights_sha256(e.path) == e.weights_sha256
+    for name, rec in e.files.items():
+        assert file_sha256(e.path / name) == rec["sha256"]
+    model = AutoModelForCausalLM.from_pretrained(str(e.path))
+    assert model.dtype == torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(str(e.path))
+    ids = tok("The quick brown fox", return_tensors="pt").input_ids
+    assert int(ids.max()) < TINY["vocab_size"]
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert int(out.max()) < len(tok)  # padding rows never win: every token decodes
+    cfg = json.loads((e.path / "config.json").read_text())
+    assert cfg["eos_token_id"] == tok.eos_token_id
+
+
+def test_same_seed_same_hash_other_seed_other_hash(tmp_path, smollm2):
+    a = _tiny(ModelStore(tmp_path / "a"), smollm2)
+    b = _tiny(ModelStore(tmp_path / "b"), smollm2)
+    c = _tiny(ModelStore(tmp_path / "c"), smollm2, seed=1)
+    assert a.weights_sha256 == b.weights_sha256 != c.weights_sha256
+    with safe_open(str(next(iter(a.path.glob("*.safetensors")))), "pt") as f:
+        norm = [k for k in f.keys() if k.endswith("norm.weight")]  # noqa: SIM118
+        assert norm and all(bool((f.get_tensor(k) == 1).all()) for k in norm)
+
+
+def test_every_shape_has_its_real_layer_count_and_vocab():
+    expect = {"qwen2.5-1.5b": (28, 1536, 151936), "qwen2.5-3b": (36, 2048, 151936),
+              "qwen2.5-7b": (28, 3584, 152064), "llama-3.2-1b": (16, 2048, 128256),
+              "llama-3.2-3b": (28, 3072, 128256)}
+    assert set(expect) == set(SHAPES)
+    for shape, (layers, hidden, vocab) in expect.items():
+        _, cfg = shape_config(shape)
+        assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == \
+            (layers, hidden, vocab)
+    # 7B: ~7.6 G parameters, 15.2 GB in bf16 — from the plan, nothing allocated
+    n = sum(t.nbytes for t in tensor_plan(shape_config("qwen2.5-7b")[1])) / 2
+    assert 7.5e9 < n < 7.7e9
+
+
+def test_unknown_shape_is_one_line_error(tmp_path):
+    with pytest.raises(BadRequest, match="known shapes: qwen2"):
+        shape_config("gpt-5")
+    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "models", "--models-dir",
+                        str(tmp_path), "synth", "gpt-5"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "known shapes" in r.stderr
+    assert not list(tmp_path.iterdir())
