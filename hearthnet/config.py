@@ -7,7 +7,7 @@ it into exit code 2). Unknown keys are errors everywhere except the free-form
 
 Sections: ``[node]`` (identity, addresses, folders, peers), ``[research]`` with the M26 §7
 ``[research.distributed_inference]`` and ``[...host]`` tables, ``[[shards]]`` (the shards
-this node hosts), ``[community]``, ``[security]`` and ``[testing]``. See
+this node hosts), ``[community]``, ``[security]``, ``[api]`` and ``[testing]``. See
 ``config/mesh3/*.toml`` for complete examples.
 
 Decisions:
@@ -238,6 +238,45 @@ class SecuritySection(_Section):
     message_burst: Annotated[float, Field(ge=1)] = 400.0
 
 
+class ApiSection(_Section):
+    """``[api]``: the OpenAI-compatible HTTP API and the web status page (issue 15).
+
+    Bound to loopback by default (``listen_port = 0`` picks a free port; the address is in
+    the ``node_ready`` line and ``<data_dir>/node.json``). On any other address every
+    ``/v1`` and ``/api`` call needs ``Authorization: Bearer <key>`` with a key from
+    ``keys`` or ``key_file`` (one key a line). Bodies, message counts and ``max_tokens`` are
+    bounded before any work.
+    """
+
+    enabled: bool = True
+    listen_host: str = "127.0.0.1"
+    listen_port: Port = 0
+    keys: list[Annotated[str, Field(min_length=16, max_length=256)]] = Field(
+        default_factory=list)
+    key_file: str = ""
+    max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
+    max_messages: Annotated[int, Field(ge=1, le=256)] = 64
+    max_tokens: Annotated[int, Field(ge=1, le=8192)] = 2048
+    default_max_tokens: Annotated[int, Field(ge=1, le=8192)] = 256
+
+    @field_validator("listen_host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v.strip()
+
+    @property
+    def loopback(self) -> bool:
+        """True when only this machine can reach the listener (no key needed)."""
+        if self.listen_host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.listen_host).is_loopback
+        except ValueError:
+            return False
+
+
 class TestingSection(_Section):
     """``[testing]``: test-only fault injection (issue 6); free-form, off by default."""
 
@@ -252,6 +291,7 @@ class NodeConfig(_Section):
     shards: list[ShardSection] = Field(default_factory=list)
     community: CommunitySection = Field(default_factory=CommunitySection)
     security: SecuritySection = Field(default_factory=SecuritySection)
+    api: ApiSection = Field(default_factory=ApiSection)
     testing: TestingSection = Field(default_factory=TestingSection)
 
     _source: Path | None = PrivateAttr(default=None)
@@ -270,6 +310,10 @@ class NodeConfig(_Section):
             parts = urlsplit(uri)
             if (parts.hostname, parts.port) in own:
                 raise _KeyedError(f"node.peers[{i}]", f"{uri} is this node itself")
+        if not self.api.loopback and self.api.enabled and not (self.api.keys
+                                                               or self.api.key_file):
+            raise _KeyedError("api.keys", f"the API listens on {self.api.listen_host!r}, "
+                              "not loopback: set api.keys or api.key_file")
         if self.hosted_shards() and self.node.listen_host in _WILDCARDS \
                 and not self.node.advertise_host:
             raise _KeyedError("node.advertise_host", "must be set when serving shards on "
@@ -344,6 +388,25 @@ class NodeConfig(_Section):
         """``node.peers`` with the scheme this node's links use (``wss`` unless plaintext)."""
         scheme = "ws" if self.security.insecure_plaintext else "wss"
         return [scheme + uri[uri.index("://"):] for uri in self.node.peers]
+
+    def api_keys(self) -> list[str]:
+        """``api.keys`` plus the keys in ``api.key_file`` (one a line, ``#`` comments).
+
+        Raises:
+            ConfigError: the key file cannot be read.
+        """
+        keys = list(self.api.keys)
+        if self.api.key_file:
+            path = self._resolve(self.api.key_file)
+            try:
+                text = path.read_text(encoding="utf-8")
+            except OSError as e:
+                raise ConfigError(f"api.key_file {path}: {e.strerror or e}",
+                                  file=str(self._source), key="api.key_file",
+                                  reason=str(e)) from None
+            keys += [ln.strip() for ln in text.splitlines()
+                     if ln.strip() and not ln.lstrip().startswith("#")]
+        return keys
 
     def event_log_path(self) -> Path:
         return self.effective_data_dir() / "events.sqlite3"

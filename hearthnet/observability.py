@@ -80,6 +80,9 @@ class Metrics:
         self.advertisements_live = Gauge(
             "hearthnet_advertisements_live", "Unexpired shard advertisements in the store",
             registry=r)
+        self.api_requests_total = Counter(
+            "hearthnet_api_requests_total", "HTTP API requests by route and status",
+            ["path", "status"], registry=r)
         self.auth_failures_total = Counter(
             "hearthnet_auth_failures_total", "Refused connections and session opens",
             ["reason"], registry=r)

@@ -28,19 +28,22 @@ def _run(args: argparse.Namespace) -> int:
 def render(st: dict[str, Any]) -> str:
     """A table a person can read at a glance."""
     lines = [f"node {st['node_id']} at {st['endpoint']}"]
-    peers = ", ".join(f"{p['uri']} ({'up' if p['connected'] else 'down'})"
+    peers = ", ".join(f"{p.get('node_id') or p['uri']} ({'up' if p['connected'] else 'down'}"
+                      f"{', incoming' if p.get('direction') == 'in' else ''})"
                       for p in st.get("peers", [])) or "none"
     lines.append(f"peers: {peers}")
     lines.append("")
     lines.append(f"{'SHARD':<34} {'LAYERS':<8} {'HOST':<10} {'STATE':<8} {'SESS':>4} "
                  f"{'QUEUE':>5} {'P95 ms':>7} {'AGE s':>6}")
     for s in st["shards"]:
-        state = "suspect" if s["suspect"] else "online"
+        state = s.get("state") or ("suspect" if s["suspect"] else "online")
         lo, hi = s["layers"]
         name = s["shard_id"].split("/")[-1][:34]
         lines.append(f"{name:<34} {lo:>2}-{hi:<5} {s['host']:<10} {state:<8} "
                      f"{s['active_sessions'] or 0:>4} {s['queue_depth'] or 0:>5} "
                      f"{(s['p95_latency_ms'] or 0):>7.1f} {s['age_s']:>6.1f}")
+        if s.get("reason"):
+            lines.append(f"    {state}: {s['reason']}")
     if not st["shards"]:
         lines.append("(no live shard advertisements)")
     lines.append("")

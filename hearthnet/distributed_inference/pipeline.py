@@ -215,6 +215,10 @@ class PipelineOrchestrator:
             async for frame in it:  # aclosing: an abandoned call still closes its sessions
                 yield frame
 
+    def has_free_slot(self) -> bool:
+        """False while `max_concurrent_pipelines` calls run (the API answers 429 then)."""
+        return not self._slots.locked()
+
     async def prepare(self, model: str) -> None:
         """Load the head and the sanity bounds of `model` ahead of the first call."""
         await self._head(self.models.get(model))

@@ -10,7 +10,7 @@ call (the handler's `finally` blocks run, so shard sessions are closed).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import msgpack
@@ -79,7 +79,7 @@ class CapabilityBus:
 
 async def bus_call(uri: str, capability: str, args: dict[str, Any], *,
                    open_timeout: float = 10.0, ssl: Any = None
-                   ) -> AsyncIterator[dict[str, Any]]:
+                   ) -> AsyncGenerator[dict[str, Any], None]:
     """Call `capability` on the node at base URI `uri`; yields its frames.
 
     An `error` frame is yielded as is (callers decide); a lost connection raises

@@ -63,6 +63,7 @@ class NodeProc:
     proc: subprocess.Popen[str] | None = None
     endpoint: str = ""
     admin: str = ""  # the loopback admin listener, known once the node is ready
+    api: str = ""  # the HTTP API / status page (http://127.0.0.1:PORT), once ready
     tls: bool = True
 
     @property
@@ -201,6 +202,7 @@ class LocalMesh:
                               lambda: f"see {self.root}/{n.spec.node_id}.log")
         n.endpoint = msg["endpoint"]
         n.admin = msg.get("admin") or ""
+        n.api = msg.get("api") or ""
 
     def status(self, node_id: str) -> dict[str, Any]:
         with urllib.request.urlopen(self.nodes[node_id].uri.replace("ws://", "http://")

@@ -29,7 +29,8 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any
@@ -90,6 +91,11 @@ class Node:
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = asyncio.Event()
         self.started_at = time.time()
+        self.api: Any = None  # hearthnet.api.server.ApiServer once started
+        # gossip peers by node id: (connected, since) — incoming and outgoing links
+        self.peer_links: dict[str, tuple[bool, float]] = {}
+        # recent shard_failover / pipeline_aborted / degraded frames, for the status page
+        self.recent_events: deque[dict[str, Any]] = deque(maxlen=20)
 
     # ---- lifecycle ----
 
@@ -143,7 +149,7 @@ class Node:
         self.bus.register(CHAT_CAPABILITY, self._chat_capability)
         for peer in cfg.peer_uris():
             link = GossipPeerLink(
-                self.log, peer,
+                self.log, peer, on_peer=self._on_peer,
                 ssl_factory=(lambda: self.guard.client_ssl(None)) if self.guard.tls else None,
                 check_peer=self.guard.peer_of if self.guard.tls else None)
             link.start()
@@ -158,6 +164,7 @@ class Node:
                 registry=self.metrics.registry)
         if cfg.distributed_enabled:  # load heads + sanity bounds now, not in the first call
             self._tasks.append(asyncio.create_task(self._prepare_models(), name="prepare"))
+        await self._start_api()
         for w in cfg.warnings():
             log.warning("config_warning", warning=w)
         log.info("node_started", endpoint=self.endpoint, admin=self.admin_uri,
@@ -165,7 +172,7 @@ class Node:
                  shards=list(self.shards))
         ready = {"event": "node_ready", "node_id": self.node_id, "endpoint": self.endpoint,
                  "port": self.port, "admin": self.admin_uri, "pid": os.getpid(),
-                 "shards": list(self.shards)}
+                 "shards": list(self.shards), "api": self.api.url if self.api else ""}
         write_state(data, {k: v for k, v in ready.items() if k != "event"})
         print(json.dumps(ready), flush=True)
 
@@ -190,6 +197,39 @@ class Node:
 
             install_faults(shard, cfg.testing.faults)
             await self._advertise(shard)
+
+    async def _start_api(self) -> None:
+        """The OpenAI-compatible API and the status page (issue 15), if enabled."""
+        api = self.cfg.api
+        if not api.enabled:
+            return
+        from hearthnet.api.openai_compat import Limits
+        from hearthnet.api.server import ApiServer
+
+        self.api = ApiServer(self, listen_host=api.listen_host, listen_port=api.listen_port,
+                             keys=self.cfg.api_keys(), require_key=not api.loopback,
+                             max_body_bytes=api.max_body_bytes,
+                             limits=Limits(max_messages=api.max_messages,
+                                           max_tokens=api.max_tokens,
+                                           default_max_tokens=api.default_max_tokens))
+        await self.api.start()
+
+    def _on_peer(self, peer: str, connected: bool) -> None:
+        """A gossip link to `peer` came up or went down (status: peers, killed hosts)."""
+        self.peer_links[peer] = (connected, time.time())
+
+    # ---- the API's view of this node (hearthnet.api.server.ApiHost) ----
+
+    def chat(self, args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """A chat call in-process, as over ``/bus``."""
+        return self._chat_capability(args)
+
+    def model_known(self, name: str) -> None:
+        """Raises `ModelNotFound` unless `name` is a stored model."""
+        self.models.get(name)
+
+    def pipelines_free(self) -> bool:
+        return self.orchestrator.has_free_slot()
 
     async def _advertise(self, shard: ShardServer) -> None:
         if not self.cfg.research.enable:  # M26 §5.1: opted out → no advertisements
@@ -252,6 +292,8 @@ class Node:
             await shard.close_all()
         for link in self.links:
             await link.stop()
+        if self.api is not None:
+            await self.api.stop()
         for server in (self.server, self.admin_server):
             if server is not None:
                 server.close()
@@ -276,7 +318,8 @@ class Node:
                 elif path == "/gossip":
                     await handle_gossip_connection(
                         self.log, self.guard.rate_limited(ws, peer or str(addr[0] if addr
-                                                                          else "?")))
+                                                                          else "?")),
+                        on_peer=self._on_peer)
                 elif path == "/bus":
                     await self.bus.serve_connection(ws)
                 else:
@@ -358,12 +401,15 @@ class Node:
                 return refused
         return await self._http(conn, request)
 
-    async def _chat_capability(self, args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _chat_capability(self, args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         request = ChatRequest.from_dict(args.get("request", {}))
         params = DistributedChatParams.from_dict(args.get("params", {}),
                                                  self.orchestrator.defaults)
         async with contextlib.aclosing(self.orchestrator.chat(request, params)) as it:
             async for frame in it:
+                if frame.get("type") in ("shard_failover", "pipeline_aborted") or (
+                        frame.get("type") == "shard_status" and frame.get("status") != "ok"):
+                    self.recent_events.append({**frame, "time": time.time()})
                 yield frame
 
     # ---- HTTP ----

@@ -22,25 +22,31 @@ async def mesh_status(node: Any) -> dict[str, Any]:
     shards = []
     nodes: dict[str, dict[str, Any]] = {node.node_id: {"node_id": node.node_id, "self": True,
                                                       "endpoint": node.endpoint}}
+    links = getattr(node, "peer_links", {})
     for ad in node.store.live():
         d = ad.descriptor
         h = ad.health
         suspect = node.health.is_suspect(d.shard_id)
+        state, reason = _state(node, d.shard_id, d.host, links, now)
         shards.append({
             "shard_id": d.shard_id, "model_id": d.model_id, "weights_sha256": d.weights_sha256,
             "layers": list(d.layer_range), "host": d.host, "endpoint": d.endpoint,
-            "online": True, "suspect": suspect,
-            "age_s": round(now - ad.seen_at, 1),
+            "online": state != "offline", "suspect": suspect, "state": state,
+            "reason": reason, "age_s": round(now - ad.seen_at, 1),
             "queue_depth": h.queue_depth if h else None,
             "active_sessions": h.active_sessions if h else None,
-            "p95_latency_ms": h.p95_latency_ms if h else None,
-            "max_concurrent_streams": d.max_concurrent_streams})
+            "p95_latency_ms": node.health.p95(d.shard_id) or (h.p95_latency_ms if h else None),
+            "max_concurrent_streams": d.max_concurrent_streams,
+            # weight format (issue 12) and device (issue 13), when the advertisement has them
+            "format": getattr(d, "format", None) or getattr(d, "weights_format", None),
+            "device": getattr(d, "device", None)})
         nodes.setdefault(d.host, {"node_id": d.host, "self": False, "endpoint": d.endpoint})
     models = []
     for e in node.models.entries():
         covered: dict[int, list[str]] = {i: [] for i in range(e.num_layers)}
-        for s in shards:
-            if s["model_id"] == e.model_id and s["weights_sha256"] == e.weights_sha256:
+        for s in shards:  # an offline shard covers nothing (its host is gone)
+            if s["model_id"] == e.model_id and s["weights_sha256"] == e.weights_sha256 \
+                    and s["state"] != "offline":
                 for i in range(s["layers"][0], min(s["layers"][1], e.num_layers - 1) + 1):
                     covered[i].append(s["host"])
         missing = [i for i, hosts in covered.items() if not hosts]
@@ -48,11 +54,43 @@ async def mesh_status(node: Any) -> dict[str, Any]:
                        "weights_sha256": e.weights_sha256, "num_layers": e.num_layers,
                        "fully_covered": not missing, "uncovered": _ranges(missing),
                        "coverage": _coverage_rows(covered)})
+    api = getattr(node, "api", None)
     return {"node_id": node.node_id, "endpoint": node.endpoint, "time": now,
-            "peers": [{"uri": link.uri, "connected": link.connected} for link in node.links],
+            "api": api.url if api is not None else None,
+            "peers": _peers(node, links, now),
+            "recent_events": list(getattr(node, "recent_events", [])),
             "nodes": sorted(nodes.values(), key=lambda n: n["node_id"]),
             "shards": sorted(shards, key=lambda s: (s["model_id"], s["layers"], s["host"])),
             "models": models}
+
+
+def _state(node: Any, shard_id: str, host: str, links: dict[str, tuple[bool, float]],
+           now: float) -> tuple[str, str | None]:
+    """("online" | "suspect" | "offline", why) of one shard, as this node sees it."""
+    link = links.get(host)
+    if link is not None and not link[0] and host != node.node_id:
+        return "offline", f"gossip link to {host} lost {now - link[1]:.0f} s ago"
+    view = node.health.view(shard_id)
+    if view is not None and view.suspect:
+        return "suspect", f"{view.suspect_reason} (routing avoids it for " \
+            f"{(view.suspect_until or now) - now:.0f} s more)"
+    if view is not None and not view.online:
+        seen = f"{now - view.last_seen:.0f} s ago" if view.last_seen else "never"
+        return "offline", f"no heartbeat since {seen}"
+    return "online", None
+
+
+def _peers(node: Any, links: dict[str, tuple[bool, float]], now: float
+           ) -> list[dict[str, Any]]:
+    """Configured peer URIs and every gossip peer seen (incoming links too: a relay)."""
+    out = [{"uri": link.uri, "node_id": link.peer_id, "connected": link.connected,
+            "direction": "out"} for link in node.links]
+    dialled = {p["node_id"] for p in out}
+    for peer, (up, since) in sorted(links.items()):
+        if peer not in dialled:
+            out.append({"uri": None, "node_id": peer, "connected": up, "direction": "in",
+                        "since_s": round(now - since, 1)})
+    return out
 
 
 def _coverage_rows(covered: dict[int, list[str]]) -> list[dict[str, Any]]:

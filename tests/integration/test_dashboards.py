@@ -261,10 +261,19 @@ def test_prometheus_scrapes_every_node_service():
                for sc in j["static_configs"] for t in sc["targets"]}
     nodes = _node_services(_load_yaml(COMPOSE))
     assert targets == {f"{name}:{NODE_SERVICES[name]}" for name in nodes}
-    # the comment says how to scrape the localhost example instead
-    local = {f"127.0.0.1:{load_config(ROOT / 'config' / 'mesh3' / f'{n}.toml').node.listen_port}"
-             for n in NODE_SERVICES}
-    assert all(t in PROMETHEUS.read_text() for t in local)
+    assert "prometheus-local.yml" in PROMETHEUS.read_text()  # says where the local one is
+
+
+def test_localhost_examples_are_scrapeable_as_shipped():
+    """mesh3/mesh4 speak mutual TLS on listen_port: Prometheus scrapes their metrics_port."""
+    prom = _load_yaml(ROOT / "config" / "prometheus-local.yml")
+    targets = {t for j in prom["scrape_configs"] for sc in j["static_configs"]
+               for t in sc["targets"]}
+    for folder in ("mesh3", "mesh4"):
+        for f in sorted((ROOT / "config" / folder).glob("*.toml")):
+            cfg = load_config(f)
+            assert not cfg.security.insecure_plaintext and cfg.node.metrics_port > 0
+            assert f"127.0.0.1:{cfg.node.metrics_port}" in targets, f
 
 
 def test_grafana_datasource_and_dashboard_structure():

@@ -1,0 +1,256 @@
+"""OpenAI chat-completions shapes ↔ HearthNet's `experimental.distributed_llm.chat` (issue 15).
+
+Owns the translation only — no I/O: `parse_chat_request` turns an OpenAI request body into
+the bus arguments of a chat call (every bound checked before any work), `CompletionBuilder`
+turns the call's frames into OpenAI chunks or one response, and `openai_error` gives an
+error in OpenAI's shape with its HTTP status.
+
+HearthNet's own facts (pipeline, failovers, fallback, per-shard timings and the
+`shard_failover` / `pipeline_aborted` frames) ride in a ``hearthnet`` extension field of the
+last chunk or of the response; standard clients ignore unknown fields.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hearthnet.errors import BadRequest, HearthNetError
+
+Frame = dict[str, Any]
+
+# M26 §6 error codes → (HTTP status, OpenAI error type)
+_STATUS: dict[str, tuple[int, str]] = {
+    "bad_request": (400, "invalid_request_error"),
+    "invalid_request_error": (400, "invalid_request_error"),
+    "request_too_large": (413, "invalid_request_error"),
+    "auth_failed": (401, "authentication_error"),
+    "model_not_found": (404, "invalid_request_error"),
+    "not_found": (404, "invalid_request_error"),
+    "method_not_allowed": (405, "invalid_request_error"),
+    "rate_limit_exceeded": (429, "rate_limit_error"),
+    "shard_unavailable": (503, "service_unavailable"),
+    "experimental_disabled": (503, "service_unavailable"),
+    "pipeline_aborted": (503, "service_unavailable"),
+    "pipeline_stalled": (504, "service_unavailable"),
+}
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+_ROLES = {"system", "developer", "user", "assistant"}
+
+
+def status_of(code: str) -> int:
+    """The HTTP status of a HearthNet / API error code (500 for anything unknown)."""
+    return _STATUS.get(code, (500, "server_error"))[0]
+
+
+def openai_error(code: str, message: str, *, param: str | None = None) -> tuple[int, Frame]:
+    """(HTTP status, body) of an error in OpenAI's shape."""
+    status, kind = _STATUS.get(code, (500, "server_error"))
+    return status, {"error": {"message": message, "type": kind, "param": param,
+                              "code": code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds checked before any work (``[api]``)."""
+
+    max_messages: int = 64
+    max_tokens: int = 2048
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class ParsedChat:
+    """A validated OpenAI chat request."""
+
+    model: str
+    stream: bool
+    include_usage: bool
+    args: dict[str, Any]  # bus arguments of experimental.distributed_llm.chat
+
+
+def _text(content: Any, i: int) -> str:
+    """A message's content: a string, or a list of ``{"type": "text", "text"}`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported",
+                                 param=f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts",
+                     param=f"messages[{i}].content")
+
+
+def _messages(raw: Any, limits: Limits) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages must be a non-empty array", param="messages")
+    if len(raw) > limits.max_messages:
+        raise BadRequest(f"{len(raw)} messages; this server takes at most "
+                         f"{limits.max_messages}", param="messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise BadRequest(f"messages[{i}] needs a role in {sorted(_ROLES)}",
+                             param=f"messages[{i}].role")
+        role = "system" if m["role"] == "developer" else str(m["role"])
+        out.append({"role": role, "content": _text(m.get("content"), i)})
+    return out
+
+
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise BadRequest(f"{key} must be a number in {lo}..{hi}", param=key)
+    return float(v)
+
+
+def _max_tokens(body: dict[str, Any], limits: Limits) -> int:
+    v = body.get("max_completion_tokens", body.get("max_tokens"))
+    if v is None:
+        return min(limits.default_max_tokens, limits.max_tokens)
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= limits.max_tokens:
+        raise BadRequest(f"max_tokens must be an integer in 1..{limits.max_tokens}",
+                         param="max_tokens")
+    return v
+
+
+def _stop(v: Any) -> list[str]:
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or len(stops) > 4 or \
+            not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("stop must be a string or up to 4 non-empty strings", param="stop")
+    return list(stops)
+
+
+def _seed(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest("seed must be an integer", param="seed")
+    return v
+
+
+def _extension(v: Any) -> dict[str, Any]:
+    """The request's own ``hearthnet`` field: wire_dtype, fallback_to_local, timeout_s."""
+    if v is None:
+        return {}
+    allowed = {"wire_dtype", "fallback_to_local", "timeout_s", "max_shards"}
+    if not isinstance(v, dict) or set(v) - allowed:
+        raise BadRequest(f"hearthnet must be an object with keys from {sorted(allowed)}",
+                         param="hearthnet")
+    return dict(v)
+
+
+def parse_chat_request(body: Any, limits: Limits) -> ParsedChat:
+    """Validate an OpenAI chat-completions body; raises `BadRequest` (with ``param``)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model or len(model) > 256:
+        raise BadRequest("model must be a model name (see GET /v1/models)", param="model")
+    n = body.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise BadRequest("only n = 1 is supported", param="n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be true or false", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise BadRequest("stream_options must be an object", param="stream_options")
+    sampling = {"max_tokens": _max_tokens(body, limits),
+                "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+                "top_p": _number(body, "top_p", 1.0, 1e-9, 1.0),
+                "seed": _seed(body.get("seed")), "stop": _stop(body.get("stop"))}
+    args = {"request": {"model": model, "messages": _messages(body.get("messages"), limits)},
+            "params": {"sampling": sampling, **_extension(body.get("hearthnet"))}}
+    return ParsedChat(model, stream, bool(opts.get("include_usage", False)), args)
+
+
+@dataclass
+class CompletionBuilder:
+    """Collects one call's frames; gives OpenAI chunks while streaming, or one response."""
+
+    model: str
+    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: list[str] = field(default_factory=list)
+    events: list[Frame] = field(default_factory=list)
+    done: Frame | None = None
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> Frame:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "system_fingerprint": None,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                             "finish_reason": finish}]}
+
+    def first_chunk(self) -> Frame:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def feed(self, frame: Frame) -> Frame | None:
+        """Take one frame; returns the chunk to stream for it, if any.
+
+        Raises:
+            HearthNetError: the frame is an ``error`` frame.
+        """
+        kind = frame.get("type")
+        if kind == "token_delta":
+            text = str(frame.get("text", ""))
+            self.text.append(text)
+            return self._chunk({"content": text})
+        if kind in ("shard_failover", "pipeline_aborted") or \
+                (kind == "shard_status" and frame.get("status") != "ok"):
+            self.events.append(frame)
+        elif kind == "done":
+            self.done = frame
+        elif kind == "error":
+            raise HearthNetError(str(frame.get("message", "")),
+                                 code=str(frame.get("code", "internal")))
+        return None
+
+    @property
+    def finish_reason(self) -> str:
+        reason = (self.done or {}).get("finish_reason")
+        return _FINISH.get(str(reason), "stop")
+
+    def usage(self) -> dict[str, int]:
+        u = (self.done or {}).get("usage", {})
+        p, c = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def extension(self) -> dict[str, Any]:
+        """HearthNet's facts of the call (the ``hearthnet`` field)."""
+        d = self.done or {}
+        return {"pipeline": d.get("pipeline", []), "failovers": d.get("failovers", 0),
+                "fallback": bool(d.get("fallback", False)), "timings": d.get("timings", {}),
+                "events": self.events}
+
+    def last_chunk(self) -> Frame:
+        chunk = self._chunk({}, self.finish_reason)
+        chunk["hearthnet"] = self.extension()
+        return chunk
+
+    def usage_chunk(self) -> Frame:
+        """The ``stream_options.include_usage`` chunk: no choices, the usage."""
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "system_fingerprint": None, "choices": [],
+                "usage": self.usage()}
+
+    def response(self) -> Frame:
+        """The non-streaming ``chat.completion`` object."""
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "system_fingerprint": None,
+                "choices": [{"index": 0, "logprobs": None, "finish_reason": self.finish_reason,
+                             "message": {"role": "assistant", "content": "".join(self.text),
+                                         "refusal": None}}],
+                "usage": self.usage(), "hearthnet": self.extension()}

@@ -1,0 +1,194 @@
+// HearthNet status page: polls /api/status, draws coverage and shard health, streams a chat
+// through /v1/chat/completions. Plain JS, no build step, no network beyond this node.
+"use strict";
+const POLL_MS = 2000;
+let apiKey = localStorage.getItem("hearthnet-api-key") || "";
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs, ...kids) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") e.className = v; else if (k === "style") e.style.cssText = v;
+    else e.setAttribute(k, v);
+  }
+  for (const k of kids) if (k !== null && k !== undefined) e.append(k);
+  return e;
+}
+
+function headers(extra) {
+  const h = Object.assign({}, extra || {});
+  if (apiKey) h["Authorization"] = "Bearer " + apiKey;
+  return h;
+}
+
+function shortShard(id) { return id.split("/").pop(); }
+function pct(n, total) { return (100 * n / total).toFixed(3) + "%"; }
+function fmt(v, digits) { return v === null || v === undefined ? "–" :
+  (typeof v === "number" ? v.toFixed(digits) : String(v)); }
+
+function coverageBar(m) {
+  const bar = el("div", {class: "bar coverage"});
+  for (const row of m.coverage) {
+    const [lo, hi] = row.layers;
+    const kind = row.hosts.length === 0 ? "gap" : row.hosts.length > 1 ? "spare" : "one";
+    const label = `${lo}–${hi} ` + (row.hosts.length ? row.hosts.join(" + ") : "no host");
+    bar.append(el("div", {class: "seg " + kind, "data-kind": kind, title: label,
+      style: `left:${pct(lo, m.num_layers)};width:${pct(hi - lo + 1, m.num_layers)}`}, label));
+  }
+  return bar;
+}
+
+function lanes(m, shards) {
+  const box = el("div", {class: "lanes"});
+  for (const s of shards.filter((s) => s.model_id === m.model_id)) {
+    const [lo, hi] = s.layers;
+    const state = s.state || (s.suspect ? "suspect" : "online");
+    const lane = el("div", {class: "lane", "data-shard": s.shard_id, "data-host": s.host,
+      "data-state": state});
+    lane.append(el("div", {class: "lane-fill " + state, title: s.reason || state,
+      style: `left:${pct(lo, m.num_layers)};width:${pct(hi - lo + 1, m.num_layers)}`},
+      `${s.host} ${lo}–${hi} ${state}`));
+    box.append(lane);
+  }
+  return box;
+}
+
+function renderModels(st) {
+  const box = $("models");
+  box.replaceChildren();
+  if (!st.models.length) box.append(el("p", {class: "muted"}, "no stored models"));
+  for (const m of st.models) {
+    const badge = m.fully_covered ? el("span", {class: "badge"}, "fully covered")
+      : el("span", {class: "badge bad"}, "gaps: layers " +
+        m.uncovered.map(([a, b]) => `${a}–${b}`).join(", "));
+    box.append(el("div", {class: "model", "data-model": m.alias,
+        "data-covered": String(m.fully_covered)},
+      el("div", {class: "model-title"}, `${m.alias} `,
+        el("span", {class: "muted"}, `${m.num_layers} layers`), badge),
+      coverageBar(m), lanes(m, st.shards),
+      el("div", {class: "axis"}, el("span", {}, "layer 0"),
+        el("span", {}, `layer ${m.num_layers - 1}`))));
+  }
+  const sel = $("chat-model");
+  const want = st.models.map((m) => m.alias).join(",");
+  if (sel.dataset.models !== want) {
+    sel.replaceChildren(...st.models.map((m) => el("option", {value: m.alias}, m.alias)));
+    sel.dataset.models = want;
+  }
+}
+
+function renderShards(st) {
+  const body = $("shards").querySelector("tbody");
+  body.replaceChildren();
+  for (const s of st.shards) {
+    const state = s.state || (s.suspect ? "suspect" : "online");
+    const td = (label, cls, ...kids) => el("td", {"data-label": label, class: cls || ""},
+      ...kids);
+    body.append(el("tr", {class: "shard-row", "data-shard": s.shard_id, "data-state": state},
+      td("Shard", "name", shortShard(s.shard_id)), td("Host", "", s.host),
+      td("Layers", "", `${s.layers[0]}–${s.layers[1]}`),
+      td("State", "state-" + state, state,
+        s.reason ? el("span", {class: "reason"}, s.reason) : null),
+      td("p95 ms", "", fmt(s.p95_latency_ms, 1)), td("Queue", "", fmt(s.queue_depth, 0)),
+      td("Sessions", "", fmt(s.active_sessions, 0)), td("Format", "", fmt(s.format)),
+      td("Device", "", fmt(s.device))));
+  }
+  if (!st.shards.length) body.append(el("tr", {}, el("td", {colspan: "9", class: "muted"},
+    "no live shard advertisements")));
+}
+
+function renderPeers(st) {
+  const ul = $("peers");
+  ul.replaceChildren(...(st.peers.length ? st.peers.map((p) => el("li", {},
+    `${p.node_id || p.uri} — ${p.connected ? "connected" : "down"}` +
+    (p.direction === "in" ? " (incoming)" : ""))) : [el("li", {class: "muted"}, "none")]));
+}
+
+function describe(ev) {
+  const when = new Date(ev.time * 1000).toLocaleTimeString();
+  if (ev.type === "shard_failover")
+    return `${when} failover: ${shortShard(ev.failed)} → ${ev.replacement.map(shortShard)
+      .join(", ") || "?"} (${fmt(ev.ms, 0)} ms, replayed ${ev.replayed_positions} positions)`;
+  if (ev.type === "pipeline_aborted")
+    return `${when} pipeline gave up` + (ev.continuing ? `, continued ${ev.continuing}` : "") +
+      `: ${ev.reason}`;
+  return `${when} ${shortShard(ev.shard_id)} degraded: ${ev.code} ${ev.message || ""}`;
+}
+
+function renderEvents(st) {
+  const evs = (st.recent_events || []).slice().reverse();
+  $("events").replaceChildren(...(evs.length ? evs.map((e) => el("li",
+    {class: "event", "data-type": e.type}, describe(e))) : [el("li", {class: "muted"}, "none")]));
+}
+
+async function refresh() {
+  try {
+    const r = await fetch("/api/status", {headers: headers(), cache: "no-store"});
+    if (r.status === 401) { $("auth").hidden = false; $("node").textContent = "API key needed";
+      return; }
+    const st = await r.json();
+    $("auth").hidden = true;
+    $("node").textContent = `node ${st.node_id} · ${st.endpoint}` +
+      (st.api ? ` · API ${st.api}/v1` : "");
+    renderModels(st); renderShards(st); renderPeers(st); renderEvents(st);
+    $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+    document.body.dataset.refreshed = String(Date.now());
+  } catch (e) {
+    $("updated").textContent = "node unreachable: " + e;
+  }
+}
+
+async function chat(ev) {
+  ev.preventDefault();
+  const prompt = $("prompt").value.trim();
+  if (!prompt) return;
+  const out = $("answer"), facts = $("answer-facts"), btn = $("send");
+  out.textContent = ""; facts.textContent = ""; btn.disabled = true;
+  out.dataset.state = "streaming";
+  try {
+    const r = await fetch("/v1/chat/completions", {method: "POST",
+      headers: headers({"Content-Type": "application/json"}),
+      body: JSON.stringify({model: $("chat-model").value, stream: true, temperature: 0,
+        max_tokens: 128, messages: [{role: "user", content: prompt}]})});
+    if (!r.ok) { const e = await r.json(); throw new Error(e.error ? e.error.message : r.status); }
+    const reader = r.body.getReader(), dec = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buf += dec.decode(value, {stream: true});
+      let i;
+      while ((i = buf.indexOf("\n\n")) >= 0) {
+        const line = buf.slice(0, i); buf = buf.slice(i + 2);
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6);
+        if (data === "[DONE]") continue;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new Error(chunk.error.code + ": " + chunk.error.message);
+        for (const c of chunk.choices || []) if (c.delta && c.delta.content)
+          out.textContent += c.delta.content;
+        if (chunk.hearthnet) {
+          const h = chunk.hearthnet, t = h.timings || {};
+          facts.textContent = `via ${h.fallback ? "local fallback" :
+            h.pipeline.map(shortShard).join(" → ")} · first token ${fmt(t.first_token_ms, 0)} ms` +
+            ` · ${fmt(t.tokens_per_second, 1)} tok/s · ${h.failovers} failover(s)`;
+        }
+      }
+    }
+    out.dataset.state = "done";
+  } catch (e) {
+    out.dataset.state = "error";
+    facts.textContent = "error: " + e.message;
+  } finally {
+    btn.disabled = false;
+    refresh();
+  }
+}
+
+$("chat-form").addEventListener("submit", chat);
+$("auth-form").addEventListener("submit", (e) => {
+  e.preventDefault(); apiKey = $("key").value.trim();
+  localStorage.setItem("hearthnet-api-key", apiKey); refresh();
+});
+refresh();
+setInterval(refresh, POLL_MS);

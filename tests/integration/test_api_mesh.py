@@ -1,0 +1,142 @@
+"""Issue 15 against a live three-process mesh: the `openai` package, the host-app client and
+a real headless chromium on the status page.
+
+One mesh for the module (node-a orchestrates, node-b hosts layers 0–14, node-c 15–29). The
+browser test kills node-c, so it runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hearthnet.client import Done, HearthNetClient, ShardStatus, TokenDelta
+from hearthnet.errors import BadRequest
+from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+from tests.helpers.browser import Browser, chromium_path
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "What is the capital of France?"
+N = 24
+GAUGE = "hearthnet_distributed_inference_shard_active_sessions"
+
+
+@pytest.fixture(scope="module")
+def mesh(smollm2):
+    with LocalMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 14)]),
+                    NodeSpec("node-c", [(15, 29)])]) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def reference(mesh) -> str:
+    """`hearthnet chat` through node-a, greedy: the text every other client must match."""
+    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "chat", PROMPT, "--config",
+                        str(mesh.nodes["node-a"].config), "--max-tokens", str(N), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    frames = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert frames[-1]["type"] == "done"
+    return "".join(f["text"] for f in frames if f["type"] == "token_delta")
+
+
+@pytest.fixture
+async def oai(mesh):
+    async with openai.AsyncOpenAI(base_url=mesh.nodes["node-a"].api + "/v1", api_key="local",
+                                  max_retries=0, timeout=300) as c:
+        yield c
+
+
+def _sessions(mesh: LocalMesh, node_id: str) -> float:
+    return sum(s.value for fam in text_string_to_metric_families(mesh.metrics(node_id))
+               for s in fam.samples if s.name == GAUGE)
+
+
+async def test_openai_answers_equal_hearthnet_chat(oai, reference):
+    msgs = [{"role": "user", "content": PROMPT}]
+    r = await oai.chat.completions.create(model="smollm2", messages=msgs, max_tokens=N,
+                                          temperature=0)
+    assert r.choices[0].message.content == reference
+    assert r.usage.completion_tokens == N or r.choices[0].finish_reason == "stop"
+    assert len(r.model_extra["hearthnet"]["pipeline"]) == 2
+    stream = await oai.chat.completions.create(model="smollm2", messages=msgs, max_tokens=N,
+                                               temperature=0, stream=True,
+                                               stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+async def test_disconnect_mid_stream_closes_shard_sessions(mesh, oai):
+    stream = await oai.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=2000, temperature=0, stream=True)
+    got = 0
+    async for c in stream:
+        got += bool(c.choices and c.choices[0].delta.content)
+        if got == 3:
+            break
+    assert _sessions(mesh, "node-b") == 1 and _sessions(mesh, "node-c") == 1
+    await stream.close()  # the host app goes away ~1990 tokens early
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (_sessions(mesh, "node-b") or
+                                           _sessions(mesh, "node-c")):
+        await asyncio.sleep(0.2)
+    assert _sessions(mesh, "node-b") == 0 and _sessions(mesh, "node-c") == 0
+
+
+async def test_host_app_client_typed_frames_and_errors(mesh, reference):
+    async with HearthNetClient(mesh.nodes["node-a"].uri) as hn:
+        frames = [f async for f in hn.chat(PROMPT, max_tokens=N)]
+        assert all(isinstance(f, ShardStatus) for f in frames[:2])
+        assert "".join(f.text for f in frames if isinstance(f, TokenDelta)) == reference
+        assert isinstance(frames[-1], Done) and len(frames[-1].pipeline) == 2
+        with pytest.raises(BadRequest, match="max_tokens"):
+            async for _ in hn.chat(PROMPT, max_tokens=0):
+                pass
+        with pytest.raises(BadRequest):  # unknown model: the spec's bad_request
+            await hn.answer(PROMPT, model="no-such-model")
+
+
+@pytest.mark.skipif(chromium_path() is None,
+                    reason="Debian's chromium is not installed (`apt-get install chromium`; "
+                           "`make test` installs it where apt is usable)")
+def test_status_page_in_headless_chromium(mesh, repo_root, tmp_path):
+    out = Path(repo_root) / "bench-results"
+    model = "document.querySelector('.model[data-model=smollm2]')"
+    lanes = ("Array.from(document.querySelectorAll('.model[data-model=smollm2] .lane'))"
+             ".map(l => l.dataset.host + ':' + l.dataset.state).sort().join(',')")
+    with Browser(tmp_path / "profile") as b:
+        b.viewport(412, 915, mobile=True)  # a phone
+        b.goto(mesh.nodes["node-a"].api + "/")
+        b.wait_for(f"{model} && {model}.dataset.covered === 'true'")
+        assert b.eval(lanes) == "node-b:online,node-c:online"
+        assert b.eval("document.querySelectorAll('.coverage .seg.gap').length") == 0
+        assert b.eval("document.querySelectorAll('#shards .shard-row').length") == 2
+        b.eval("document.getElementById('prompt').value = 'Say hello.'; "
+               "document.getElementById('send').click(); true")
+        b.wait_for("document.getElementById('answer').dataset.state === 'done'", 180)
+        assert b.eval("document.getElementById('answer').textContent.trim().length") > 0
+        assert "node-b" in b.eval("document.getElementById('answer-facts').textContent")
+        b.screenshot(out / "status-page.png")
+        b.viewport(1000, 700)
+        b.screenshot(out / "status-page-desktop.png")
+        b.viewport(412, 915, mobile=True)
+        mesh.kill("node-c")  # a host dies: the page must say so without a reload
+        b.wait_for(f"{lanes}.includes('node-c:offline')", 60)
+        assert b.eval(f"{model}.dataset.covered") == "false"
+        assert b.eval("document.querySelectorAll('.coverage .seg.gap').length") == 1
+        reason = b.eval("document.querySelector('.shard-row[data-state=offline] .reason')"
+                        ".textContent")
+        assert "node-c" in reason and "lost" in reason
+        b.screenshot(out / "status-page-degraded.png")
