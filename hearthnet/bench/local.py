@@ -127,7 +127,7 @@ def report(f: dict[str, Any]) -> str:
 
 def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
     from hearthnet.distributed_inference.generation import SamplingParams
-    from hearthnet.distributed_inference.local import LocalEngine
+    from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
 
     engine = LocalEngine(entry)
     out: dict[str, Any] = {}
@@ -136,8 +136,8 @@ def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
     keys = ("prefill_ms", "first_token_ms", "decode_tokens_per_s", "completion_tokens")
     runs: dict[str, list[Any]] = {k: [] for k in keys}
     for _ in range(a.runs):
-        n = sum(1 for _ in engine.generate(msgs, SamplingParams(max_tokens=a.tokens)))
-        t = engine.timings
+        t = LocalTimings()
+        n = sum(1 for _ in engine.generate(msgs, SamplingParams(max_tokens=a.tokens), t))
         runs["prefill_ms"].append(round(t.prefill_ms, 2))
         runs["first_token_ms"].append(round(t.first_token_ms, 2))
         runs["decode_tokens_per_s"].append(round(t.decode_tokens_per_s, 2))

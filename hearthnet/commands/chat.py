@@ -76,18 +76,19 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace, messages: list[dict[str, str]],
                params: SamplingParams) -> int:
-    from hearthnet.distributed_inference.local import LocalEngine
+    from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
     from hearthnet.models import ModelStore
 
     engine = LocalEngine(ModelStore().get(args.model))
+    timings = LocalTimings()
     t0 = time.perf_counter()
     n = 0
-    for ev in engine.generate(messages, params):
+    for ev in engine.generate(messages, params, timings):
         n += 1
         emit({"type": "token_delta", "text": ev.text, "token_id": ev.token_id}, args.json)
     total = time.perf_counter() - t0
     emit({"type": "done", "usage": {"completion_tokens": n},
-          "timings": {"first_token_ms": engine.timings.first_token_ms,
-                      "tokens_per_second": engine.timings.decode_tokens_per_s,
+          "timings": {"first_token_ms": timings.first_token_ms,
+                      "tokens_per_second": timings.decode_tokens_per_s,
                       "total_ms": total * 1000}}, args.json)
     return 0

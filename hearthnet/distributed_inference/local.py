@@ -8,7 +8,7 @@ prompt and the tokens already streamed, then goes on sampling with the same samp
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -42,31 +42,35 @@ class LocalEngine:
         self.entry = entry
         self.head = head or LayeredHead(entry, dtype)
         self.stack = LayeredStack(entry, 0, entry.num_layers - 1, dtype)
-        self.timings = LocalTimings()
 
     def new_generation(self, messages: list[dict[str, str]],
                        params: SamplingParams) -> Generation:
         ids = self.head.chat_prompt_ids(messages)
         return Generation(self.head.tokenizer, ids, params, self.head.eos_token_ids)
 
-    def generate(self, messages: list[dict[str, str]],
-                 params: SamplingParams) -> Iterator[TokenEvent]:
-        """Stream the answer to a chat."""
-        yield from self.run(self.new_generation(messages, params))
+    def generate(self, messages: list[dict[str, str]], params: SamplingParams,
+                 timings: LocalTimings | None = None) -> Iterator[TokenEvent]:
+        """Stream the answer to a chat; fills `timings` when given."""
+        yield from self.run(self.new_generation(messages, params), timings)
 
-    def run(self, gen: Generation) -> Iterator[TokenEvent]:
-        """Drive `gen` to its end; continues from its tokens if it has some already."""
+    def run(self, gen: Generation, timings: LocalTimings | None = None
+            ) -> Generator[TokenEvent, None, None]:
+        """Drive `gen` to its end; continues from its tokens if it has some already.
+
+        `timings` is the caller's own (per call: the engine is shared by concurrent
+        fallbacks); it is filled as the generation runs.
+        """
+        t = timings if timings is not None else LocalTimings()
         ids = gen.all_ids
         max_len = len(gen.prompt_ids) + gen.params.max_tokens + 1
         if len(ids) >= max_len or len(ids) == 0:
             raise BadRequest("nothing to generate: empty prompt or no tokens left")
         session = self.stack.open_session(0, self.entry.num_layers - 1, max_len)
-        self.timings = LocalTimings()
         try:
             t0 = time.perf_counter()
             h = session.forward(self.head.embed(ids), 0)  # (1, T, H)
             ev = gen.step(self.head.logits(h))
-            self.timings.prefill_ms = self.timings.first_token_ms = \
+            t.prefill_ms = t.first_token_ms = \
                 (time.perf_counter() - t0) * 1000
             yield ev
             while not gen.done:
@@ -74,7 +78,7 @@ class LocalEngine:
                 pos = len(gen.all_ids) - 1
                 h = session.forward(self.head.embed([gen.tokens[-1]]), pos)
                 ev = gen.step(self.head.logits(h))
-                self.timings.decode_ms.append((time.perf_counter() - t1) * 1000)
+                t.decode_ms.append((time.perf_counter() - t1) * 1000)
                 yield ev
         finally:
             session.close()

@@ -49,11 +49,8 @@ from hearthnet.distributed_inference.descriptors import (
 )
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.distributed_inference.health import ShardHealthTracker
-from hearthnet.distributed_inference.pipeline import (
-    ChatRequest,
-    DistributedChatParams,
-    PipelineOrchestrator,
-)
+from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
+from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
 from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
 from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
 from hearthnet.distributed_inference.store import ShardStore

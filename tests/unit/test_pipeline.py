@@ -8,11 +8,8 @@ import pytest
 import torch
 
 from hearthnet.distributed_inference.generation import SamplingParams
-from hearthnet.distributed_inference.pipeline import (
-    ChatRequest,
-    DistributedChatParams,
-    PipelineOrchestrator,
-)
+from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
+from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
 from hearthnet.observability import Metrics
 from tests.helpers.inprocess import InProcessMesh
 

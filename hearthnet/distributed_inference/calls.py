@@ -1,0 +1,100 @@
+"""Per-call state of one distributed chat: its stage sessions, its step counter, failures.
+
+Every `PipelineOrchestrator` call owns one `CallState`; nothing here is shared between
+calls (concurrent chats and concurrent fallbacks each hold their own). `StageFailed` and
+`FellBack` are the two internal signals between the decode loop (`decode.py`) and the
+failover replay (`failover.py`); neither ever reaches a caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hearthnet.distributed_inference.descriptors import Pipeline, PipelineStage
+from hearthnet.distributed_inference.generation import Generation
+from hearthnet.distributed_inference.request import DistributedChatParams
+from hearthnet.errors import HearthNetError
+
+Frame = dict[str, Any]
+# (uri, open_params, deadline_s) -> channel with .step(step, start_pos, tensor, deadline_s)
+# returning an object with .tensor and .compute_us, and .close(). The transport seam.
+Connector = Callable[[str, dict[str, Any], float], Awaitable[Any]]
+
+
+class StageFailed(Exception):
+    """Internal: stage `index` failed with `cause` while given `x_in` at this step."""
+
+    def __init__(self, index: int, cause: HearthNetError, x_in: torch.Tensor) -> None:
+        super().__init__(str(cause))
+        self.index, self.cause, self.x_in = index, cause, x_in
+
+
+class FellBack(Exception):
+    """Internal: give up on the pipeline; continue locally or abort."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class StageSession:
+    """One open stage of a call: its channel and the inputs it was given so far."""
+
+    stage: PipelineStage
+    channel: Any
+    history: list[torch.Tensor] = field(default_factory=list)  # inputs, (1, T_i, H) each
+    rtt_ms: list[float] = field(default_factory=list)
+    overhead_ms: list[float] = field(default_factory=list)
+
+    @property
+    def shard_id(self) -> str:
+        return self.stage.shard.shard_id
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.stage.shard.shard_id, self.stage.start, self.stage.end)
+
+    def truncate(self, pos: int) -> None:
+        """Drop recorded inputs at positions ≥ `pos` (a step about to be redone)."""
+        kept: list[torch.Tensor] = []
+        n = 0
+        for h in self.history:
+            if n + h.shape[1] > pos:
+                if pos > n:
+                    kept.append(h[:, :pos - n])
+                break
+            kept.append(h)
+            n += h.shape[1]
+        self.history = kept
+
+
+@dataclass
+class CallState:
+    """Per-call bookkeeping."""
+
+    pipeline: Pipeline
+    stages: list[StageSession]
+    gen: Generation
+    params: DistributedChatParams
+    max_len: int
+    failures: int = 0
+    step: int = 0
+    failover_ms: list[float] = field(default_factory=list)
+    frames: list[Frame] = field(default_factory=list)  # diagnostics raised mid-step
+    first_ms: float | None = None  # time to the first token, once there is one
+    decode_t0: float = 0.0  # perf_counter() at the first token
+
+    def tokens_per_s(self, now: float) -> float:
+        """Decode speed: tokens after the first over the time since it."""
+        decode_s = now - self.decode_t0
+        n = len(self.gen.tokens)
+        return (n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0
+
+    def take_frames(self) -> list[Frame]:
+        out, self.frames = self.frames, []
+        return out

@@ -1,0 +1,92 @@
+"""The decode loop of a distributed chat (M26 §4.3 step 3; DESIGN.md "Hot path rules").
+
+Per step: embed → relay the hidden state through each stage → norm and lm_head → sample.
+The orchestrator relays between stages (DESIGN.md decision 1) and records every stage's
+input (`StageSession.history`) so that `Failover` can replay it into a replacement; a stage
+failure inside a step is handed to `Failover.replace` and the step is redone from the
+replaced stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+
+import torch
+
+from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
+from hearthnet.distributed_inference.calls import CallState, Frame, StageFailed
+from hearthnet.distributed_inference.failover import Failover
+from hearthnet.distributed_inference.frames import token_frame
+from hearthnet.distributed_inference.health import ShardHealthTracker
+from hearthnet.distributed_inference.sanity import SanityChecker
+from hearthnet.errors import HearthNetError
+from hearthnet.observability import Metrics
+
+
+class DecodeLoop:
+    """Drives one call's `Generation` through its stages, token by token."""
+
+    def __init__(self, *, metrics: Metrics, health: ShardHealthTracker, failover: Failover,
+                 executor: Executor) -> None:
+        self.metrics, self.health, self.failover = metrics, health, failover
+        self.executor = executor
+
+    async def run(self, call: CallState, head: LayeredHead, checker: SanityChecker,
+                  t0: float) -> AsyncIterator[Frame]:
+        """Stream the call's token frames (and diagnostics) until the generation ends.
+
+        Sets `call.first_ms` and `call.decode_t0`. Raises `FellBack` when the pipeline
+        cannot go on; frames raised before that stay in `call.frames`.
+        """
+        gen = call.gen
+        loop = asyncio.get_running_loop()
+        x = head.embed(gen.prompt_ids)
+        pos = 0
+        while not gen.done:
+            h = await self.relay(call, x, pos, checker)
+            for f in call.take_frames():
+                yield f
+            # lm_head (~7 ms for SmolLM2) runs off the loop: other calls' relays go on
+            ev = gen.step(await loop.run_in_executor(self.executor, head.logits, h))
+            if call.first_ms is None:
+                call.first_ms = (time.perf_counter() - t0) * 1000
+                self.metrics.first_token_ms.observe(call.first_ms)
+                call.decode_t0 = time.perf_counter()
+            self.metrics.tokens_generated_total.inc()
+            yield token_frame(ev)
+            pos += x.shape[1]
+            x = head.embed([ev.token_id])
+
+    async def relay(self, call: CallState, x: torch.Tensor, pos: int,
+                    checker: SanityChecker) -> torch.Tensor:
+        """One step through every stage, failing over as needed; returns the last output."""
+        k = 0
+        call.step += 1
+        while True:
+            try:
+                return await self.through(call, x, pos, k, checker)
+            except StageFailed as f:
+                k, x = await self.failover.replace(call, f, pos)
+
+    async def through(self, call: CallState, x: torch.Tensor, pos: int, k0: int,
+                      checker: SanityChecker) -> torch.Tensor:
+        """Stages `k0..` in order; raises `StageFailed` for the first that fails."""
+        for k in range(k0, len(call.stages)):
+            st = call.stages[k]
+            t = time.perf_counter()
+            try:
+                res = await st.channel.step(call.step, pos, x, call.params.timeout_s)
+                checker.check(st.shard_id, st.stage.end, res.tensor)
+            except HearthNetError as e:
+                raise StageFailed(k, e, x) from e
+            rtt = (time.perf_counter() - t) * 1000
+            st.history.append(x)
+            st.rtt_ms.append(rtt)
+            st.overhead_ms.append(rtt - res.compute_us / 1000)
+            self.metrics.shard_latency_ms.labels(st.shard_id).observe(rtt)
+            self.health.observe_latency(st.shard_id, rtt)
+            x = res.tensor
+        return x

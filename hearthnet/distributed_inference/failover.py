@@ -1,0 +1,153 @@
+"""Failover by replay (M26 §5.4, issue 6): replace a failed stage and rebuild its cache.
+
+When a stage fails — its stream errors, closes, stalls past the deadline, or returns
+activations that fail the sanity check — it is excluded, `router.repick` finds a
+replacement covering the same sub-range, the recorded inputs are replayed into the
+replacement to rebuild its KV cache, and the in-flight step is redone. Nothing already
+streamed is lost or repeated. After `fallback_after_failures` failures in one call, or when
+no replacement exists, `FellBack` tells the orchestrator to continue locally or abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from hearthnet.distributed_inference.calls import (
+    CallState,
+    FellBack,
+    StageFailed,
+    StageSession,
+)
+from hearthnet.distributed_inference.descriptors import Pipeline, PipelineStage
+from hearthnet.distributed_inference.health import ShardHealthTracker
+from hearthnet.distributed_inference.request import DistributedChatParams
+from hearthnet.distributed_inference.routing import ShardRouter
+from hearthnet.errors import (
+    HearthNetError,
+    ShardCorrupted,
+    ShardUnavailable,
+    WeightsMismatch,
+)
+from hearthnet.models.store import ModelEntry, ModelStore
+from hearthnet.observability import Metrics, get_logger
+
+log = get_logger("pipeline")
+
+# (stage, model, params, max_len) -> an open session on that stage's shard
+StageOpener = Callable[[PipelineStage, ModelEntry, DistributedChatParams, int],
+                       Awaitable[StageSession]]
+
+
+class Failover:
+    """Replaces failed stages of a call (M26 §5.4)."""
+
+    def __init__(self, *, models: ModelStore, router: ShardRouter,
+                 health: ShardHealthTracker, metrics: Metrics, open_stage: StageOpener) -> None:
+        self.models, self.router, self.health, self.metrics = models, router, health, metrics
+        self.open_stage = open_stage
+
+    def note_failure(self, call: CallState, sid: str, cause: HearthNetError) -> None:
+        """Count a stage failure; raises `FellBack` past `fallback_after_failures`."""
+        call.failures += 1
+        if isinstance(cause, ShardCorrupted):
+            self.metrics.shard_corruption_detected_total.labels(sid).inc()
+        self.health.mark_suspect(sid, cause.code)
+        log.warning("shard_failed", shard_id=sid, code=cause.code, step=call.step,
+                    failures=call.failures)
+        call.frames.append({"type": "shard_status", "shard_id": sid, "status": "degraded",
+                            "code": cause.code, "message": cause.message})
+        if call.failures >= call.params.fallback_after_failures:
+            raise FellBack(f"{call.failures} shard failures in one call (fallback after "
+                           f"{call.params.fallback_after_failures}); last: {sid}: "
+                           f"{cause.message}")
+
+    async def replace(self, call: CallState, f: StageFailed, pos: int
+                      ) -> tuple[int, torch.Tensor]:
+        """Replace the failed stage; returns (stage index to resume from, its input)."""
+        failed = call.stages[f.index]
+        with contextlib.suppress(Exception):
+            await failed.channel.close()
+        exclude = {failed.shard_id}
+        self.note_failure(call, failed.shard_id, f.cause)
+        t0 = time.perf_counter()
+        while True:
+            try:
+                new = await self.router.repick(call.pipeline, exclude=exclude)
+            except (ShardUnavailable, WeightsMismatch) as e:
+                raise FellBack(f"no replacement for {failed.shard_id}: {e.message}") from e
+            try:
+                resume, x, fresh = await self.rebuild(call, new, pos, f)
+                break
+            except StageFailed as g:  # a replacement failed while being rebuilt
+                bad = new.stages[g.index].shard.shard_id
+                exclude.add(bad)
+                call.pipeline = new
+                self.note_failure(call, bad, g.cause)
+        ms = (time.perf_counter() - t0) * 1000
+        call.failover_ms.append(ms)
+        self.metrics.failovers_total.inc()
+        call.frames.append({"type": "shard_failover", "failed": failed.shard_id,
+                            "replacement": fresh,
+                            "pipeline": [s.shard_id for s in call.stages],
+                            "replayed_positions": pos, "ms": round(ms, 1)})
+        return resume, x
+
+    async def rebuild(self, call: CallState, new: Pipeline, pos: int, f: StageFailed
+                      ) -> tuple[int, torch.Tensor, list[str]]:
+        """Swap in `new`'s stages and replay recorded inputs into the fresh ones.
+
+        Stages before the first changed one are untouched. From the first changed stage `i`
+        to the last fresh one, every stage is fed the recorded inputs of positions < `pos`
+        (a kept stage recomputes: its session cuts its cache back); stages after that keep
+        their caches. Returns `i`, the in-flight input at `i`'s boundary and the shard ids
+        of the fresh stages.
+        """
+        old = call.stages
+        keys = [(s.shard.shard_id, s.start, s.end) for s in new.stages]
+        i = next((j for j, key in enumerate(keys) if j >= len(old) or old[j].key != key),
+                 len(keys))
+        by_key = {s.key: s for s in old if s.shard_id != old[f.index].shard_id}
+        entry = self.models.get(new.model_id)
+        fresh_idx = [j for j, key in enumerate(keys) if key not in by_key]
+        opened = await asyncio.gather(
+            *(self.open_stage(new.stages[j], entry, call.params, call.max_len)
+              for j in fresh_idx),
+            return_exceptions=True)
+        stages: list[StageSession] = [by_key.get(key) for key in keys]  # type: ignore[misc]
+        for j, st in zip(fresh_idx, opened, strict=True):
+            if isinstance(st, BaseException):
+                for o in opened:
+                    if isinstance(o, StageSession):
+                        with contextlib.suppress(Exception):
+                            await o.channel.close()
+                cause = st if isinstance(st, HearthNetError) else ShardUnavailable(str(st))
+                raise StageFailed(j, cause, f.x_in)
+            stages[j] = st
+        # the boundary input at stage i: positions < pos are replayed, the rest is in flight
+        src = old[i].history if i < len(old) else []
+        recorded = torch.cat(src, dim=1) if src else None
+        x_now = f.x_in if i == f.index or recorded is None or recorded.shape[1] <= pos \
+            else recorded[:, pos:]
+        replay = recorded[:, :pos] if recorded is not None and pos > 0 else None
+        last = max(fresh_idx) if fresh_idx else i - 1
+        for j in range(i, len(stages)):
+            st = stages[j]
+            if j > last:
+                st.truncate(pos)
+                continue
+            st.history = []
+            if replay is None:
+                continue
+            try:
+                res = await st.channel.step(0, 0, replay, call.params.timeout_s)
+            except HearthNetError as e:
+                raise StageFailed(j, e, f.x_in) from e
+            st.history = [replay]
+            replay = res.tensor
+        call.stages, call.pipeline = stages, new
+        return i, x_now, [stages[j].shard_id for j in fresh_idx]
