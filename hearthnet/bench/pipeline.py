@@ -129,10 +129,11 @@ def token_ids(frames: list[dict[str, Any]]) -> list[int]:
 
 def _local_run(engine: Any, prompt: str, tokens: int) -> tuple[list[int], dict[str, float]]:
     from hearthnet.distributed_inference.generation import SamplingParams
+    from hearthnet.distributed_inference.local import LocalTimings
 
+    t = LocalTimings()
     ids = [ev.token_id for ev in engine.generate([{"role": "user", "content": prompt}],
-                                                 SamplingParams(max_tokens=tokens))]
-    t = engine.timings
+                                                 SamplingParams(max_tokens=tokens), t)]
     return ids, {"tokens_per_second": t.decode_tokens_per_s, "first_token_ms": t.first_token_ms}
 
 
