@@ -70,6 +70,9 @@ class NodeSection(_Section):
     torch_threads: Annotated[int, Field(ge=1, le=256)] = 1
     peers: list[str] = Field(default_factory=list)
     lan_networks: list[str] = Field(default_factory=lambda: list(DEFAULT_LAN_NETWORKS))
+    # "mdns": announce this node and find peers on the LAN by mDNS/DNS-SD (issue 17 §5);
+    # discovery only finds addresses, membership still comes from the member list
+    discovery: Literal["off", "mdns"] = "off"
 
     @field_validator("listen_host")
     @classmethod
@@ -129,6 +132,24 @@ class HostSection(_Section):
     compute_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
 
 
+class AutoSection(_Section):
+    """``[research.distributed_inference.auto]``: automatic hosting (``shards = "auto"``).
+
+    See `hearthnet.distributed_inference.placement` for the rules and
+    `hearthnet.distributed_inference.autohost` for the daemon's side (issue 17).
+    """
+
+    memory_mb: Annotated[int, Field(ge=0)] = 0  # layer budget; 0 = host.shard_max_vram_mb
+    speed: Annotated[float, Field(ge=0)] = 0.0  # layer steps/s; 0 = measure at start
+    start_jitter_s: Annotated[float, Field(ge=0, le=600)] = 2.0  # before each placement
+    settle_s: Annotated[float, Field(ge=0, le=600)] = 1.0  # claim -> re-check
+    claim_ttl_s: Annotated[float, Field(gt=0)] = 60.0  # a claim counts this long unloaded
+    probe_interval_s: Annotated[float, Field(gt=0)] = 2.0  # liveness probe of hosts
+    probe_failures: Annotated[int, Field(ge=1, le=100)] = 2  # failed probes = host down
+    rebalance_interval_s: Annotated[float, Field(gt=0)] = 60.0  # jittered ±50 %
+    balance_quality: Annotated[float, Field(gt=0, le=1)] = 0.75  # Petals' margin
+
+
 class DistributedInferenceSection(_Section):
     """``[research.distributed_inference]`` — exactly M26 §7, plus transport knobs."""
 
@@ -144,6 +165,7 @@ class DistributedInferenceSection(_Section):
     flow_control_window: Annotated[int, Field(ge=1, le=1024)] = 16  # M26 §5.5
     chunk_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 1024 * 1024
     host: HostSection = Field(default_factory=HostSection)
+    auto: AutoSection = Field(default_factory=AutoSection)
 
     @property
     def advertisement_expiry_s(self) -> float:
@@ -288,7 +310,8 @@ class NodeConfig(_Section):
 
     node: NodeSection
     research: ResearchSection = Field(default_factory=ResearchSection)
-    shards: list[ShardSection] = Field(default_factory=list)
+    # [[shards]] tables, or "auto": the node picks its ranges itself (issue 17)
+    shards: list[ShardSection] | Literal["auto"] = Field(default_factory=list)
     community: CommunitySection = Field(default_factory=CommunitySection)
     security: SecuritySection = Field(default_factory=SecuritySection)
     api: ApiSection = Field(default_factory=ApiSection)
@@ -299,7 +322,7 @@ class NodeConfig(_Section):
     @model_validator(mode="after")
     def _cross(self) -> NodeConfig:
         seen: set[tuple[str, tuple[int, int]]] = set()
-        for i, s in enumerate(self.shards):
+        for i, s in enumerate(self.declared_shards()):
             if (s.model, s.layers) in seen:
                 raise _KeyedError(f"shards[{i}]", f"shard {s.model} layers "
                                   f"{s.layers[0]}-{s.layers[1]} is listed twice")
@@ -314,7 +337,7 @@ class NodeConfig(_Section):
                                                                or self.api.key_file):
             raise _KeyedError("api.keys", f"the API listens on {self.api.listen_host!r}, "
                               "not loopback: set api.keys or api.key_file")
-        if self.hosted_shards() and self.node.listen_host in _WILDCARDS \
+        if (self.hosted_shards() or self.auto_hosting) and self.node.listen_host in _WILDCARDS \
                 and not self.node.advertise_host:
             raise _KeyedError("node.advertise_host", "must be set when serving shards on "
                               f"the wildcard address {self.node.listen_host!r}")
@@ -336,20 +359,35 @@ class NodeConfig(_Section):
         """Research on and distributed inference enabled (else: inert, M26 §2)."""
         return self.research.enable and self.di.enabled
 
+    def declared_shards(self) -> list[ShardSection]:
+        """The `[[shards]]` tables (none when ``shards = "auto"``)."""
+        return [] if self.shards == "auto" else list(self.shards)
+
     def hosted_shards(self) -> list[ShardSection]:
         """The `[[shards]]` this node actually serves (see the module docstring)."""
-        return list(self.shards) if self.distributed_enabled and self.di.host.serve_shards \
-            else []
+        return self.declared_shards() if self._serving else []
+
+    @property
+    def _serving(self) -> bool:
+        return self.distributed_enabled and self.di.host.serve_shards
+
+    @property
+    def auto_hosting(self) -> bool:
+        """``shards = "auto"`` and serving: the node chooses its ranges (issue 17)."""
+        return self.shards == "auto" and self._serving
 
     def warnings(self) -> list[str]:
         """Valid but probably unintended settings, for the daemon to log at start."""
         out = []
-        if self.shards and not self.hosted_shards():
+        if self.shards == "auto" and not self.auto_hosting:
+            out.append("shards = \"auto\" but this node serves no shards: research, "
+                       "distributed_inference and host.serve_shards must all be on")
+        if self.declared_shards() and not self.hosted_shards():
             why = ("research.enable is false" if not self.research.enable else
                    "research.distributed_inference.enabled is false" if not self.di.enabled
                    else "research.distributed_inference.host.serve_shards is false")
-            out.append(f"{len(self.shards)} [[shards]] declared but not served: {why}")
-        if self.di.host.serve_shards and self.distributed_enabled and not self.shards:
+            out.append(f"{len(self.declared_shards())} [[shards]] declared but not served: {why}")
+        if self._serving and not self.shards:
             out.append("serve_shards is true but no [[shards]] are declared")
         if self.testing.faults:
             out.append("testing.faults is set: fault injection is active")
@@ -457,13 +495,39 @@ def config_from_dict(data: dict[str, Any], *, source: str | Path | None = None) 
     try:
         cfg = NodeConfig.model_validate(data)
     except ValidationError as e:
-        problems = [_describe(err) for err in e.errors()]
+        problems = [_describe(err) for err in _shards_union(e.errors(), data)]
         key, reason = problems[0]
         text = "; ".join(f"{k}: {r}" for k, r in problems)
         raise ConfigError(f"{name}: {text}", file=name, key=key, reason=reason) from None
     if source is not None:
         cfg._source = Path(source).resolve()
     return cfg
+
+
+_AUTO_TAG = "literal['auto']"
+
+
+def _shards_union(errors: list[Any], data: Any) -> list[Any]:
+    """Errors of the ``shards`` union (tables or "auto") told as one of its branches.
+
+    Pydantic reports both branches with their tags in the location; keep the branch the
+    input was meant for and drop the tag, so the key reads ``shards[0].layers``.
+    """
+    given = data.get("shards") if isinstance(data, dict) else None
+    out = []
+    for err in errors:
+        loc = tuple(err.get("loc", ()))
+        if len(loc) < 2 or loc[0] != "shards" or not isinstance(loc[1], str):
+            out.append(err)
+            continue
+        if isinstance(given, str):  # meant to be "auto"
+            if loc[1] != _AUTO_TAG:
+                continue
+            err = {**err, "type": "value_error", "msg": 'must be "auto" or [[shards]] tables'}
+        elif loc[1] == _AUTO_TAG:
+            continue
+        out.append({**err, "loc": (loc[0], *loc[2:])})
+    return out
 
 
 def _describe(err: Any) -> tuple[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Any
 
 
@@ -54,4 +55,38 @@ def render(st: dict[str, Any]) -> str:
         for row in m["coverage"]:
             a, b = row["layers"]
             lines.append(f"  layers {a:>2}-{b:<2}  {', '.join(row['hosts']) or '-'}")
+    if st.get("placement"):
+        lines += render_placement(st)
     return "\n".join(lines)
+
+
+def render_placement(st: dict[str, Any]) -> list[str]:
+    """Automatic hosting (issue 17): who chose what and why, last re-host and rebalance."""
+    p = st["placement"]
+    served = ", ".join(m["alias"] or m["model_id"] for m in p["served_models"]) or "none"
+    lines = ["", f"served models: {served}" + (f" (set by {p['set_by']})" if p.get("set_by")
+                                                else "")]
+    auto = [s for s in st["shards"] if s.get("auto")]
+    if auto:
+        lines.append("automatic hosts:")
+        lines += [f"  {s['host']:<10} layers {s['layers'][0]}-{s['layers'][1]}: "
+                  f"{s['auto'].get('detail', '')}" for s in auto]
+    for kind in ("rehost", "rebalance"):
+        c = p.get(f"last_{kind}")
+        lines.append(f"last {kind}: " + (
+            f"{c['host']} took layers {c['layers'][0]}-{c['layers'][1]} at "
+            f"{_clock(c['at'])} ({_ago(c['at'], st['time'])}): {c['detail']}" if c else "never"))
+    me = p.get("this_node")
+    if me:
+        down = ", ".join(me["down_hosts"]) or "none"
+        lines.append(f"this node: automatic, budget {me['budget_mb']} MB ({me['format']}), "
+                     f"unreachable hosts: {down}")
+    return lines
+
+
+def _clock(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def _ago(ts: float, now: float) -> str:
+    return f"{max(0.0, now - ts):.0f} s ago"

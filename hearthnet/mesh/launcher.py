@@ -53,6 +53,8 @@ class NodeSpec:
     extra_di: dict[str, Any] = field(default_factory=dict)
     trust: str = "trusted"  # this node's trust in every member list
     extra_host: dict[str, Any] = field(default_factory=dict)  # [...distributed_inference.host]
+    auto: dict[str, Any] | None = None  # shards = "auto" with this [...auto] table (issue 17)
+    threads: int | None = None  # torch_threads of this node (default: the mesh's)
 
 
 @dataclass
@@ -94,15 +96,20 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
     """One node's TOML. `members` are listed without keys (`provision` fills them in)."""
     di = {"enabled": True, "shard_health_timeout_seconds": timeout_s,
           "activation_dtype": "fp16", **spec.extra_di}
-    lines = ["[node]", f'id = "{spec.node_id}"', 'listen_host = "127.0.0.1"',
-             f"listen_port = {port}", f"data_dir = {_toml_value(str(data_dir))}",
-             f"models_dir = {_toml_value(str(models))}", f"torch_threads = {threads}",
-             f"peers = {_toml_value(peers)}", 'log_level = "info"', "",
-             "[research]", "enable = true", "", "[research.distributed_inference]"]
+    lines = ['shards = "auto"', ""] if spec.auto is not None else []
+    lines += ["[node]", f'id = "{spec.node_id}"', 'listen_host = "127.0.0.1"',
+              f"listen_port = {port}", f"data_dir = {_toml_value(str(data_dir))}",
+              f"models_dir = {_toml_value(str(models))}",
+              f"torch_threads = {spec.threads or threads}",
+              f"peers = {_toml_value(peers)}", 'log_level = "info"', "",
+              "[research]", "enable = true", "", "[research.distributed_inference]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in di.items()]
     lines += ["", "[research.distributed_inference.host]",
-              f"serve_shards = {_toml_value(bool(spec.shards))}"]
+              f"serve_shards = {_toml_value(bool(spec.shards) or spec.auto is not None)}"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in spec.extra_host.items()] + [""]
+    if spec.auto is not None:
+        lines += ["[research.distributed_inference.auto]"]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in spec.auto.items()] + [""]
     for lo, hi in spec.shards:
         lines += ["[[shards]]", f'model = "{model}"', f"layers = [{lo}, {hi}]",
                   "max_concurrent_streams = 8", ""]
@@ -185,7 +192,7 @@ class LocalMesh:
 
     def start_node(self, node_id: str, wait: bool = True, timeout: float = 120.0) -> NodeProc:
         n = self.nodes[node_id]
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads),
+        env = dict(os.environ, OMP_NUM_THREADS=str(n.spec.threads or self.threads),
                    TOKENIZERS_PARALLELISM="false",
                    HEARTHNET_EXIT_WITH_PARENT=str(os.getpid()))
         log = (self.root / f"{node_id}.log").open("a")

@@ -1,4 +1,5 @@
-"""`hearthnet models import|list|verify`."""
+"""`hearthnet models import|synth|list|verify` (and `serve|unserve|served`, see
+`hearthnet.commands.served`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ver = msub.add_parser("verify", help="recompute a model's hashes")
     ver.add_argument("model")
     ver.set_defaults(func=_verify)
+    from hearthnet.commands.served import register_served
+
+    register_served(msub)  # serve / unserve / served: the community's list (issue 17)
 
 
 def _store(args: argparse.Namespace) -> ModelStore:

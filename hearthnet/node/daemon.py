@@ -41,10 +41,18 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from hearthnet.config import NodeConfig
+from hearthnet.distributed_inference.autohost import AutoHost
+from hearthnet.distributed_inference.community import (
+    SERVED_MODELS,
+    PlacementView,
+    ServedModel,
+    served_payload,
+)
 from hearthnet.distributed_inference.descriptors import (
     ADVERTISED,
     WITHDRAWN,
     advertisement_payload,
+    make_shard_id,
     withdrawal_payload,
 )
 from hearthnet.distributed_inference.generation import SamplingParams
@@ -54,11 +62,11 @@ from hearthnet.distributed_inference.request import ChatRequest, DistributedChat
 from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
 from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
 from hearthnet.distributed_inference.store import ShardStore
-from hearthnet.errors import AuthError, HearthNetError, ShardUnavailable
+from hearthnet.errors import AuthError, BadRequest, HearthNetError, ShardUnavailable
 from hearthnet.mesh.bus import CapabilityBus
 from hearthnet.mesh.eventlog import EventLog
 from hearthnet.mesh.gossip import MAX_MESSAGE_BYTES, GossipPeerLink, handle_gossip_connection
-from hearthnet.models.store import ModelStore
+from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.node.guard import NodeGuard, remove_state, write_state
 from hearthnet.observability import Metrics, get_logger
 from hearthnet.security import note_refusal, split_open
@@ -68,6 +76,7 @@ from hearthnet.transport.websocket import ServerStream, TensorChannel
 log = get_logger("node")
 
 CHAT_CAPABILITY = "experimental.distributed_llm.chat"
+SERVED_MODELS_CAPABILITY = "hearthnet.admin.models_served"  # admin listener only (issue 17)
 
 
 class Node:
@@ -79,7 +88,10 @@ class Node:
         self.metrics = Metrics()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.bus = CapabilityBus()
+        self.admin_bus = CapabilityBus()  # the local CLI's: the chat plus admin calls
         self.shards: dict[str, ShardServer] = {}
+        self.auto: AutoHost | None = None
+        self._placement: dict[str, dict[str, Any]] = {}  # shard_id -> advertised placement
         self.links: list[GossipPeerLink] = []
         self.server: Server | None = None
         self.admin_server: Server | None = None
@@ -113,6 +125,9 @@ class Node:
                                 tracker=self.health)
         self.store.rebuild(self.log.all_events())
         self.log.subscribe(self.store.apply)
+        self.placement = PlacementView(self.guard.is_steward)
+        self.placement.rebuild(self.log.all_events())
+        self.log.subscribe(self.placement.apply)
         self.models = ModelStore(cfg.effective_models_dir())
         size = max(max_frame_bytes(cfg.di.chunk_bytes), MAX_MESSAGE_BYTES)
         self.server = await serve(self._route, cfg.node.listen_host, cfg.node.listen_port,
@@ -144,6 +159,8 @@ class Node:
             enabled=cfg.distributed_enabled, sign_open=self.guard.sign_open,
             max_concurrent_pipelines=cfg.di.max_concurrent_pipelines)
         self.bus.register(CHAT_CAPABILITY, self._chat_capability)
+        self.admin_bus.register(CHAT_CAPABILITY, self._chat_capability)
+        self.admin_bus.register(SERVED_MODELS_CAPABILITY, self._served_capability)
         for peer in cfg.peer_uris():
             link = GossipPeerLink(
                 self.log, peer, on_peer=self._on_peer,
@@ -172,28 +189,63 @@ class Node:
                  "shards": list(self.shards), "api": self.api.url if self.api else ""}
         write_state(data, {k: v for k, v in ready.items() if k != "event"})
         print(json.dumps(ready), flush=True)
+        if cfg.auto_hosting:  # shards = "auto" (issue 17)
+            self.auto = AutoHost(cfg, log_=self.log, store=self.store, health=self.health,
+                                 models=self.models, host=self, view=self.placement)
+            self.auto.start()
 
     async def _start_shards(self) -> None:
-        cfg = self.cfg
-        host = cfg.di.host
-        for spec in cfg.hosted_shards():
-            entry = self.models.get(spec.model)
+        for spec in self.cfg.hosted_shards():
             lo, hi = spec.layers
-            shard = ShardServer(
-                entry, lo, hi, node_id=self.node_id, endpoint=self.endpoint,
-                settings=ShardSettings(
-                    max_concurrent_streams=spec.max_concurrent_streams,
-                    eviction_idle_s=host.shard_eviction_idle_seconds,
-                    session_idle_timeout_s=host.session_idle_timeout_seconds,
-                    max_session_tokens=host.max_session_tokens,
-                    compute_dtype=host.compute_dtype),
-                executor=self.executor, metrics=self.metrics)
-            await shard.start()
-            self.shards[shard.shard_id] = shard
-            from hearthnet.distributed_inference.faults import install_faults
+            await self._host_shard(self.models.get(spec.model), lo, hi,
+                                   spec.max_concurrent_streams)
 
-            install_faults(shard, cfg.testing.faults)
-            await self._advertise(shard)
+    async def _host_shard(self, entry: ModelEntry, lo: int, hi: int,
+                          max_concurrent_streams: int) -> ShardServer:
+        """Load layers `lo..hi` of `entry`, serve and advertise them."""
+        host = self.cfg.di.host
+        shard = ShardServer(
+            entry, lo, hi, node_id=self.node_id, endpoint=self.endpoint,
+            settings=ShardSettings(
+                max_concurrent_streams=max_concurrent_streams,
+                eviction_idle_s=host.shard_eviction_idle_seconds,
+                session_idle_timeout_s=host.session_idle_timeout_seconds,
+                max_session_tokens=host.max_session_tokens,
+                compute_dtype=host.compute_dtype),
+            executor=self.executor, metrics=self.metrics)
+        await shard.start()
+        self.shards[shard.shard_id] = shard
+        from hearthnet.distributed_inference.faults import install_faults
+
+        install_faults(shard, self.cfg.testing.faults)
+        await self._advertise(shard)
+        return shard
+
+    # ---- automatic hosting (issue 17; `AutoHost` drives these) ----
+
+    def hosted(self) -> list[ShardServer]:
+        return list(self.shards.values())
+
+    async def load_shard(self, entry: ModelEntry, lo: int, hi: int,
+                         placement: dict[str, Any]) -> ShardServer:
+        """Load and advertise an automatically placed shard (its ad carries `placement`)."""
+        self._placement[make_shard_id(entry.model_id, lo, hi, self.node_id)] = placement
+        return await self._host_shard(entry, lo, hi, 8)
+
+    async def drop_shard(self, shard_id: str, reason: str) -> None:
+        """Withdraw a shard now, free it once its open sessions have ended (no failed chat)."""
+        shard = self.shards.pop(shard_id, None)
+        if shard is None:
+            return
+        self._placement.pop(shard_id, None)
+        if self.cfg.research.enable:
+            self.log.append(WITHDRAWN, withdrawal_payload(shard_id, reason))
+        limit = time.monotonic() + self.cfg.di.host.session_idle_timeout_seconds
+        while shard.active and time.monotonic() < limit:
+            await asyncio.sleep(0.2)
+        await shard.close_all()
+        shard.stack = None
+        log.info("shard_dropped", shard_id=shard_id, reason=reason)
 
     async def _start_api(self) -> None:
         """The OpenAI-compatible API and the status page (issue 15), if enabled."""
@@ -231,8 +283,10 @@ class Node:
     async def _advertise(self, shard: ShardServer) -> None:
         if not self.cfg.research.enable:  # M26 §5.1: opted out → no advertisements
             return
-        self.log.append(ADVERTISED, advertisement_payload(shard.descriptor,
-                                                          await shard.health()))
+        payload = advertisement_payload(shard.descriptor, await shard.health())
+        if shard.shard_id in self._placement:
+            payload["placement"] = self._placement[shard.shard_id]
+        self.log.append(ADVERTISED, payload)
 
     async def _prepare_models(self) -> None:
         for e in self.models.entries():
@@ -276,6 +330,8 @@ class Node:
     async def stop(self) -> None:
         """Withdraw advertisements, close sessions and links, flush the log."""
         log.info("node_stopping")
+        if self.auto is not None:
+            await self.auto.stop()
         if hasattr(self, "guard"):
             remove_state(self.cfg.effective_data_dir())
         for t in self._tasks:
@@ -330,7 +386,7 @@ class Node:
         """The loopback admin listener: capability calls of the local CLI only."""
         path = ws.request.path.split("?", 1)[0] if ws.request else ""
         if path == "/bus":
-            await self.bus.serve_connection(ws)
+            await self.admin_bus.serve_connection(ws)
         else:
             await ws.close(1008, "the admin listener serves /bus only")
 
@@ -408,6 +464,34 @@ class Node:
                         frame.get("type") == "shard_status" and frame.get("status") != "ok"):
                     self.recent_events.append({**frame, "time": time.time()})
                 yield frame
+
+    async def _served_capability(self, args: dict[str, Any]
+                                 ) -> AsyncGenerator[dict[str, Any], None]:
+        """Edit or read the served-model list (``hearthnet models serve|unserve|served``)."""
+        op, name = args.get("op"), args.get("model")
+        if op not in ("serve", "unserve", "list"):
+            raise BadRequest("op must be serve, unserve or list")
+        if op != "list":
+            yield {"type": "served_models", **self._edit_served(str(op), name)}
+        yield {"type": "served_models", "models": [m.to_dict() for m in
+                                                   self.placement.served()],
+               **self.placement.served_meta()}
+
+    def _edit_served(self, op: str, name: object) -> dict[str, Any]:
+        if not isinstance(name, str) or not name:
+            raise BadRequest("model must be a model alias or id")
+        if not self.guard.is_steward(self.node_id):  # only a steward edits it (issue 17)
+            raise AuthError(f"{self.node_id} is not a steward of this community; only a "
+                            "steward edits the served-model list", reason="not_steward")
+        current = self.placement.served()
+        entry = self.models.get(name) if op == "serve" else None
+        keep = [m for m in current if name not in (m.model_id, m.alias)]
+        if op == "unserve" and len(keep) == len(current):
+            raise BadRequest(f"{name!r} is not on the served-model list")
+        new = keep + ([ServedModel(entry.model_id, entry.weights_sha256, entry.alias)]
+                      if entry is not None else [])
+        self.log.append(SERVED_MODELS, served_payload(new))
+        return {"changed": op, "model": name}
 
     # ---- HTTP ----
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hearthnet.config import NodeConfig, load_config
+from hearthnet.distributed_inference.community import SERVED_MODELS
 from hearthnet.distributed_inference.descriptors import (
     ADVERTISED,
     WITHDRAWN,
@@ -172,7 +173,13 @@ class NodeGuard:
                 self.directory.check_advertisement(ev.origin, host)
             except AuthError as e:
                 return str(e.details.get("reason", "host_not_signer"))
+        if ev.type == SERVED_MODELS and not self.is_steward(ev.origin):
+            return "not_steward"  # only a steward edits the served-model list (issue 17)
         return None
+
+    def is_steward(self, node_id: str) -> bool:
+        """Whether `node_id` is a member at trust ``steward`` (the top)."""
+        return self.directory.trust_of(node_id) == Trust.STEWARD
 
     # ---- session opens (issue 7 item 3) ----
 

@@ -39,7 +39,8 @@ async def mesh_status(node: Any) -> dict[str, Any]:
             "max_concurrent_streams": d.max_concurrent_streams,
             # weight format (issue 12) and device (issue 13), when the advertisement has them
             "format": getattr(d, "format", None) or getattr(d, "weights_format", None),
-            "device": getattr(d, "device", None)})
+            "device": getattr(d, "device", None),
+            "auto": node.placement.auto_shard(d.shard_id)})  # automatic placement (issue 17)
         nodes.setdefault(d.host, {"node_id": d.host, "self": False, "endpoint": d.endpoint})
     models = []
     for e in node.models.entries():
@@ -61,7 +62,18 @@ async def mesh_status(node: Any) -> dict[str, Any]:
             "recent_events": list(getattr(node, "recent_events", [])),
             "nodes": sorted(nodes.values(), key=lambda n: n["node_id"]),
             "shards": sorted(shards, key=lambda s: (s["model_id"], s["layers"], s["host"])),
-            "models": models}
+            "models": models, "placement": placement_status(node)}
+
+
+def placement_status(node: Any) -> dict[str, Any]:
+    """Automatic hosting (issue 17): the served list, this node's choices, mesh-wide news."""
+    view = node.placement
+    last = {k: (c.to_dict() if (c := view.last(k)) is not None else None)
+            for k in ("rehost", "rebalance")}
+    return {"served_models": [m.to_dict() for m in view.served()], **view.served_meta(),
+            "this_node": node.auto.status() if node.auto is not None else None,
+            "last_rehost": last["rehost"], "last_rebalance": last["rebalance"],
+            "recent_claims": [c.to_dict() for c in list(view.history)[-8:]]}
 
 
 def _state(node: Any, shard_id: str, host: str, links: dict[str, tuple[bool, float]],

@@ -1,0 +1,488 @@
+"""Automatic hosting: the daemon side of ``shards = "auto"`` (issue 17; M26 §1, §10).
+
+`AutoHost` runs inside a node whose config says ``shards = "auto"``. For every model on the
+community's served-model list (`community.PlacementView.served`) that this node holds in
+its model store, it:
+
+1. **places** (when it hosts nothing of the model): announces its capacity, waits a jittered
+   moment to hear the other hosts starting with it, sizes its window by
+   `placement.split_lengths` and puts it where coverage is weakest (`placement.best_start`);
+2. **re-hosts** (when some layers have no live host and its budget has room): loads a window
+   over the largest gap; without room it may *move* there if its old range stays covered;
+3. **rebalances** (every ``rebalance_interval_s`` ±50 %): moves when `placement.plan_move`
+   says the weakest coverage rises past ``balance_quality``; the new range is loaded and
+   advertised before the old one is withdrawn, and the old one is freed only when its open
+   sessions have ended (no gap, no failed chat).
+
+Every placement is a **claim** event first (`community.CLAIM`); after ``settle_s`` the node
+re-checks: if an earlier overlapping claim of another host makes its window pointless, it
+cancels and chooses again. Jitter plus this re-check keeps hosts that start together off the
+same range.
+
+A host is **down** for placement when `HostProber` cannot open a TCP connection to its
+endpoint ``probe_failures`` times in a row (every ``probe_interval_s``): a ``kill -9``ed host
+is noticed in seconds, long before its advertisements expire (4 × the health timeout).
+Its shards are then also marked suspect in the health tracker, so the router avoids them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import torch
+
+from hearthnet.config import NodeConfig
+from hearthnet.distributed_inference.community import (
+    CAPACITY,
+    CLAIM,
+    Claim,
+    PlacementView,
+    ServedModel,
+    capacity_payload,
+    claim_payload,
+    placement_info,
+)
+from hearthnet.distributed_inference.health import ShardHealthTracker
+from hearthnet.distributed_inference.placement import (
+    BYTES_PER_PARAM,
+    HostCapacity,
+    Span,
+    best_start,
+    budget_layers,
+    coverage,
+    gap_lengths,
+    measure_speed,
+    plan_move,
+    split_lengths,
+)
+from hearthnet.distributed_inference.store import ShardStore
+from hearthnet.errors import HearthNetError
+from hearthnet.mesh.eventlog import EventLog
+from hearthnet.models.hashing import read_safetensors_header
+from hearthnet.models.store import ModelEntry, ModelStore
+from hearthnet.observability import get_logger
+
+log = get_logger("distributed_inference.autohost")
+
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class HostedShard(Protocol):
+    """What `AutoHost` needs of a hosted shard (`ShardServer`)."""
+
+    shard_id: str
+    lo: int
+    hi: int
+    entry: ModelEntry
+
+
+class ShardHost(Protocol):
+    """The node's side: load and drop shards, list what it hosts."""
+
+    def hosted(self) -> Sequence[HostedShard]: ...
+
+    async def load_shard(self, entry: ModelEntry, lo: int, hi: int,
+                         placement: dict[str, Any]) -> HostedShard: ...
+
+    async def drop_shard(self, shard_id: str, reason: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    """What one layer of a model costs this host: bytes held and measured speed."""
+
+    bytes_per_layer: int
+    params_per_layer: int
+    speed: float
+
+
+def layer_params(entry: ModelEntry) -> int:
+    """Parameters of the largest decoder layer, from the safetensors headers (no weights)."""
+    per_layer: dict[int, int] = {}
+    for name in entry.files:
+        header, _ = read_safetensors_header(entry.path / name)
+        for tensor, info in header.items():
+            idx = _layer_index(tensor)
+            if idx is None:
+                continue
+            shape: Any = info.get("shape", [])
+            n = 1
+            for d in shape:
+                n *= int(d)
+            per_layer[idx] = per_layer.get(idx, 0) + n
+    return max(per_layer.values()) if per_layer else 0
+
+
+def _layer_index(tensor: str) -> int | None:
+    parts = tensor.split(".")
+    for a, b in itertools.pairwise(parts):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    return None
+
+
+@dataclass
+class Decision:
+    """One thing this node decided, for `hearthnet status`."""
+
+    kind: str  # initial | rehost | rebalance | cancelled | skipped
+    model: str
+    layers: list[int]
+    detail: str
+    at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "model": self.model, "layers": self.layers,
+                "detail": self.detail, "at": self.at}
+
+
+class HostProber:
+    """TCP liveness of the hosts this node depends on (see the module docstring)."""
+
+    def __init__(self, failures_to_down: int, timeout_s: float) -> None:
+        self.failures_to_down = failures_to_down
+        self.timeout_s = timeout_s
+        self._fails: dict[str, int] = {}
+        self.down_since: dict[str, float] = {}
+
+    def is_down(self, host: str) -> bool:
+        return host in self.down_since
+
+    async def probe(self, hosts: dict[str, str]) -> bool:
+        """Probe every ``{host: endpoint}``; True when some host changed state."""
+        results = await asyncio.gather(*(self._reachable(ep) for ep in hosts.values()))
+        changed = False
+        for host, ok in zip(hosts, results, strict=True):
+            changed |= self._note(host, ok)
+        for host in [h for h in self.down_since if h not in hosts]:
+            del self.down_since[host]  # its advertisements are gone anyway
+            self._fails.pop(host, None)
+        return changed
+
+    def _note(self, host: str, ok: bool) -> bool:
+        if ok:
+            self._fails.pop(host, None)
+            if self.down_since.pop(host, None) is not None:
+                log.info("host_reachable_again", host=host)
+                return True
+            return False
+        self._fails[host] = self._fails.get(host, 0) + 1
+        if self._fails[host] >= self.failures_to_down and host not in self.down_since:
+            self.down_since[host] = time.time()
+            log.warning("host_unreachable", host=host, failures=self._fails[host])
+            return True
+        return False
+
+    async def _reachable(self, endpoint: str) -> bool:
+        parts = urlsplit(endpoint)
+        if not parts.hostname or not parts.port:
+            return False
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname, parts.port), self.timeout_s)
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
+
+
+class AutoHost:
+    """Places, re-hosts and rebalances this node's shards; see the module docstring."""
+
+    def __init__(self, cfg: NodeConfig, *, log_: EventLog, store: ShardStore,
+                 health: ShardHealthTracker, models: ModelStore, host: ShardHost,
+                 view: PlacementView, rng: random.Random | None = None) -> None:
+        self.cfg, self.auto = cfg, cfg.di.auto
+        self.node_id = cfg.node.id
+        self.events, self.store, self.health, self.models = log_, store, health, models
+        self.host, self.view = host, view
+        self.rng = rng or random.Random()
+        self.format = cfg.di.host.compute_dtype
+        self.budget_mb = self.auto.memory_mb or cfg.di.host.shard_max_vram_mb
+        self.prober = HostProber(self.auto.probe_failures,
+                                 timeout_s=min(2.0, self.auto.probe_interval_s))
+        self.decisions: list[Decision] = []
+        self._costs: dict[str, ModelCost] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._next_rebalance = 0.0
+        self.started = False
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        self.events.subscribe(self._on_event)
+        self._tasks = [asyncio.create_task(self._run(), name="autohost"),
+                       asyncio.create_task(self._probe_loop(), name="autohost-probe")]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    def _on_event(self, ev: Any) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        await self._announce()
+        await asyncio.sleep(self.auto.settle_s + self.rng.uniform(0, self.auto.start_jitter_s))
+        self.started = True
+        self._schedule_rebalance()
+        while True:
+            self._wake.clear()
+            due = time.monotonic() >= self._next_rebalance
+            try:
+                await self.step(rebalance=due)
+            except HearthNetError as e:
+                log.warning("autohost_step_failed", code=e.code, error=e.message)
+            except Exception:  # the loop must outlive a bug in one step
+                log.exception("autohost_step_crashed")
+            if due:
+                self._schedule_rebalance()
+            wait = max(0.05, self._next_rebalance - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+
+    def _schedule_rebalance(self) -> None:
+        self._next_rebalance = time.monotonic() + self.auto.rebalance_interval_s * \
+            self.rng.uniform(0.5, 1.5)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.auto.probe_interval_s)
+            hosts = {ad.descriptor.host: ad.descriptor.endpoint for ad in self.store.live()
+                     if ad.descriptor.host != self.node_id}
+            if await self.prober.probe(hosts):
+                self._mark_down_suspect()
+                self._wake.set()
+
+    def _mark_down_suspect(self) -> None:
+        for ad in self.store.live():
+            sid = ad.descriptor.shard_id
+            if self.prober.is_down(ad.descriptor.host):
+                self.health.mark_suspect(sid, "host_unreachable")
+            elif self.health.is_suspect(sid):
+                self.health.clear_suspect(sid)
+
+    # ---- costs ----
+
+    async def _announce(self) -> None:
+        caps = {}
+        for e in self.models.entries():  # every local model: the served list may change
+            cost = await self.cost(e)
+            caps[e.model_id] = (cost.speed, self._max_layers(e, cost))
+        self.events.append(CAPACITY, capacity_payload(caps))
+
+    async def cost(self, entry: ModelEntry) -> ModelCost:
+        """Bytes per layer in the held format and this host's speed (measured once)."""
+        got = self._costs.get(entry.model_id)
+        if got is None:
+            params = layer_params(entry)
+            speed = self.auto.speed or await asyncio.get_running_loop().run_in_executor(
+                None, lambda: measure_speed(params, entry.hidden_size,
+                                            dtype=_TORCH_DTYPES.get(self.format,
+                                                                    torch.float32)))
+            got = ModelCost(int(params * BYTES_PER_PARAM.get(self.format, 4.0)), params,
+                            float(speed))
+            self._costs[entry.model_id] = got
+            log.info("autohost_cost", model=entry.alias, mb_per_layer=round(
+                got.bytes_per_layer / 2**20, 2), speed=round(got.speed, 2))
+        return got
+
+    def _max_layers(self, entry: ModelEntry, cost: ModelCost) -> int:
+        return budget_layers(self.budget_mb * 2**20, cost.bytes_per_layer, entry.num_layers)
+
+    def _room(self, entry: ModelEntry, cost: ModelCost) -> int:
+        """Layers of `entry` the budget still holds next to everything hosted now."""
+        used = 0
+        for s in self.host.hosted():
+            c = self._costs.get(s.entry.model_id)
+            used += (s.hi - s.lo + 1) * (c.bytes_per_layer if c else cost.bytes_per_layer)
+        free = max(0, self.budget_mb * 2**20 - used)
+        return budget_layers(free, cost.bytes_per_layer, entry.num_layers)
+
+    def _local(self, served: ServedModel) -> ModelEntry | None:
+        entry = self.models.find(served.model_id) or self.models.find(served.alias)
+        if entry is None or entry.weights_sha256 != served.weights_sha256:
+            return None
+        return entry
+
+    # ---- the view of one model ----
+
+    def spans(self, entry: ModelEntry) -> list[Span]:
+        """Live hosts of `entry` (down ones left out) plus others' claims still loading."""
+        cost = self._costs.get(entry.model_id)
+        default = cost.speed if cost else 1.0
+        caps = self.view.capacities(entry.model_id, self.cfg.di.advertisement_expiry_s)
+        out = [Span(h, lo, hi, caps[h].speed if h in caps else default)
+               for h, lo, hi in self._hosted_ranges(entry)]
+        return out + [Span(c.origin, c.lo, c.hi, c.speed) for c in self._loading(entry)]
+
+    def _hosted_ranges(self, entry: ModelEntry) -> set[tuple[str, int, int]]:
+        """(host, lo, hi) of every live, reachable host of `entry`, ours included."""
+        out = {(ad.descriptor.host, ad.descriptor.lo, ad.descriptor.hi)
+               for ad in self.store.candidates(entry.model_id, entry.weights_sha256)
+               if not self.prober.is_down(ad.descriptor.host)}
+        # ours count at once, before our advertisement comes back
+        return out | {(self.node_id, s.lo, s.hi) for s in self._mine(entry)}
+
+    def _loading(self, entry: ModelEntry) -> list[Claim]:
+        """Other hosts' pending claims on `entry` they have not advertised yet."""
+        hosted = self._hosted_ranges(entry)
+        return [c for c in self.view.pending(entry.model_id, self.auto.claim_ttl_s)
+                if c.origin != self.node_id and not self.prober.is_down(c.origin)
+                and (c.origin, c.lo, c.hi) not in hosted
+                and c.weights_sha256 == entry.weights_sha256]
+
+    def _mine(self, entry: ModelEntry) -> list[HostedShard]:
+        return [s for s in self.host.hosted() if s.entry.model_id == entry.model_id]
+
+    def _capacities(self, entry: ModelEntry, cost: ModelCost) -> list[HostCapacity]:
+        caps = self.view.capacities(entry.model_id, self.auto.claim_ttl_s +
+                                    self.cfg.di.advertisement_expiry_s)
+        out = [HostCapacity(h, c.speed, c.max_layers) for h, c in caps.items()
+               if h != self.node_id and not self.prober.is_down(h)]
+        return [*out, HostCapacity(self.node_id, cost.speed, self._max_layers(entry, cost))]
+
+    # ---- one round ----
+
+    async def step(self, *, rebalance: bool) -> None:
+        """Look at every served model once and act on at most what it needs now."""
+        for served in self.view.served():
+            entry = self._local(served)
+            if entry is None:
+                continue
+            await self._place_model(entry, rebalance)
+
+    async def _place_model(self, entry: ModelEntry, rebalance: bool) -> None:
+        cost = await self.cost(entry)
+        mine = self._mine(entry)
+        cov = coverage(entry.num_layers, self.spans(entry))
+        gaps = gap_lengths(cov)
+        room = self._room(entry, cost)
+        if not mine:
+            length = min(room, split_lengths(entry.num_layers,
+                                             self._capacities(entry, cost))[self.node_id])
+            if length > 0:
+                await self._claim_and_load(entry, cost, length, "initial")
+        elif gaps and room > 0:
+            longest = max(hi - lo + 1 for lo, hi in gaps)
+            await self._claim_and_load(entry, cost, min(room, longest), "rehost")
+        elif gaps or rebalance:
+            await self._maybe_move(entry, cost, "rehost" if gaps else "rebalance")
+
+    async def _claim_and_load(self, entry: ModelEntry, cost: ModelCost, length: int,
+                              reason: str) -> HostedShard | None:
+        """Claim the weakest window of `length` layers, re-check, load it (see above)."""
+        for attempt in range(3):
+            if reason != "initial" or attempt:  # hosts woken by the same news: spread out
+                await asyncio.sleep(self.rng.uniform(0, self.auto.start_jitter_s))
+            cov = coverage(entry.num_layers, self.spans(entry))
+            lo = best_start(cov, length)
+            hi = lo + length - 1
+            if reason == "rehost" and min(cov[lo:hi + 1]) > 0:
+                return None  # another host filled the gap meanwhile
+            detail = _why(reason, lo, hi, cov)
+            if not await self._claim_settles(entry, cost, lo, hi, reason, detail):
+                continue
+            return await self._load(entry, cost, lo, hi, reason, detail)
+        return None
+
+    async def _claim_settles(self, entry: ModelEntry, cost: ModelCost, lo: int, hi: int,
+                             reason: str, detail: str) -> bool:
+        """Claim ``lo..hi``, wait ``settle_s``, keep it unless an earlier claim wins."""
+        max_layers = self._max_layers(entry, cost)
+        ev = self.events.append(CLAIM, claim_payload(
+            model_id=entry.model_id, weights_sha256=entry.weights_sha256, lo=lo, hi=hi,
+            speed=cost.speed, max_layers=max_layers, reason=reason, detail=detail))
+        await asyncio.sleep(self.auto.settle_s)
+        rival = self._earlier_rival(entry, lo, hi, (ev.ts, self.node_id))
+        if rival is None:
+            return True
+        others = coverage(entry.num_layers, self.spans(entry))
+        if best_start(others, hi - lo + 1) == lo and min(others[lo:hi + 1]) <= 0:
+            return True  # still the best place even with the rival's claim
+        self.events.append(CLAIM, claim_payload(
+            model_id=entry.model_id, weights_sha256=entry.weights_sha256, lo=lo, hi=hi,
+            speed=cost.speed, max_layers=max_layers, reason=reason, state="cancelled",
+            detail=f"yielded to {rival}"))
+        self._note("cancelled", entry, lo, hi, f"{rival} claimed it first")
+        return False
+
+    def _earlier_rival(self, entry: ModelEntry, lo: int, hi: int,
+                       order: tuple[float, str]) -> str | None:
+        for c in self._loading(entry):
+            if c.lo <= hi and lo <= c.hi and c.order < order:
+                return c.origin
+        return None
+
+    async def _load(self, entry: ModelEntry, cost: ModelCost, lo: int, hi: int, reason: str,
+                    detail: str) -> HostedShard:
+        info = placement_info(model_id=entry.model_id, speed=cost.speed,
+                              max_layers=self._max_layers(entry, cost), reason=reason,
+                              detail=detail)
+        shard = await self.host.load_shard(entry, lo, hi, info)
+        self._note(reason, entry, lo, hi, detail)
+        return shard
+
+    async def _maybe_move(self, entry: ModelEntry, cost: ModelCost, reason: str) -> None:
+        spans = self.spans(entry)
+        for s in sorted(self._mine(entry), key=lambda s: s.lo):
+            mine = next((x for x in spans if x.host == self.node_id and x.lo == s.lo
+                         and x.hi == s.hi), None)
+            if mine is None:
+                continue
+            move = plan_move(entry.num_layers, spans, mine, self.auto.balance_quality)
+            if move is None:
+                continue
+            detail = (f"{reason}: moving {s.lo}-{s.hi} to {move.new_lo}-{move.new_hi} raises "
+                      f"the weakest coverage {move.min_before:.3g} -> {move.min_after:.3g} "
+                      f"tok/s (quality {move.quality:.2f} < {self.auto.balance_quality})")
+            if not await self._claim_settles(entry, cost, move.new_lo, move.new_hi, reason,
+                                             detail):
+                return
+            await self._load(entry, cost, move.new_lo, move.new_hi, reason, detail)
+            await self.host.drop_shard(s.shard_id, reason)  # M26 §4.2: after the new is up
+            return
+
+    def _note(self, kind: str, entry: ModelEntry, lo: int, hi: int, detail: str) -> None:
+        d = Decision(kind, entry.alias, [lo, hi], detail)
+        self.decisions = [*self.decisions[-19:], d]
+        log.info("autohost_decision", kind=kind, model=entry.alias, layers=[lo, hi],
+                 detail=detail)
+
+    # ---- status ----
+
+    def status(self) -> dict[str, Any]:
+        """This node's automatic-hosting facts (`hearthnet status`)."""
+        last = {k: next((d.to_dict() for d in reversed(self.decisions) if d.kind == k), None)
+                for k in ("initial", "rehost", "rebalance")}
+        return {"enabled": True, "budget_mb": self.budget_mb, "format": self.format,
+                "placed": self.started,
+                "models": {mid: {"speed": round(c.speed, 2),
+                                 "mb_per_layer": round(c.bytes_per_layer / 2**20, 2)}
+                           for mid, c in self._costs.items()},
+                "down_hosts": sorted(self.prober.down_since),
+                "decisions": [d.to_dict() for d in self.decisions[-10:]],
+                "last": last}
+
+
+def _why(reason: str, lo: int, hi: int, cov: Iterable[float]) -> str:
+    window = list(cov)[lo:hi + 1]
+    weakest = min(window) if window else 0.0
+    if weakest <= 0:
+        return f"{reason}: layers {lo}-{hi} had no live host"
+    return f"{reason}: layers {lo}-{hi} had the weakest coverage ({weakest:.3g} tok/s)"
+
