@@ -35,13 +35,17 @@ class LocalTimings:
 
 
 class LocalEngine:
-    """All layers of one model in one process."""
+    """All layers of one model in one process.
 
-    def __init__(self, entry: ModelEntry, dtype: str = "fp32",
-                 head: LayeredHead | None = None) -> None:
+    `weights`: the layers' held format (`backends.quant`); the head is held the same way
+    unless `head_weights` (or a ready `head`) says otherwise.
+    """
+
+    def __init__(self, entry: ModelEntry, weights: str = "fp32",
+                 head: LayeredHead | None = None, head_weights: str | None = None) -> None:
         self.entry = entry
-        self.head = head or LayeredHead(entry, dtype)
-        self.stack = LayeredStack(entry, 0, entry.num_layers - 1, dtype)
+        self.head = head or LayeredHead(entry, head_weights or weights)
+        self.stack = LayeredStack(entry, 0, entry.num_layers - 1, weights)
 
     def new_generation(self, messages: list[dict[str, str]],
                        params: SamplingParams) -> Generation:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from hearthnet.distributed_inference.backends.quant import (
+    HEAD_FORMATS,
+    Int8Linear,
+    compute_dtype_of,
+    format_name,
+    held_bytes,
+    load_module,
+    resolve_format,
+)
 from hearthnet.errors import BadRequest, WeightsMismatch
 from hearthnet.models.store import ModelEntry
 
@@ -111,6 +120,11 @@ class _WeightsReader:
         p = f"{self.layer_prefix}layers.{idx}."
         return [k for k in self.index if k.startswith(p)]
 
+    def tensors(self, keys: Iterable[str], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name relative to `prefix`, tensor) for `keys`, read one at a time (issue 12 §2)."""
+        for k in keys:
+            yield k[len(prefix):], self.read([k])[k]
+
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         by_file: dict[Path, list[str]] = {}
         for k in keys:
@@ -136,20 +150,30 @@ def _meta_base_model(config: Any) -> Any:
     return model.get_decoder() if hasattr(model, "get_decoder") else model
 
 
-def _fill(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str,
-          dtype: torch.dtype, where: str, base: Any) -> None:
-    """Materialise a meta module from `tensors` (keys under `prefix`), strictly.
+def _fill(module: nn.Module, reader: _WeightsReader, keys: Iterable[str], prefix: str,
+          fmt: str, where: str, base: Any) -> None:
+    """Materialise a meta module from the tensors `keys` (under `prefix`), strictly, one
+    tensor at a time converted to the held format `fmt` (`quant.load_module`).
 
     Non-persistent buffers (not in any weights file) are then re-created as transformers'
     own loading does; anything still on meta is a `bad_request` naming family and tensor.
     """
-    sd = {k[len(prefix):]: v.to(dtype) for k, v in tensors.items() if k.startswith(prefix)}
-    missing, unexpected = module.load_state_dict(sd, strict=False, assign=True)
-    if missing or unexpected:
-        raise WeightsMismatch(
-            f"{where}: weights do not match the model structure "
-            f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+    expected = {n for n, _ in module.state_dict().items()}
+    keys = [k for k in keys if k.startswith(prefix)]
+    missing = sorted(expected - {k[len(prefix):] for k in keys}
+                     - _non_persistent(module))
+    if missing:
+        raise WeightsMismatch(f"{where}: weights do not match the model structure "
+                              f"(missing {missing[:4]})")
+    load_module(module, reader.tensors(keys, prefix), fmt, where)
     _materialise_buffers(module, base, where)
+
+
+def _non_persistent(module: nn.Module) -> set[str]:
+    out: set[str] = set()
+    for name, sub in module.named_modules():
+        out.update(f"{name}.{b}" if name else b for b in sub._non_persistent_buffers_set)
+    return out
 
 
 def _materialise_buffers(module: nn.Module, base: Any, where: str) -> None:
@@ -294,13 +318,14 @@ class LayeredSession:
 class LayeredStack:
     """Decoder layers `[lo, hi]` of one stored model, and nothing else (DESIGN.md 4)."""
 
-    def __init__(self, entry: ModelEntry, lo: int, hi: int, dtype: str | torch.dtype = "fp32"):
+    def __init__(self, entry: ModelEntry, lo: int, hi: int, weights: str = "fp32"):
         if not (0 <= lo <= hi < entry.num_layers):
             raise BadRequest(f"layer range [{lo}, {hi}] is outside {entry.alias}'s layers; "
                              f"valid range is [0, {entry.num_layers - 1}]")
+        self.format = resolve_format(format_name(weights), entry.dtype)
         entry.check_files()
         self.entry, self.lo, self.hi = entry, lo, hi
-        self.dtype = compute_dtype(dtype)
+        self.dtype = compute_dtype_of(self.format)
         self.config = load_config(entry)
         self.hidden_size = int(self.config.hidden_size)
         reader = _WeightsReader(entry.path)
@@ -310,7 +335,7 @@ class LayeredStack:
             layer = base.layers[i]
             keys = reader.keys_for_layer(i)
             prefix = f"{reader.layer_prefix}layers.{i}."
-            _fill(layer, reader.read(keys), prefix, self.dtype, f"{entry.path} layer {i}", base)
+            _fill(layer, reader, keys, prefix, self.format, f"{entry.path} layer {i}", base)
             layer.eval()
             self.layers.append(layer)
         self.rotary = _Rotary(self.config, base, str(entry.path))
@@ -321,7 +346,8 @@ class LayeredStack:
         return list(range(self.lo, self.hi + 1))
 
     def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.layers.parameters())
+        """Bytes of the hosted layers' weights in their held format."""
+        return held_bytes(self.layers)
 
     def open_session(self, start: int, end: int, max_length: int) -> LayeredSession:
         """A new session over `[start, end]` ⊆ `[lo, hi]`; `BadRequest` outside it."""
@@ -336,12 +362,16 @@ class LayeredStack:
 class LayeredHead:
     """The orchestrator's part of a model: tokenizer, embeddings, final norm, lm_head."""
 
-    def __init__(self, entry: ModelEntry, dtype: str | torch.dtype = "fp32") -> None:
+    def __init__(self, entry: ModelEntry, weights: str | torch.dtype = "fp32") -> None:
         from transformers import AutoTokenizer
 
+        self.format = resolve_format(format_name(weights), entry.dtype)
+        if self.format not in HEAD_FORMATS:
+            raise BadRequest(f"a head holds its weights as {', '.join(HEAD_FORMATS)} (or "
+                             f"native); not {self.format}")
         entry.check_files()
         self.entry = entry
-        self.dtype = compute_dtype(dtype)
+        self.dtype = compute_dtype_of(self.format)
         self.config = load_config(entry)
         self.hidden_size = int(self.config.hidden_size)
         self.num_layers = int(self.config.num_hidden_layers)
@@ -351,24 +381,53 @@ class LayeredHead:
         p = reader.layer_prefix
         self.embed_tokens: nn.Module = base.embed_tokens
         self.norm: nn.Module = base.norm
-        _fill(self.embed_tokens, reader.read([p + "embed_tokens.weight"]), p + "embed_tokens.",
-              self.dtype, f"{entry.path} embeddings", base)
+        self._load_embeddings(reader, p + "embed_tokens.", base)
         norm_keys = [k for k in reader.index if k.startswith(p + "norm.")]
-        _fill(self.norm, reader.read(norm_keys), p + "norm.", self.dtype, f"{entry.path} norm",
-              base)
+        _fill(self.norm, reader, norm_keys, p + "norm.", self.format, f"{entry.path} norm", base)
         self.embed_tokens.eval()
         self.norm.eval()
         # Gemma-2's final-logit soft-capping, applied as its CausalLM head does
         cap = getattr(self.config, "final_logit_softcapping", None)
         self.final_logit_softcapping: float | None = float(cap) if cap else None
-        if "lm_head.weight" in reader.index and not getattr(self.config, "tie_word_embeddings",
-                                                             False):
-            w = reader.read(["lm_head.weight"])["lm_head.weight"].to(self.dtype)
-        else:
-            w = self.embed_tokens.weight  # tied (M26: lm_head tied or not)
-        self.lm_head_weight: torch.Tensor = w
+        self._load_lm_head(reader)
         self.eos_token_ids = self._eos_ids()
         del base
+
+    def _load_embeddings(self, reader: _WeightsReader, prefix: str, base: Any) -> None:
+        """Embeddings as held: a float matrix, or (int8) an `Int8Linear` whose rows are
+        looked up — the family's embedding module keeps its scale buffers (Gemma)."""
+        where = f"{self.entry.path} embeddings"
+        self.embed_q: Int8Linear | None = None
+        if self.format != "int8":
+            _fill(self.embed_tokens, reader, [prefix + "weight"], prefix, self.format, where,
+                  base)
+            return
+        self.embed_q = Int8Linear(reader.read([prefix + "weight"])[prefix + "weight"], None)
+        self.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        _materialise_buffers(self.embed_tokens, base, where)
+
+    def _load_lm_head(self, reader: _WeightsReader) -> None:
+        tied = "lm_head.weight" not in reader.index or bool(
+            getattr(self.config, "tie_word_embeddings", False))  # M26: lm_head tied or not
+        self.lm_head_q: Int8Linear | None = None
+        self.lm_head_weight: torch.Tensor = torch.empty(0)
+        if self.format == "int8":
+            self.lm_head_q = self.embed_q if tied else Int8Linear(
+                reader.read(["lm_head.weight"])["lm_head.weight"], None)
+        elif tied:
+            self.lm_head_weight = self.embed_tokens.weight  # type: ignore[assignment]
+        else:
+            self.lm_head_weight = reader.read(["lm_head.weight"])["lm_head.weight"].to(
+                self.dtype)
+
+    def param_bytes(self) -> int:
+        """Bytes of the head's weights in their held format (a tied matrix counted once)."""
+        mods = [self.embed_tokens, self.norm, *(m for m in (self.embed_q, self.lm_head_q) if m)]
+        total = held_bytes(nn.ModuleList(mods))
+        emb: torch.Tensor = self.embed_tokens.weight  # type: ignore[assignment]
+        if self.lm_head_weight.numel() and self.lm_head_weight.data_ptr() != emb.data_ptr():
+            total += self.lm_head_weight.numel() * self.lm_head_weight.element_size()
+        return total
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -399,13 +458,22 @@ class LayeredHead:
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         """(1, T, H) input hidden state for `token_ids`."""
         ids = torch.tensor([token_ids], dtype=torch.long)
-        return self.embed_tokens(ids)
+        if self.embed_q is None:
+            out: torch.Tensor = self.embed_tokens(ids)
+            return out
+        rows = self.embed_q.rows(ids)
+        scale = getattr(self.embed_tokens, "embed_scale", None)  # Gemma's scaled embedding
+        return rows * scale.float() if scale is not None else rows
 
     @torch.inference_mode()
     def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         """(vocab,) fp32 logits of the last position of a (1, T, H) final hidden state."""
         h = self.norm(hidden_last[:, -1:, :].to(self.dtype))
-        logits = torch.nn.functional.linear(h, self.lm_head_weight)[0, -1]
+        if self.lm_head_q is not None:
+            logits = self.lm_head_q(h)[0, -1]
+        else:
+            logits = torch.nn.functional.linear(h, self.lm_head_weight)[0, -1]
+        assert isinstance(logits, torch.Tensor)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

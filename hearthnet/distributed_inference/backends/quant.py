@@ -1,0 +1,254 @@
+"""Weight formats: how a shard or a head holds its weights (issue 12 §2).
+
+A format is chosen per shard (`[[shards]] weights`, or the host's default) and per head:
+
+- `fp32`, `bf16`, `fp16`: every tensor held in that dtype, and the layers compute in it.
+- `native`: the stored dtype of the model (a bf16 import is held in bf16); resolved to
+  one of the three above when the weights are loaded, so advertisements name a real one.
+- `int8`: weight-only int8. Every `nn.Linear` weight is quantised at load time from the
+  stored weights, symmetric per output channel (scale = max |w| / 127, bf16); the matrix
+  product runs in torch's fused CPU kernel `torch._weight_int8pack_mm` with bf16
+  activations; everything else (norms, attention, residuals) stays fp32.
+- `int4`: weight-only int4, asymmetric in groups of 128 (64, 32 where 128 does not divide)
+  along the input dimension (gpt-fast's layout), torch's `_weight_int4pack_mm_for_cpu`;
+  compute as for int8. Not in a call's default accepted set (README "Weight formats").
+
+Loading is per tensor: a tensor is read from safetensors, converted to the held format and
+assigned, then the next one is read, so the stored model never sits in memory whole (a
+device move goes between the conversion and the assignment: `_place`).
+
+Routing (M26 §5.3, refined): a call's `weights` param is a minimum precision — a format
+name (accept shards at least that precise; default `int8`) or `exact` (only the
+orchestrator's own format). Precision order: fp32 > bf16 = fp16 > int8 > int4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hearthnet.errors import BadRequest, WeightsMismatch
+
+FORMATS = ("native", "fp32", "bf16", "fp16", "int8", "int4")
+HELD_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
+QUANTISED = ("int8", "int4")
+HEAD_FORMATS = ("fp32", "bf16", "fp16", "int8")
+_PRECISION = {"fp32": 3, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0}
+DEFAULT_MIN_FORMAT = "int8"  # a call's default `weights`: at least as precise as int8
+EXACT = "exact"
+INT4_GROUPS = (128, 64, 32)  # the largest that divides a matrix's input size
+_FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_STORED = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
+           "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+_ROWS = 4096  # rows quantised at a time (bounds the fp32 temporary of one tensor)
+
+
+def format_name(name: str | torch.dtype) -> str:
+    """A format name from a format, a dtype name ("float32") or a torch dtype."""
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    return _STORED.get(name, name)
+
+
+def check_format(name: object) -> str:
+    """`name` if it is a known format; `BadRequest` naming the known ones otherwise."""
+    if not isinstance(name, str) or name not in FORMATS:
+        raise BadRequest(f"unknown weight format {name!r}; use one of {', '.join(FORMATS)}")
+    return name
+
+
+def resolve_format(name: str, stored_dtype: str) -> str:
+    """The held format: `native` becomes the stored dtype's (fp32|bf16|fp16)."""
+    check_format(name)
+    if name != "native":
+        return name
+    try:
+        return _STORED[stored_dtype]
+    except KeyError:
+        raise BadRequest(f"weights stored as {stored_dtype!r} have no native format; "
+                         f"choose fp32, bf16 or int8") from None
+
+
+def compute_dtype_of(fmt: str) -> torch.dtype:
+    """The dtype a layer computes in when its weights are held as `fmt`."""
+    return _FLOAT.get(fmt, torch.float32)
+
+
+def check_policy(value: object) -> str:
+    """Validate a call's `weights` param (None → the default minimum)."""
+    if value is None:
+        return DEFAULT_MIN_FORMAT
+    if value == EXACT or (isinstance(value, str) and value in HELD_FORMATS):
+        return str(value)
+    raise BadRequest(f"weights must be {EXACT!r} or a minimum format "
+                     f"({', '.join(HELD_FORMATS)}); got {value!r}")
+
+
+def accepts(policy: str, fmt: str, own: str) -> bool:
+    """Whether a call with `weights=policy` may use a shard holding `fmt`.
+
+    `own` is the orchestrator's own (head / local engine) format, for `exact`.
+    """
+    if policy == EXACT:
+        return fmt == own
+    return _PRECISION.get(fmt, -1) >= _PRECISION[policy]
+
+
+def accepted_formats(policy: str, own: str) -> list[str]:
+    """The held formats a policy accepts (for messages)."""
+    return [f for f in HELD_FORMATS if accepts(policy, f, own)]
+
+
+def _rows(w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    for r in range(0, w.shape[0], _ROWS):
+        yield r, w[r:r + _ROWS].float()
+
+
+class Int8Linear(nn.Module):
+    """`nn.Linear` with int8 weights and per-output-channel bf16 scales."""
+
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        n, k = weight.shape
+        q = torch.empty((n, k), dtype=torch.int8)
+        scales = torch.empty(n, dtype=torch.float32)
+        for r, w in _rows(weight):
+            # the kernel multiplies by bf16 scales: quantise with exactly those
+            s = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).bfloat16().float()
+            q[r:r + len(w)] = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+            scales[r:r + len(w)] = s
+        self.in_features, self.out_features = k, n
+        self.register_buffer("weight_int8", q)
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None \
+            else None
+
+    def dequantised(self) -> torch.Tensor:
+        """The fp32 weight this module computes with (tests, quality checks)."""
+        w: torch.Tensor = self.weight_int8.float() * self.scales.float()[:, None]
+        return w
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows `ids` of the weight (an int8 embedding lookup)."""
+        out: torch.Tensor = self.weight_int8[ids].float() * self.scales[ids].float()[..., None]
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    """`nn.Linear` with int4 weights, asymmetric per group of inputs (`INT4_GROUPS`)."""
+
+    weight_int4: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        n, k = weight.shape
+        gs = next((g for g in INT4_GROUPS if k % g == 0), 0)
+        if not gs or n % 16:
+            raise BadRequest(f"int4 needs input sizes divisible by {INT4_GROUPS[-1]} and "
+                             f"output sizes by 16; this model has a {n}x{k} matrix — use int8")
+        g = k // gs
+        q = torch.empty((n, k), dtype=torch.int32)
+        sz = torch.empty((g, n, 2), dtype=torch.float32)
+        for r, w in _rows(weight):
+            wg = w.reshape(len(w), g, gs)
+            lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+            s = ((hi - lo) / 15).clamp(min=1e-12)
+            q[r:r + len(w)] = torch.round((wg - lo) / s).clamp_(0, 15).reshape(len(w), k).int()
+            sz[:, r:r + len(w), 0] = s.squeeze(-1).t()
+            sz[:, r:r + len(w), 1] = (lo + 8 * s).squeeze(-1).t()  # zero point of q=8
+        self.in_features, self.out_features, self.group = k, n, gs
+        self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16))
+        self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None \
+            else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group,
+                                              self.scales_and_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+_QUANT_LINEAR: dict[str, type[Int8Linear] | type[Int4Linear]] = {
+    "int8": Int8Linear, "int4": Int4Linear}
+
+
+def _place(t: torch.Tensor) -> torch.Tensor:
+    """Where a converted tensor goes (CPU here; the GPU issue moves it to its device)."""
+    return t
+
+
+def load_module(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], fmt: str,
+                where: str) -> None:
+    """Fill meta `module` from (relative name, stored tensor) pairs, one tensor at a time.
+
+    Float formats convert each tensor to the format's dtype; quantised formats replace
+    each `nn.Linear` with its quantised module when its weight arrives (its bias, before or
+    after, goes with it) and hold the other tensors in fp32. Strict: a name that is not a
+    parameter or buffer of `module` is a `WeightsMismatch`; what stays on meta is the
+    caller's to check (non-persistent buffers are re-created afterwards).
+    """
+    dtype = compute_dtype_of(fmt)
+    quant = _QUANT_LINEAR.get(fmt)
+    for name, t in tensors:
+        owner_name, _, attr = name.rpartition(".")
+        try:
+            owner = module.get_submodule(owner_name)
+        except AttributeError:
+            raise WeightsMismatch(f"{where}: weights do not match the model structure "
+                                  f"(unexpected {name!r})") from None
+        if quant is not None and isinstance(owner, nn.Linear) and attr == "weight":
+            bias = owner.bias if owner.bias is not None and not owner.bias.is_meta else None
+            module.set_submodule(owner_name, quant(t, bias))
+            if owner.bias is not None and bias is None:
+                _meta_bias(module.get_submodule(owner_name), owner.bias)
+            continue
+        _assign(owner, attr, _place(t.to(dtype)), name, where)
+
+
+def _meta_bias(qmod: nn.Module, meta: torch.Tensor) -> None:
+    """Keep a not-yet-loaded bias on meta so the strict check sees it is missing."""
+    qmod.bias = nn.Parameter(meta, requires_grad=False)
+
+
+def _assign(owner: nn.Module, attr: str, value: torch.Tensor, name: str, where: str) -> None:
+    current: Any = owner._parameters.get(attr) if attr in owner._parameters \
+        else owner._buffers.get(attr) if attr in owner._buffers else None
+    if current is None and attr not in owner._parameters and attr not in owner._buffers:
+        raise WeightsMismatch(f"{where}: weights do not match the model structure "
+                              f"(unexpected {name!r})")
+    if current is not None and tuple(current.shape) != tuple(value.shape):
+        raise WeightsMismatch(f"{where}: tensor {name!r} has shape {tuple(value.shape)}; "
+                              f"the model expects {tuple(current.shape)}")
+    if attr in owner._parameters:
+        owner._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[attr] = value
+
+
+def held_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer of `module` as held (quantised or not)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) in seen or t.is_meta:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
