@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(HN) models import smollm2
 
-# node keys (in each node's data dir) + member lists of the example configs (issue 7);
-# idempotent: existing keys are kept.
+# node keys + member lists of the example configs (issue 7), both written to each node's
+# data dir (the TOMLs stay as committed); idempotent: existing keys are kept.
 keys: $(STAMP)
 	$(HN) keys provision config/mesh3 config/mesh4
 

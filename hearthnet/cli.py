@@ -25,9 +25,22 @@ _COMMAND_MODULES = (
 )
 
 
+def _version() -> str:
+    """The installed distribution's version, else the package's own."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hearthnet")
+    except PackageNotFoundError:
+        from hearthnet import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hearthnet", description="HearthNet: one language model across your LAN.")
+    parser.add_argument("--version", action="version", version=f"hearthnet {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:
@@ -42,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
-    from hearthnet.errors import ConfigError, HearthNetError
+    from hearthnet.errors import ConfigError, HearthNetError, one_line
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
@@ -53,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hearthnet: config error: {e.message}", file=sys.stderr)
         return 2
     except HearthNetError as e:
-        print(f"hearthnet: {e.code}: {e.message}", file=sys.stderr)
+        print(one_line(e.code, e.message), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("hearthnet: interrupted", file=sys.stderr)

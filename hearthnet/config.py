@@ -475,7 +475,40 @@ def load_config(path: str | Path) -> NodeConfig:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise ConfigError(f"{p}: cannot read config file: {reason}", file=str(p), key=None,
                           reason=reason) from None
-    return parse_config(text, source=p)
+    cfg = parse_config(text, source=p)
+    return _with_provisioned_members(cfg, text, p)
+
+
+MEMBERS_FILE = "members.toml"  # written by hearthnet.security.provision
+
+
+def _with_provisioned_members(cfg: NodeConfig, text: str, source: Path) -> NodeConfig:
+    """`cfg` with the member list `hearthnet keys provision` wrote to the data directory.
+
+    A member listed in both keeps the config's trust and takes the file's public key where
+    the config has none; members only in the file are added. Without that file: `cfg`.
+    """
+    path = cfg.effective_data_dir() / MEMBERS_FILE
+    if not path.is_file():
+        return cfg
+    try:
+        extra = tomllib.loads(path.read_text(encoding="utf-8"))
+        rows = extra.get("community", {}).get("members", [])
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError("[[community.members]] tables expected")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: {e}", file=str(path), key="community.members",
+                          reason=str(e)) from None
+    data = tomllib.loads(text)
+    own = data.setdefault("community", {}).setdefault("members", [])
+    by_id = {m.get("node_id"): m for m in own if isinstance(m, dict)}
+    for row in rows:
+        mine = by_id.get(row.get("node_id"))
+        if mine is None:
+            own.append(dict(row))
+        elif not str(mine.get("public_key", "")).strip():
+            mine["public_key"] = row.get("public_key", "")
+    return config_from_dict(data, source=source)
 
 
 def parse_config(text: str, *, source: str | Path | None = None) -> NodeConfig:

@@ -169,6 +169,11 @@ _BY_CODE: dict[str, type[HearthNetError]] = {
 }
 
 
+def one_line(code: str, message: str) -> str:
+    """The one text form of an error for a person, local or remote: ``hearthnet: code: …``."""
+    return f"hearthnet: {code}: {message}"
+
+
 def error_from_code(code: str, message: str, **details: Any) -> HearthNetError:
     """Rebuild the matching exception from a code received in a peer's error frame."""
     cls = _BY_CODE.get(code, HearthNetError)

@@ -54,11 +54,30 @@ def emit(frame: dict[str, Any], as_json: bool) -> None:
               file=sys.stderr)
     elif kind == "shard_status" and frame.get("status") == "ok":
         return  # routine; `--json` shows it
-    elif kind in ("shard_status", "shard_failover", "pipeline_aborted"):
-        print(f"\n[{kind}] {json.dumps({k: v for k, v in frame.items() if k != 'type'})}",
-              file=sys.stderr)
-    elif kind == "error":
-        print(f"\n[error] {frame.get('code')}: {frame.get('message')}", file=sys.stderr)
+    elif kind in ("shard_status", "shard_failover", "pipeline_aborted", "error"):
+        print("\n" + describe(frame), file=sys.stderr)
+
+
+def _short(shard_id: Any) -> str:
+    return str(shard_id).rsplit(":", 1)[-1]  # "0-14@node-b"
+
+
+def describe(frame: dict[str, Any]) -> str:
+    """A diagnostic frame as one line for a person; an error reads as the CLI's own."""
+    from hearthnet.errors import one_line
+
+    kind = frame.get("type")
+    if kind == "error":
+        return one_line(str(frame.get("code")), str(frame.get("message")))
+    if kind == "pipeline_aborted":
+        then = "; continuing on the local engine" if frame.get("continuing") == "local" else ""
+        return f"[pipeline_aborted] {frame.get('reason')}{then}"
+    if kind == "shard_failover":
+        new = ", ".join(_short(s) for s in frame.get("replacement", [])) or "?"
+        return (f"[failover] {_short(frame.get('failed'))} → {new} in {frame.get('ms')} ms, "
+                f"{frame.get('replayed_positions')} positions replayed")
+    return (f"[{frame.get('status', kind)}] {_short(frame.get('shard_id'))}: "
+            f"{frame.get('code')}: {frame.get('message')}")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -7,6 +7,10 @@ covered, streams a greedy answer through A's `experimental.distributed_llm.chat`
 capability, prints a per-shard latency summary, and stops every process it started — also
 on Ctrl-C, SIGTERM or an error — then deletes the temporary folder.
 
+With ``--serve`` the mesh stays up after the answer until Ctrl-C (or SIGTERM), and the
+demo prints node A's ``api: http://127.0.0.1:PORT/v1`` and ``status page:
+http://127.0.0.1:PORT/`` (``--api-port``, default 8080) — point a chat front-end there.
+
 With ``--json`` every line on stdout is one JSON object: ``demo_mesh`` (the nodes, their
 pids and the temporary folder), then the chat's frames as the node sends them
 (``shard_status``, ``token_delta``, ``done`` …), then ``demo_stopped``.
@@ -36,6 +40,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--json", action="store_true", help="one JSON object per frame on stdout")
+    p.add_argument("--serve", action="store_true",
+                   help="after the answer keep the mesh running until Ctrl-C, with node A's "
+                        "OpenAI-compatible API and status page on --api-port")
+    p.add_argument("--api-port", type=int, default=8080,
+                   help="node A's HTTP port with --serve (default 8080; 0 = any free port)")
     p.set_defaults(func=_run)
 
 
@@ -57,7 +66,8 @@ def _run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)  # this process only relays frames; the nodes compute
     entry = ModelStore().get(MODEL)  # a clear error now if the model is not imported
     half = entry.num_layers // 2
-    specs = [NodeSpec("node-a"), NodeSpec("node-b", [(0, half - 1)]),
+    api = {"listen_port": args.api_port} if args.serve else {}
+    specs = [NodeSpec("node-a", api=api), NodeSpec("node-b", [(0, half - 1)]),
              NodeSpec("node-c", [(half, entry.num_layers - 1)])]
     root = Path(tempfile.mkdtemp(prefix="hearthnet-demo-"))
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
@@ -69,7 +79,10 @@ def _run(args: argparse.Namespace) -> int:
         mesh = LocalMesh(specs, root=root, model=MODEL, threads=1)
         mesh.start()
         _announce(mesh, specs, root, time.perf_counter() - t0, args.json)
-        return asyncio.run(_chat(mesh.nodes["node-a"].uri, args))
+        rc = asyncio.run(_chat(mesh.nodes["node-a"].uri, args))
+        if args.serve and rc == 0:
+            _serve(mesh.nodes["node-a"].api, args.json)
+        return rc
     finally:
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up
@@ -82,6 +95,20 @@ def _run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _serve(api: str, as_json: bool) -> None:
+    """Keep the mesh up until Ctrl-C / SIGTERM (`_interrupt` raises KeyboardInterrupt)."""
+    if as_json:
+        print(json.dumps({"type": "demo_serving", "api": api + "/v1", "status_page": api + "/"}),
+              flush=True)
+    else:
+        print(f"\napi: {api}/v1\nstatus page: {api}/\n(Ctrl-C stops the mesh)", flush=True)
+    try:
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:  # the way to stop a serving demo: not an error
+        return
 
 
 def _stop(mesh: Any) -> list[int]:

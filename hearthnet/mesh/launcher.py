@@ -55,6 +55,7 @@ class NodeSpec:
     extra_host: dict[str, Any] = field(default_factory=dict)  # [...distributed_inference.host]
     auto: dict[str, Any] | None = None  # shards = "auto" with this [...auto] table (issue 17)
     threads: int | None = None  # torch_threads of this node (default: the mesh's)
+    api: dict[str, Any] = field(default_factory=dict)  # [api] (e.g. listen_port)
 
 
 @dataclass
@@ -117,6 +118,8 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
         lines += ["[testing.faults]"] + [f"{k} = {_toml_value(v)}"
                                          for k, v in spec.faults.items()] + [""]
     lines += ["[security]", f"insecure_plaintext = {_toml_value(insecure_plaintext)}", ""]
+    if spec.api:
+        lines += ["[api]"] + [f"{k} = {_toml_value(v)}" for k, v in spec.api.items()] + [""]
     for m in members or []:
         lines += ["[[community.members]]", f'node_id = "{m.node_id}"', 'public_key = ""',
                   f'trust = "{m.trust}"', ""]

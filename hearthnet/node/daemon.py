@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import signal
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any
@@ -130,17 +131,21 @@ class Node:
         self.log.subscribe(self.placement.apply)
         self.models = ModelStore(cfg.effective_models_dir())
         size = max(max_frame_bytes(cfg.di.chunk_bytes), MAX_MESSAGE_BYTES)
-        self.server = await serve(self._route, cfg.node.listen_host, cfg.node.listen_port,
-                                  ssl=self.guard.server_ssl(), process_request=self._process,
-                                  max_size=size, compression=None, ping_interval=20,
-                                  ping_timeout=20)
+        with binding("the node listener", "[node] listen_port", cfg.node.listen_host,
+                     cfg.node.listen_port):
+            self.server = await serve(self._route, cfg.node.listen_host, cfg.node.listen_port,
+                                      ssl=self.guard.server_ssl(),
+                                      process_request=self._process, max_size=size,
+                                      compression=None, ping_interval=20, ping_timeout=20)
         self.port = self.server.sockets[0].getsockname()[1] if self.server.sockets else \
             cfg.node.listen_port
         if cfg.security.admin_port >= 0:
-            self.admin_server = await serve(self._route_admin, "127.0.0.1",
-                                            cfg.security.admin_port,
-                                            process_request=self._http, max_size=size,
-                                            compression=None)
+            with binding("the admin listener", "[security] admin_port", "127.0.0.1",
+                         cfg.security.admin_port):
+                self.admin_server = await serve(self._route_admin, "127.0.0.1",
+                                                cfg.security.admin_port,
+                                                process_request=self._http, max_size=size,
+                                                compression=None)
             admin_port = self.admin_server.sockets[0].getsockname()[1]
             self.admin_uri = f"ws://127.0.0.1:{admin_port}"
         self.endpoint = cfg.endpoint(self.port)
@@ -173,9 +178,11 @@ class Node:
         if cfg.node.metrics_port:  # a plain-HTTP /metrics for a LAN Prometheus (TLS-free)
             from prometheus_client import start_http_server
 
-            self._metrics_server, _ = start_http_server(
-                cfg.node.metrics_port, addr=cfg.node.listen_host,
-                registry=self.metrics.registry)
+            with binding("the metrics listener", "[node] metrics_port", cfg.node.listen_host,
+                         cfg.node.metrics_port):
+                self._metrics_server, _ = start_http_server(
+                    cfg.node.metrics_port, addr=cfg.node.listen_host,
+                    registry=self.metrics.registry)
         if cfg.distributed_enabled:  # load heads + sanity bounds now, not in the first call
             self._tasks.append(asyncio.create_task(self._prepare_models(), name="prepare"))
         await self._start_api()
@@ -261,7 +268,8 @@ class Node:
                              limits=Limits(max_messages=api.max_messages,
                                            max_tokens=api.max_tokens,
                                            default_max_tokens=api.default_max_tokens))
-        await self.api.start()
+        with binding("the HTTP API", "[api] listen_port", api.listen_host, api.listen_port):
+            await self.api.start()
 
     def _on_peer(self, peer: str, connected: bool) -> None:
         """A gossip link to `peer` came up or went down (status: peers, killed hosts)."""
@@ -515,6 +523,20 @@ class Node:
         from hearthnet.node.status import mesh_status
 
         return await mesh_status(self)
+
+
+@contextlib.contextmanager
+def binding(what: str, key: str, host: str, port: int) -> Iterator[None]:
+    """Turn a failed bind into the CLI's one-line error (`port_in_use` / `listen_failed`)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise HearthNetError(f"{what} cannot listen on {host}:{port}: the port is in use "
+                                 f"(another node, or another program?); stop it or change "
+                                 f"{key}", code="port_in_use") from None
+        raise HearthNetError(f"{what} cannot listen on {host}:{port}: {e.strerror or e}; "
+                             f"check {key}", code="listen_failed") from None
 
 
 def _watch_parent(stopping: asyncio.Event) -> asyncio.Task[None] | None:

@@ -22,7 +22,7 @@ from hearthnet import paths
 from hearthnet.errors import ConfigError
 from hearthnet.security.keys import KEY_FILE_NAME, NodeKey, check_node_id
 from hearthnet.security.members import Trust
-from hearthnet.security.provision import member_block, read_node_config
+from hearthnet.security.provision import MEMBERS_FILE, member_block, read_node_config
 
 NODE_ID_FILE = "node.id"
 
@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     prov.add_argument("folders", nargs="+", help="folders of node TOMLs (e.g. config/mesh3)")
     prov.add_argument("--trust", default="trusted", help="trust given to new entries")
     prov.add_argument("--pattern", default="*.toml", help="which files (default *.toml)")
+    prov.add_argument("--in-place", action="store_true",
+                      help="rewrite the TOMLs' member tables (default: leave them as they "
+                           "are and write <data_dir>/members.toml for each node)")
     prov.set_defaults(func=_provision)
 
 
@@ -101,22 +104,43 @@ def _init(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     t = _target(args)
     path = t.data_dir / KEY_FILE_NAME
+    if not path.exists() and not (args.config or args.data_dir):
+        provisioned = sorted((t.data_dir / "nodes").glob(f"*/{KEY_FILE_NAME}"))
+        if provisioned:  # `keys provision` keeps each node's key in its own data dir
+            if args.json:
+                print(json.dumps([_describe(NodeKey.load(p), p.parent.name,
+                                            Trust.parse(args.trust), created=False)
+                                  for p in provisioned], indent=2))
+                return 0
+            for i, p in enumerate(provisioned):
+                print("\n" * bool(i), end="")
+                _print(NodeKey.load(p), p.parent.name, Trust.parse(args.trust),
+                       created=False, as_json=False)
+            return 0
     if not path.exists():
-        raise ConfigError(f"no node key at {path}; create it with `hearthnet keys init`",
+        raise ConfigError(f"no node key at {path}. Keys made by `hearthnet keys provision` "
+                          f"are in {t.data_dir / 'nodes'}/<node id>/{KEY_FILE_NAME} (see "
+                          f"`keys show --config FILE`); `keys init` makes a single node's",
                           file=str(path), reason="missing")
     _print(NodeKey.load(path), t.node_id, Trust.parse(args.trust), created=False,
            as_json=args.json)
     return 0
 
 
-def _print(key: NodeKey, node_id: str | None, trust: Trust, *, created: bool,
-           as_json: bool) -> None:
+def _describe(key: NodeKey, node_id: str | None, trust: Trust, *, created: bool
+              ) -> dict[str, Any]:
     block = (member_block({"node_id": node_id, "public_key": key.public_key_b64,
                            "trust": trust.label}) if node_id else None)
+    return {"node_id": node_id, "public_key": key.public_key_b64,
+            "fingerprint": key.fingerprint, "key_file": str(key.path), "created": created,
+            "member_toml": block}
+
+
+def _print(key: NodeKey, node_id: str | None, trust: Trust, *, created: bool,
+           as_json: bool) -> None:
+    out = _describe(key, node_id, trust, created=created)
+    block = out["member_toml"]
     if as_json:
-        out: dict[str, Any] = {"node_id": node_id, "public_key": key.public_key_b64,
-                               "fingerprint": key.fingerprint, "key_file": str(key.path),
-                               "created": created, "member_toml": block}
         print(json.dumps(out, indent=2))
         return
     print(f"node_id     {node_id or '(unknown: pass --node-id or --config)'}")
@@ -133,7 +157,10 @@ def _provision(args: argparse.Namespace) -> int:
     from hearthnet.security.provision import provision
 
     for folder in args.folders:
-        for n in provision(folder, trust=Trust.parse(args.trust), pattern=args.pattern):
+        for n in provision(folder, trust=Trust.parse(args.trust), pattern=args.pattern,
+                           in_place=args.in_place):
             state = "new key" if n.key_created else "existing key"
-            print(f"{n.node_id:<12} {n.fingerprint}  {state:<12} {n.config}")
+            where = n.config if args.in_place else n.data_dir / MEMBERS_FILE
+            print(f"{n.node_id:<12} {n.fingerprint}  {state:<12} {n.data_dir / KEY_FILE_NAME}"
+                  f"  members: {where}")
     return 0

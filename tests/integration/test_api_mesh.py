@@ -108,6 +108,17 @@ async def test_host_app_client_typed_frames_and_errors(mesh, reference):
             await hn.answer(PROMPT, model="no-such-model")
 
 
+def test_one_error_format_for_local_and_remote_chat(mesh):
+    """The same mistake reads the same from `chat --local` and through a node."""
+    base = [sys.executable, "-m", "hearthnet.cli", "chat", "hi", "--model", "no-such-model"]
+    local = subprocess.run([*base, "--local"], capture_output=True, text=True, timeout=300)
+    remote = subprocess.run([*base, "--config", str(mesh.nodes["node-a"].config)],
+                            capture_output=True, text=True, timeout=300)
+    assert local.returncode == remote.returncode == 1
+    lines = [r.stderr.strip().splitlines()[-1] for r in (local, remote)]
+    assert lines[0] == lines[1] and lines[0].startswith("hearthnet: bad_request: "), lines
+
+
 @pytest.mark.skipif(chromium_path() is None,
                     reason="Debian's chromium is not installed (`apt-get install chromium`; "
                            "`make test` installs it where apt is usable)")

@@ -153,3 +153,47 @@ def test_gen_mesh_keys_script(folder: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "node-a" in r.stdout and "new key" in r.stdout
     assert "node-b" in members_of(folder / "a.toml")
+
+
+# ---- `hearthnet keys provision` leaves the TOMLs alone (issue 15 §6) ----
+
+def test_cli_provision_keeps_tomls_and_config_loading_finds_the_keys(
+        repo_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README step on the shipped examples: git status stays clean, nodes still start."""
+    import shutil
+
+    from hearthnet.config import load_config
+    from hearthnet.node.guard import member_rows
+
+    data = tmp_path / "hn"
+    monkeypatch.setenv("HEARTHNET_DATA_DIR", str(data))
+    folder = tmp_path / "mesh3"
+    shutil.copytree(repo_root / "config" / "mesh3", folder)
+    before = {p.name: p.read_bytes() for p in folder.glob("*.toml")}
+    env = {"HEARTHNET_DATA_DIR": str(data), "PATH": "/usr/bin:/bin"}
+    cli = [sys.executable, "-m", "hearthnet.cli", "keys"]
+    r = subprocess.run([*cli, "provision", str(folder)], capture_output=True, text=True,
+                       env={**env, "PYTHONPATH": str(repo_root)}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert {p.name: p.read_bytes() for p in folder.glob("*.toml")} == before
+    keys = {n: NodeKey.load(data / "nodes" / n / "node.key").public_key_b64
+            for n in ("node-a", "node-b", "node-c")}
+    for name in keys:
+        cfg = load_config(folder / f"{name}.toml")
+        rows = member_rows(cfg, NodeKey.load(data / "nodes" / name / "node.key"))
+        assert {r["node_id"]: r["public_key"] for r in rows} == keys
+    # `keys show` without --config finds the provisioned keys instead of steering to `init`
+    r = subprocess.run([*cli, "show"], capture_output=True, text=True,
+                       env={**env, "PYTHONPATH": str(repo_root)}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert all(k in r.stdout for k in keys.values()) and "node_id     node-b" in r.stdout
+
+
+def test_keys_show_says_where_provisioned_keys_live(repo_root: Path, tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "keys", "show"],
+                       capture_output=True, text=True, timeout=120,
+                       env={"HEARTHNET_DATA_DIR": str(tmp_path), "PATH": "/usr/bin:/bin",
+                            "PYTHONPATH": str(repo_root)})
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert str(tmp_path / "nodes") in line and "keys provision" in line

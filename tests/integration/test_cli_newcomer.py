@@ -1,0 +1,39 @@
+"""What a newcomer tripped over (issue 15 §6): start-up errors, `--version`."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "hearthnet.cli"]
+
+
+def test_version():
+    r = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("hearthnet ")
+    assert r.stdout.split()[1][0].isdigit()
+
+
+@pytest.mark.parametrize("taken", ["node"])  # "api" goes through the same `binding`
+def test_port_in_use_is_one_line(tmp_path: Path, taken: str):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        node_port = port if taken == "node" else 0
+        cfg = tmp_path / "n.toml"
+        cfg.write_text(f'[node]\nid = "node-x"\nlisten_port = {node_port}\n'
+                       f'data_dir = "{tmp_path / "d"}"\n[api]\nlisten_port = '
+                       f'{port if taken == "api" else 0}\n')
+        r = subprocess.run([*CLI, "node", "--config", str(cfg)], capture_output=True,
+                           text=True, timeout=120)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    key = "[node] listen_port" if taken == "node" else "[api] listen_port"
+    assert last.startswith("hearthnet: port_in_use: ") and f"127.0.0.1:{port}" in last, last
+    assert key in last
