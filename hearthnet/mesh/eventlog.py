@@ -44,14 +44,14 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from hearthnet.errors import BadRequest, HearthNetError
+from hearthnet.errors import BadRequest, PeerDataError, StorageError
 from hearthnet.observability import Metrics, get_logger
 
 MAX_PAYLOAD_BYTES = 64 * 1024
@@ -146,21 +146,28 @@ class Event:
 
     @classmethod
     def from_wire(cls, d: object) -> Event:
-        """Parse a wire map; raises `BadRequest` when malformed (never anything else)."""
+        """Parse a peer's wire map; raises `PeerDataError` when malformed (never anything
+        else)."""
         if not isinstance(d, Mapping):
-            raise BadRequest("event is not a map")
+            raise PeerDataError("event is not a map")
         try:
             eid, origin, seq, typ = d["id"], d["o"], d["s"], d["t"]
             payload, ts, sig = d["p"], d["ts"], d.get("sig")
         except KeyError as e:
-            raise BadRequest(f"event lacks field {e.args[0]!r}") from None
+            raise PeerDataError(f"event lacks field {e.args[0]!r}") from None
         ev = cls(event_id=eid, origin=origin, seq=seq, type=typ, payload=payload,
                  ts=float(ts) if _is_number(ts) else ts, signature=sig)
         ev.check()
         return ev
 
     def check(self) -> None:
-        """Raise `BadRequest` unless every field is well-formed and the id matches."""
+        """Raise `PeerDataError` unless every field is well-formed and the id matches."""
+        try:
+            self._validate()
+        except BadRequest as e:  # the shared field checks speak of a caller's data
+            raise PeerDataError(e.message) from None
+
+    def _validate(self) -> None:
         if not isinstance(self.origin, str) or not _ORIGIN_RE.match(self.origin):
             raise BadRequest("event origin is not a node id")
         if not isinstance(self.seq, int) or isinstance(self.seq, bool) or self.seq < 1 \
@@ -243,7 +250,7 @@ class EventLog:
         self._subscribers: list[Subscriber] = []
         self._lock = threading.RLock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
+        with self._sql("open"):
             self._db = sqlite3.connect(self.path, check_same_thread=False,
                                        isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -251,9 +258,15 @@ class EventLog:
             self._db.executescript(_SCHEMA)
             self._vector: dict[str, int] = dict(
                 self._db.execute("SELECT origin, max_seq FROM origins").fetchall())
+
+    @contextlib.contextmanager
+    def _sql(self, action: str) -> Iterator[None]:
+        """Every SQLite failure leaves the log as a `StorageError` naming the file."""
+        try:
+            yield
         except sqlite3.Error as e:
-            raise HearthNetError(f"cannot open the event log {self.path}: {e}; check the "
-                                 "data directory", code="event_log") from e
+            raise StorageError(f"cannot {action} the event log {self.path}: {e}; check the "
+                               "data directory (disk space, permissions)") from e
 
     # ---- writing ----
 
@@ -276,11 +289,12 @@ class EventLog:
                 ev = Event(ev.event_id, ev.origin, ev.seq, ev.type, ev.payload, ev.ts,
                            self._signer(ev.signing_bytes()))
             # our own events must survive a power cut: a lost seq would be reused
-            self._db.execute("PRAGMA synchronous=FULL")
-            try:
-                self._write([ev])
-            finally:
-                self._db.execute("PRAGMA synchronous=NORMAL")
+            with self._sql("write to"):
+                self._db.execute("PRAGMA synchronous=FULL")
+                try:
+                    self._write([ev])
+                finally:
+                    self._db.execute("PRAGMA synchronous=NORMAL")
         if self.metrics is not None:
             self.metrics.events_appended_total.labels(type=type).inc()
         self._after_store([ev])
@@ -322,7 +336,7 @@ class EventLog:
             return False
         try:
             ev.check()
-        except BadRequest as e:
+        except PeerDataError as e:
             self._reject("malformed", ev, str(e))
             return False
         if ev.seq <= vector.get(ev.origin, 0):
@@ -360,28 +374,32 @@ class EventLog:
         now = float(self._clock())
         rows = [(e.event_id, e.origin, e.seq, e.type, _pack(canonical(e.payload)), e.ts,
                  e.signature, self._types.subject(e), now) for e in events]
-        try:
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.executemany(
-                "INSERT INTO events (event_id, origin, seq, type, payload, ts, signature,"
-                " subject, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-            highs: dict[str, int] = {}
-            for e in events:
-                highs[e.origin] = max(highs.get(e.origin, 0), e.seq)
-            self._db.executemany(
-                "INSERT INTO origins (origin, max_seq) VALUES (?, ?) ON CONFLICT(origin)"
-                " DO UPDATE SET max_seq = max(max_seq, excluded.max_seq)",
-                list(highs.items()))
-            self._db.execute("COMMIT")
-        except sqlite3.Error as e:
-            self._db.execute("ROLLBACK")
-            raise HearthNetError(f"cannot write to the event log {self.path}: {e}",
-                                 code="event_log") from e
+        highs: dict[str, int] = {}
+        for e in events:
+            highs[e.origin] = max(highs.get(e.origin, 0), e.seq)
+        with self._sql("write to"):
+            try:
+                self._transaction(rows, highs)
+            except sqlite3.Error:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                raise
         for origin, seq in highs.items():
             self._vector[origin] = max(self._vector.get(origin, 0), seq)
         self._since_compact += len(events)
         if self._compact_retain_s is not None and self._since_compact >= self._compact_every:
             self.compact(self._compact_retain_s)
+
+    def _transaction(self, rows: list[tuple[Any, ...]], highs: dict[str, int]) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+        self._db.executemany(
+            "INSERT INTO events (event_id, origin, seq, type, payload, ts, signature,"
+            " subject, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        self._db.executemany(
+            "INSERT INTO origins (origin, max_seq) VALUES (?, ?) ON CONFLICT(origin)"
+            " DO UPDATE SET max_seq = max(max_seq, excluded.max_seq)",
+            list(highs.items()))
+        self._db.execute("COMMIT")
 
     def _after_store(self, events: list[Event]) -> None:
         for ev in events:
@@ -402,7 +420,7 @@ class EventLog:
     def since(self, vector: Mapping[str, int], *, limit: int | None = None) -> list[Event]:
         """Events a peer with `vector` lacks, each origin in increasing seq order."""
         out: list[Event] = []
-        with self._lock:
+        with self._lock, self._sql("read"):
             for origin, high in self._vector.items():
                 have = vector.get(origin, 0)
                 if have >= high:
@@ -416,12 +434,12 @@ class EventLog:
 
     def all_events(self) -> list[Event]:
         """Every stored event in the order this node stored them (to rebuild read models)."""
-        with self._lock:
+        with self._lock, self._sql("read"):
             rows = self._db.execute(_SELECT + " ORDER BY rowid").fetchall()
         return [_row_event(r) for r in rows]
 
     def count(self) -> int:
-        with self._lock:
+        with self._lock, self._sql("read"):
             return int(self._db.execute("SELECT count(*) FROM events").fetchone()[0])
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
@@ -446,7 +464,7 @@ class EventLog:
         `EventType.subject`). The latest event of every subject is always kept.
         """
         cutoff = float(self._clock()) - retain_s
-        with self._lock:
+        with self._lock, self._sql("compact"):
             self._since_compact = 0
             cur = self._db.execute(
                 "DELETE FROM events WHERE subject IS NOT NULL AND ts < ? AND EXISTS ("

@@ -41,7 +41,7 @@ import msgpack
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
-from hearthnet.errors import AuthError, BadRequest, HearthNetError, ProtocolError
+from hearthnet.errors import HearthNetError, PeerDataError, ProtocolError, Refused
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.observability import get_logger
 
@@ -141,7 +141,7 @@ def decode_message(data: bytes | str) -> GossipMessage:
         for item in raw:
             try:
                 events.append(Event.from_wire(item))
-            except BadRequest:
+            except PeerDataError:
                 bad += 1
         return Events(events, bad)
     raise ProtocolError(f"unknown gossip message kind {kind!r}")
@@ -434,7 +434,7 @@ class GossipPeerLink:
             except asyncio.CancelledError:
                 self._disconnected(reached_hello)
                 raise
-            except AuthError as e:
+            except Refused as e:
                 self.failures += 1
                 _log.warning("gossip_peer_refused", node=self.log.node_id, uri=self.uri,
                              error=e.message)

@@ -63,7 +63,7 @@ from hearthnet.distributed_inference.request import ChatRequest, DistributedChat
 from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
 from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
 from hearthnet.distributed_inference.store import ShardStore
-from hearthnet.errors import AuthError, BadRequest, HearthNetError, ShardUnavailable
+from hearthnet.errors import AuthError, BadRequest, HearthNetError, Refused, ShardUnavailable
 from hearthnet.mesh.bus import CapabilityBus
 from hearthnet.mesh.eventlog import EventLog
 from hearthnet.mesh.gossip import MAX_MESSAGE_BYTES, GossipPeerLink, handle_gossip_connection
@@ -385,7 +385,7 @@ class Node:
                     await self.bus.serve_connection(ws)
                 else:
                     await ws.close(1008, "unknown path")
-        except AuthError as e:  # not a member, over a connection or rate limit
+        except Refused as e:  # not a member, over a connection or rate limit
             note_refusal(self.metrics, e, peer=e.details.get("peer"), path=path[:64])
             with contextlib.suppress(Exception):
                 await ws.close(1008, str(e.details.get("reason", "refused")))
@@ -409,7 +409,7 @@ class Node:
             return
         try:  # M26 §5.8: authenticate before any shard work or weight reload
             caller = self.guard.verify_open(stream.open_params, peer)
-        except AuthError as e:
+        except Refused as e:
             await stream.refuse(e)
             return
         params, _ = split_open(stream.open_params)
@@ -427,7 +427,7 @@ class Node:
         try:
             with self.guard.limiter.session(caller):
                 await shard.serve_session(stream, req)
-        except AuthError as e:  # too many sessions of this caller
+        except Refused as e:  # too many sessions of this caller
             note_refusal(self.metrics, e, caller=caller, shard_id=shard.shard_id)
             if not stream.closed:
                 await stream.refuse(e)

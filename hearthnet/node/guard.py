@@ -36,7 +36,7 @@ from hearthnet.distributed_inference.descriptors import (
     parse_advertisement,
     parse_withdrawal,
 )
-from hearthnet.errors import AuthError, BadRequest, ConfigError
+from hearthnet.errors import AuthError, ConfigError, PeerDataError, Refused
 from hearthnet.mesh.eventlog import Event
 from hearthnet.observability import Metrics, get_logger
 from hearthnet.security import (
@@ -166,7 +166,7 @@ class NodeGuard:
             return reason
         try:
             host = _event_host(ev)
-        except BadRequest:
+        except PeerDataError:
             return "malformed"
         if host is not None:
             try:
@@ -191,7 +191,7 @@ class NodeGuard:
         """The authenticated caller of an OPEN; raises `AuthError` (already counted)."""
         try:
             return self.opens.verify_open(fields, peer=peer)
-        except AuthError as e:
+        except Refused as e:
             sid = fields.get("shard_id") if isinstance(fields, Mapping) else None
             note_refusal(self.metrics, e, caller=e.details.get("caller"), peer=peer,
                          shard_id=str(sid)[:128] if sid is not None else None)

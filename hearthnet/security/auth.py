@@ -35,7 +35,7 @@ from typing import Any
 
 import msgpack
 
-from hearthnet.errors import AuthError
+from hearthnet.errors import AuthError, LimitExceeded, Refused
 from hearthnet.observability import get_logger
 from hearthnet.security.keys import SIGNATURE_BYTES, NodeKey, valid_node_id, verify_signature
 from hearthnet.security.members import MemberDirectory, Trust
@@ -72,17 +72,23 @@ class AuthReason(StrEnum):
     NO_PEER_CERT = "no_peer_cert"
 
 
-def refuse(reason: AuthReason, message: str, **details: Any) -> AuthError:
-    """An `AuthError` carrying `reason` in its details (raise it)."""
-    return AuthError(message, reason=reason.value, **details)
+_LIMITS = frozenset({AuthReason.RATE_LIMITED, AuthReason.TOO_MANY_CONNECTIONS,
+                     AuthReason.TOO_MANY_SESSIONS})
 
 
-def reason_of(err: AuthError) -> str:
+def refuse(reason: AuthReason, message: str, **details: Any) -> Refused:
+    """The refusal carrying `reason` in its details (raise it): a `LimitExceeded` for the
+    rate, connection and session limits, an `AuthError` for everything else."""
+    cls = LimitExceeded if reason in _LIMITS else AuthError
+    return cls(message, reason=reason.value, **details)
+
+
+def reason_of(err: Refused) -> str:
     """The refusal reason of an `AuthError` (``"unknown"`` if it carries none)."""
     return str(err.details.get("reason", "unknown"))
 
 
-def note_refusal(metrics: Any, err: AuthError, **context: Any) -> None:
+def note_refusal(metrics: Any, err: Refused, **context: Any) -> None:
     """Count `err` in ``auth_failures_total{reason}`` and log it with `context`.
 
     `context` names who was refused (``caller=``, ``peer=``, ``shard_id=``) — never
@@ -338,7 +344,7 @@ class RateLimiter:
         return True
 
     def check(self, key: str, cost: float = 1.0) -> None:
-        """`allow`, raising `AuthError` (``rate_limited``) when refused."""
+        """`allow`, raising `LimitExceeded` (``rate_limited``) when refused."""
         if not self.allow(key, cost):
             raise refuse(AuthReason.RATE_LIMITED, f"too many messages from {key}; slow down",
                          peer=key)
@@ -397,7 +403,7 @@ class ConnectionLimiter:
 
     @contextlib.contextmanager
     def connection(self, peer: str) -> Iterator[None]:
-        """Hold a connection slot for `peer`; raises `AuthError` (too_many_connections)."""
+        """Hold a connection slot for `peer`; raises `LimitExceeded` (too_many_connections)."""
         if not self.acquire_connection(peer):
             raise refuse(AuthReason.TOO_MANY_CONNECTIONS,
                          f"too many connections from {peer}", peer=peer)
@@ -408,7 +414,7 @@ class ConnectionLimiter:
 
     @contextlib.contextmanager
     def session(self, caller: str) -> Iterator[None]:
-        """Hold a session slot for `caller`; raises `AuthError` (too_many_sessions)."""
+        """Hold a session slot for `caller`; raises `LimitExceeded` (too_many_sessions)."""
         if not self.acquire_session(caller):
             raise refuse(AuthReason.TOO_MANY_SESSIONS,
                          f"{caller} has too many open sessions", caller=caller)

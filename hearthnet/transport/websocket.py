@@ -46,6 +46,7 @@ from hearthnet.errors import (
     BadRequest,
     ConnectionLost,
     HearthNetError,
+    InternalError,
     StreamStalled,
 )
 from hearthnet.observability import Metrics, get_logger
@@ -660,8 +661,7 @@ async def handle_stream(ws: ServerConnection,
     except Exception:
         _log.exception("tensor stream handler failed", stream_id=stream.stream_id)
         if not stream.closed:
-            await stream.refuse(HearthNetError("internal error on the shard host; see its "
-                                               "log", code="internal"))
+            await stream.refuse(InternalError("internal error on the shard host; see its log"))
     finally:
         await stream.close()
 

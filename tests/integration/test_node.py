@@ -227,3 +227,27 @@ def test_nodes_exit_when_their_launcher_is_killed(tmp_path):
         except ProcessLookupError:
             alive = False
     assert not alive
+
+
+def test_port_flag_overrides_the_configured_port(tmp_path):
+    """`hearthnet node --port N` listens on N (it crashed on the frozen settings before)."""
+    from hearthnet.mesh.launcher import free_port, wait_node_ready
+
+    m = LocalMesh([NodeSpec("node-p")], root=tmp_path)
+    port = free_port()
+    log = tmp_path / "node-p.stderr"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hearthnet.cli", "node", "--config",
+             str(m.nodes["node-p"].config), "--port", str(port)],
+            stdout=subprocess.PIPE, stderr=err, text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        ready = wait_node_ready(proc, 120, "node-p", log.read_text)
+        assert ready["endpoint"].endswith(f":{port}")
+        assert ready["endpoint"] != m.nodes["node-p"].listen_uri  # not the config's port
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -17,7 +17,7 @@ from hearthnet.distributed_inference.descriptors import (
     parse_withdrawal,
     withdrawal_payload,
 )
-from hearthnet.errors import BadRequest
+from hearthnet.errors import BadRequest, PeerDataError
 
 SHA = "ab" * 32
 AT = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -88,13 +88,15 @@ def test_advertisement_and_withdrawal_payloads() -> None:
     assert parse_advertisement(advertisement_payload(d, h)) == (d, h)
     assert parse_advertisement(advertisement_payload(d)) == (d, None)
     other = ShardHealth("other", True, AT, 5.0, 0, 1)
-    with pytest.raises(BadRequest):
+    # a peer's malformed event is the peer's fault, not a caller's bad request
+    with pytest.raises(PeerDataError, match=r"health\.shard_id") as info:
         parse_advertisement(advertisement_payload(d, other))
+    assert info.value.code == "bad_peer_data" and not isinstance(info.value, BadRequest)
     p = advertisement_payload(d) | {"shard_id": "x"}
-    with pytest.raises(BadRequest):
+    with pytest.raises(PeerDataError, match="shard_id"):
         parse_advertisement(p)
     assert parse_withdrawal(withdrawal_payload(d.shard_id)) == (d.shard_id, "shutdown")
-    with pytest.raises(BadRequest):
+    with pytest.raises(PeerDataError, match="shard_id is missing"):
         parse_withdrawal({"reason": "x"})
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hearthnet.distributed_inference.descriptors import ADVERTISED, WITHDRAWN
-from hearthnet.errors import BadRequest
+from hearthnet.errors import BadRequest, PeerDataError, StorageError
 from hearthnet.mesh.eventlog import (
     EVENT_TYPES,
     MAX_PAYLOAD_BYTES,
@@ -197,12 +197,15 @@ def test_metrics_count_appended_events(tmp_path: Path) -> None:
 
 def test_wire_form_round_trips_and_rejects_garbage() -> None:
     ev = Event("x", "node-a", 1, "t", {}, 1.0)
-    with pytest.raises(BadRequest):
+    with pytest.raises(PeerDataError, match="id does not match"):
         Event.from_wire(ev.to_wire())  # wrong id
-    with pytest.raises(BadRequest):
+    with pytest.raises(PeerDataError, match="lacks field"):
         Event.from_wire({"id": "x"})
-    with pytest.raises(BadRequest):
+    with pytest.raises(PeerDataError, match="not a map"):
         Event.from_wire([1, 2, 3])
+    bad = {**ev.to_wire(), "p": {"x": float("nan")}}
+    with pytest.raises(PeerDataError, match="non-finite"):  # shared payload checks too
+        Event.from_wire(bad)
 
 
 def test_compaction_keeps_latest_advertisement_per_shard(tmp_path: Path) -> None:
@@ -286,3 +289,24 @@ def test_shard_events_register_themselves() -> None:
         assert known is not None and known.subject is not None
         assert known.subject({"shard_id": "m:0-3@a"}) == "m:0-3@a"
         assert known.subject({"shard_id": 5}) is None
+
+
+def test_every_sqlite_failure_is_a_storage_error(tmp_path: Path) -> None:
+    """A broken database surfaces as `StorageError` from every method, never sqlite3.Error."""
+    log = EventLog(tmp_path / "a.db", "node-a")
+    log.append("t", {})
+    log._db.close()  # what a vanished or corrupted file looks like to the log
+    calls: list[Callable[[], object]] = [
+        lambda: log.append("t", {}), lambda: log.since({}),
+        lambda: log.all_events(), lambda: log.count(), lambda: log.compact(0)]
+    other = EventLog(tmp_path / "b.db", "node-b")
+    ev = other.append("t", {})
+    calls.append(lambda: log.ingest(ev))
+    for call in calls:
+        with pytest.raises(StorageError) as info:
+            call()
+        assert info.value.code == "event_log" and str(tmp_path / "a.db") in info.value.message
+    log.close()  # still idempotent
+    (tmp_path / "dir.db").mkdir()
+    with pytest.raises(StorageError, match="cannot open"):
+        EventLog(tmp_path / "dir.db", "node-a")

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hearthnet.errors import BadRequest, ProtocolError
+from hearthnet.errors import PeerDataError, ProtocolError
 from hearthnet.mesh.eventlog import EventLog
 from hearthnet.mesh.gossip import decode_message, encode_events, encode_hello
 from hearthnet.transport.protocol import Role, StreamProtocol
@@ -115,13 +115,13 @@ def test_gossip_decoder_survives_random_msgpack(value: Any) -> None:
 
 @FUZZ
 @given(_values)
-def test_event_parser_raises_only_bad_request(value: Any) -> None:
+def test_event_parser_raises_only_peer_data_error(value: Any) -> None:
     from hearthnet.mesh.eventlog import Event
 
     for wire in (value, {"id": value, "o": "node-a", "s": 1, "t": "x", "p": {}, "ts": 1.0},
                  {"id": "0" * 32, "o": value, "s": value, "t": value, "p": value,
                   "ts": value, "sig": value}):
-        with contextlib.suppress(BadRequest):
+        with contextlib.suppress(PeerDataError):
             Event.from_wire(wire)
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from hearthnet.errors import AuthError
+from hearthnet.errors import AuthError, LimitExceeded
 from hearthnet.observability import Metrics
 from hearthnet.security.auth import (
     AuthReason,
@@ -270,9 +270,10 @@ def test_rate_limiter_token_bucket() -> None:
     assert rl.allow("p") and not rl.allow("p")
     clock.t = 100
     assert [rl.allow("p") for _ in range(4)] == [True, True, True, False]  # capped at burst
-    with pytest.raises(AuthError) as e:
+    with pytest.raises(LimitExceeded) as e:
         rl.check("p")
     assert reason_of(e.value) == AuthReason.RATE_LIMITED
+    assert e.value.code == "rate_limit_exceeded" and not isinstance(e.value, AuthError)
 
 
 def test_rate_limiter_memory_is_bounded() -> None:
@@ -298,7 +299,7 @@ def test_connection_limiter_counts_per_peer_and_caller() -> None:
     assert cl.acquire_connection("10.0.0.3") and not cl.acquire_connection("10.0.0.4")
     with cl.session("node-a"):
         assert cl.sessions("node-a") == 1
-        with pytest.raises(AuthError) as e, cl.session("node-a"):
+        with pytest.raises(LimitExceeded) as e, cl.session("node-a"):
             pass
         assert reason_of(e.value) == "too_many_sessions"
         with cl.session("node-b"):
@@ -311,6 +312,6 @@ def test_connection_context_manager_releases_on_error() -> None:
     with pytest.raises(RuntimeError), cl.connection("p"):
         raise RuntimeError("handler failed")
     assert cl.connections("p") == 0
-    with cl.connection("p"), pytest.raises(AuthError) as e, cl.connection("p"):
+    with cl.connection("p"), pytest.raises(LimitExceeded) as e, cl.connection("p"):
         pass
     assert reason_of(e.value) == "too_many_connections"
