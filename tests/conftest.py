@@ -50,3 +50,39 @@ def local_answer(smollm2):
         return cache[(prompt, n)]
 
     return answer
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory, smollm2):
+    """One store with a tiny random-weight model of every supported family (issue 11).
+
+    Returns `(store, {family: entry})`; shared by the backend tests and the mesh tests.
+    """
+    from hearthnet.models import ModelStore
+    from hearthnet.models.importer import import_folder
+    from tests.helpers.tiny_models import FAMILIES, make_tiny_model
+
+    root = tmp_path_factory.mktemp("families")
+    store = ModelStore(root / "models")
+    # a seed per family: same-shaped families must not share weights (nor weights_sha256)
+    entries = {fam: import_folder(store, make_tiny_model(fam, root / "src" / fam, smollm2.path,
+                                                         layers=6, seed=1 + i), alias=fam)
+               for i, fam in enumerate(FAMILIES)}
+    return store, entries
+
+
+@pytest.fixture(scope="session")
+def family_reference():
+    """`family_reference(entry)`: the whole transformers model of a stored model, loaded
+    once per run — the reference every family test compares with."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, object] = {}
+
+    def get(entry):
+        if entry.weights_sha256 not in cache:
+            cache[entry.weights_sha256] = AutoModelForCausalLM.from_pretrained(
+                str(entry.path), dtype=torch.float32).eval()
+        return cache[entry.weights_sha256]
+
+    return get

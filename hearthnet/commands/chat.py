@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.wire import CALL_WIRE_DTYPES
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,7 +25,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--wire-dtype", choices=["fp16", "bf16", "fp32"], default=None)
+    p.add_argument("--wire-dtype", choices=list(CALL_WIRE_DTYPES), default=None,
+                   help="hidden-state wire dtype (default: the node's activation_dtype, auto)")
     p.add_argument("--json", action="store_true", help="one JSON object per frame")
     p.add_argument("--threads", type=int, default=2, help="torch threads in this process")
     p.set_defaults(func=_run)

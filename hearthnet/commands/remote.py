@@ -55,12 +55,11 @@ def chat_via_node(args: argparse.Namespace, messages: list[dict[str, str]],
     call = chat_args(messages[-1]["content"], args.model, params, wire_dtype=args.wire_dtype)
 
     async def go() -> int:
-        rc = 0
+        last: str | None = None
         async for frame in bus_call(uri, CHAT_CAPABILITY, call):
             emit(frame, args.json)
-            if frame.get("type") == "error":
-                rc = 1
-        return rc
+            last = frame.get("type")
+        return 0 if last == "done" else 1  # a call that ends without `done` failed
 
     return run(go())
 

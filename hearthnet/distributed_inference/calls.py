@@ -17,6 +17,7 @@ import torch
 from hearthnet.distributed_inference.descriptors import Pipeline, PipelineStage
 from hearthnet.distributed_inference.generation import Generation
 from hearthnet.distributed_inference.request import DistributedChatParams
+from hearthnet.distributed_inference.wire import WirePlan
 from hearthnet.errors import HearthNetError
 
 Frame = dict[str, Any]
@@ -33,6 +34,13 @@ class StageFailed(Exception):
         self.index, self.cause, self.x_in = index, cause, x_in
 
 
+class ClosedChannel:
+    """Stands for the channel of a stage that is already closed."""
+
+    async def close(self) -> None:
+        return None
+
+
 class FellBack(Exception):
     """Internal: give up on the pipeline; continue locally or abort."""
 
@@ -47,6 +55,7 @@ class StageSession:
 
     stage: PipelineStage
     channel: Any
+    wire: str  # the wire dtype of this stage's stream (issue 11 §2)
     history: list[torch.Tensor] = field(default_factory=list)  # inputs, (1, T_i, H) each
     rtt_ms: list[float] = field(default_factory=list)
     overhead_ms: list[float] = field(default_factory=list)
@@ -82,6 +91,7 @@ class CallState:
     gen: Generation
     params: DistributedChatParams
     max_len: int
+    wire: WirePlan
     failures: int = 0
     step: int = 0
     failover_ms: list[float] = field(default_factory=list)

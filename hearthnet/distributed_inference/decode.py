@@ -22,7 +22,7 @@ from hearthnet.distributed_inference.failover import Failover
 from hearthnet.distributed_inference.frames import token_frame
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.sanity import SanityChecker
-from hearthnet.errors import HearthNetError, PipelineStalled, StreamStalled
+from hearthnet.errors import HearthNetError, PipelineStalled, StreamStalled, WireOverflow
 from hearthnet.observability import Metrics
 
 
@@ -69,7 +69,10 @@ class DecodeLoop:
             try:
                 return await self.through(call, x, pos, k, checker)
             except StageFailed as f:
-                k, x = await self.failover.replace(call, f, pos)
+                if isinstance(f.cause, WireOverflow):  # the wire, not the shard (issue 11 §2)
+                    k, x = await self.failover.widen(call, f, pos)
+                else:
+                    k, x = await self.failover.replace(call, f, pos)
 
     async def through(self, call: CallState, x: torch.Tensor, pos: int, k0: int,
                       checker: SanityChecker) -> torch.Tensor:

@@ -6,6 +6,9 @@ replacement covering the same sub-range, the recorded inputs are replayed into t
 replacement to rebuild its KV cache, and the in-flight step is redone. Nothing already
 streamed is lost or repeated. After `fallback_after_failures` failures in one call, or when
 no replacement exists, `FellBack` tells the orchestrator to continue locally or abort.
+
+A `wire_overflow` is not a stage failure (issue 11 §2): `widen` reopens the same stage with
+a wider wire dtype, replays it and redoes the step — nobody is blamed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from hearthnet.distributed_inference.calls import (
     CallState,
+    ClosedChannel,
     FellBack,
     StageFailed,
     StageSession,
@@ -27,19 +31,21 @@ from hearthnet.distributed_inference.descriptors import Pipeline, PipelineStage
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.request import DistributedChatParams
 from hearthnet.distributed_inference.routing import ShardRouter
+from hearthnet.distributed_inference.wire import WirePlan
 from hearthnet.errors import (
     HearthNetError,
     ShardCorrupted,
     ShardUnavailable,
     WeightsMismatch,
+    WireOverflow,
 )
 from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.observability import Metrics, get_logger
 
 log = get_logger("pipeline")
 
-# (stage, model, params, max_len) -> an open session on that stage's shard
-StageOpener = Callable[[PipelineStage, ModelEntry, DistributedChatParams, int],
+# (stage, model, params, max_len, wire plan) -> an open session on that stage's shard
+StageOpener = Callable[[PipelineStage, ModelEntry, DistributedChatParams, int, WirePlan],
                        Awaitable[StageSession]]
 
 
@@ -65,6 +71,37 @@ class Failover:
             raise FellBack(f"{call.failures} shard failures in one call (fallback after "
                            f"{call.params.fallback_after_failures}); last: {sid}: "
                            f"{cause.message}")
+
+    async def widen(self, call: CallState, f: StageFailed, pos: int
+                    ) -> tuple[int, torch.Tensor]:
+        """Reopen the overflowing stage with a wider wire dtype, replay it, redo the step.
+
+        No suspicion, no corruption metric, no failure count. Under a forced wire dtype
+        the overflow ends the call (`WirePlan.widen` raises it as `wire_overflow`).
+        """
+        old = call.stages[f.index]
+        assert isinstance(f.cause, WireOverflow)
+        call.wire.widen(old.stage.start, old.stage.end, f.cause)
+        with contextlib.suppress(Exception):
+            await old.channel.close()
+        entry = self.models.get(call.pipeline.model_id)
+        try:
+            new = await self.open_stage(old.stage, entry, call.params, call.max_len, call.wire)
+            if old.history:  # rebuild the KV cache of the positions before this step
+                await new.channel.step(0, 0, torch.cat(old.history, dim=1),
+                                       call.params.timeout_s)
+        except HearthNetError as e:  # the shard itself failed now: an ordinary failover
+            call.stages[f.index] = StageSession(old.stage, ClosedChannel(), old.wire,
+                                                old.history)
+            return await self.replace(call, StageFailed(f.index, e, f.x_in), pos)
+        new.history, new.rtt_ms, new.overhead_ms = old.history, old.rtt_ms, old.overhead_ms
+        call.stages[f.index] = new
+        log.info("wire_widened", shard_id=old.shard_id, step=call.step, old=old.wire,
+                 new=new.wire)
+        call.frames.append({"type": "wire_widened", "shard_id": old.shard_id,
+                            "layers": [old.stage.start, old.stage.end], "step": call.step,
+                            "from": old.wire, "to": new.wire})
+        return f.index, f.x_in
 
     async def replace(self, call: CallState, f: StageFailed, pos: int
                       ) -> tuple[int, torch.Tensor]:
@@ -115,7 +152,7 @@ class Failover:
         entry = self.models.get(new.model_id)
         fresh_idx = [j for j, key in enumerate(keys) if key not in by_key]
         opened = await asyncio.gather(
-            *(self.open_stage(new.stages[j], entry, call.params, call.max_len)
+            *(self.open_stage(new.stages[j], entry, call.params, call.max_len, call.wire)
               for j in fresh_idx),
             return_exceptions=True)
         stages: list[StageSession] = [by_key.get(key) for key in keys]  # type: ignore[misc]

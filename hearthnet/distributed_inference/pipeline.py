@@ -17,6 +17,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
@@ -36,10 +37,12 @@ from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
 from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
 from hearthnet.distributed_inference.routing import ShardRouter
-from hearthnet.distributed_inference.sanity import SanityChecker, calibrate
+from hearthnet.distributed_inference.sanity import Calibration, SanityChecker, calibrate
+from hearthnet.distributed_inference.wire import WirePlan
 from hearthnet.errors import (
     ExperimentalDisabled,
     HearthNetError,
+    ModelUnusable,
     ShardUnavailable,
     WeightsMismatch,
 )
@@ -51,6 +54,15 @@ log = get_logger("pipeline")
 _OPEN_ATTEMPTS = 3
 # Adds caller authentication to open params (issue 7); identity when security is off.
 OpenSigner = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What the orchestrator keeps per model: built whole, or not at all (issue 11 §3)."""
+
+    head: LayeredHead
+    checker: SanityChecker
+    calibration: Calibration
 
 
 class PipelineOrchestrator:
@@ -66,8 +78,8 @@ class PipelineOrchestrator:
         self.defaults = defaults or DistributedChatParams()
         self.enabled = enabled
         self.sign_open = sign_open or (lambda p: p)
-        self._heads: dict[str, LayeredHead] = {}
-        self._checkers: dict[str, SanityChecker] = {}
+        self._prepared: dict[str, _Prepared] = {}
+        self._unusable: dict[str, HearthNetError] = {}
         self._locals: dict[str, LocalEngine] = {}
         self._head_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(max_concurrent_pipelines)
@@ -104,14 +116,17 @@ class PipelineOrchestrator:
     async def _chat(self, entry: ModelEntry, request: ChatRequest,
                     params: DistributedChatParams) -> AsyncGenerator[Frame, None]:
         t0 = time.perf_counter()
-        head, checker = await self._head(entry)
+        prep = await self._head(entry)
+        head, checker = prep.head, prep.checker
+        wire = WirePlan(params.wire_dtype, params.wire_wide_dtype, prep.calibration)
+        wire.check_forced(entry.alias)  # a forced fp16 that cannot fit: refused before work
         gen = Generation(head.tokenizer, head.chat_prompt_ids(request.messages),
                          params.sampling, head.eos_token_ids)
         call: CallState | None = None
         outcome = "error"
         try:
             try:
-                call = await self._construct(entry, gen, params)
+                call = await self._construct(entry, gen, params, wire)
             except (ShardUnavailable, WeightsMismatch) as e:
                 async for f in self._give_up(entry, gen, params, e.message, t0, None,
                                              code=e.code):
@@ -122,7 +137,7 @@ class PipelineOrchestrator:
             self.metrics.pipeline_construct_ms.observe(construct_ms)
             for st in call.stages:
                 yield {"type": "shard_status", "shard_id": st.shard_id, "status": "ok",
-                       "layers": [st.stage.start, st.stage.end]}
+                       "layers": [st.stage.start, st.stage.end], "wire_dtype": st.wire}
             try:
                 async for f in self.decoder.run(call, head, checker, t0):
                     yield f
@@ -145,18 +160,43 @@ class PipelineOrchestrator:
             if call is not None:
                 await self._close(call)
 
-    async def _head(self, entry: ModelEntry) -> tuple[LayeredHead, SanityChecker]:
+    async def _head(self, entry: ModelEntry) -> _Prepared:
+        """The model's head, sanity checker and calibration — all three, or a typed error.
+
+        Nothing half-built is kept: a head or calibration that fails is remembered as the
+        error (logged once, here) and every call of that model gets it (issue 11 §3).
+        """
+        key = entry.weights_sha256
         async with self._head_lock:
-            if entry.weights_sha256 not in self._heads:
-                loop = asyncio.get_running_loop()
-                self._heads[entry.weights_sha256] = await loop.run_in_executor(
-                    self.executor, LayeredHead, entry)
-                bounds = await loop.run_in_executor(self.executor, calibrate, entry.path)
-                self._checkers[entry.weights_sha256] = SanityChecker(bounds)
-        return self._heads[entry.weights_sha256], self._checkers[entry.weights_sha256]
+            if key in self._unusable:
+                raise self._unusable[key]
+            if key not in self._prepared:
+                try:
+                    self._prepared[key] = await self._prepare(entry)
+                except HearthNetError as e:
+                    self._unusable[key] = e
+                    log.error("model_unusable", model=entry.alias, code=e.code,
+                              message=e.message)
+                    raise
+        return self._prepared[key]
+
+    async def _prepare(self, entry: ModelEntry) -> _Prepared:
+        loop = asyncio.get_running_loop()
+        what = "head"
+        try:
+            head = await loop.run_in_executor(self.executor, LayeredHead, entry)
+            what = "calibration"
+            cal = await loop.run_in_executor(self.executor, calibrate, entry.path)
+        except HearthNetError:
+            raise
+        except Exception as e:  # a foreign failure of transformers/torch, named (issue 11 §3)
+            raise ModelUnusable(f"model {entry.alias} ({entry.model_type}) cannot be used: "
+                                f"its {what} failed: {type(e).__name__}: {e}",
+                                model=entry.alias, stage=what) from e
+        return _Prepared(head, SanityChecker(cal.bounds), cal)
 
     async def _construct(self, entry: ModelEntry, gen: Generation,
-                         params: DistributedChatParams) -> CallState:
+                         params: DistributedChatParams, wire: WirePlan) -> CallState:
         """Pick a pipeline and open every stage concurrently (M26 §4.3 steps 1-2).
 
         A shard that refuses the open (e.g. at `max_concurrent_streams`, M26 §5.6) or cannot
@@ -173,11 +213,11 @@ class PipelineOrchestrator:
                 raise ShardUnavailable(f"the cover needs {len(pipeline.stages)} shards; "
                                        f"max_shards is {params.max_shards}")
             opened = await asyncio.gather(
-                *(self._open(s, entry, params, max_len) for s in pipeline.stages),
+                *(self._open(s, entry, params, max_len, wire) for s in pipeline.stages),
                 return_exceptions=True)
             stages = [o for o in opened if isinstance(o, StageSession)]
             if len(stages) == len(opened):
-                return CallState(pipeline, stages, gen, params, max_len)
+                return CallState(pipeline, stages, gen, params, max_len, wire)
             for st in stages:
                 with contextlib.suppress(Exception):
                     await st.channel.close()
@@ -192,11 +232,13 @@ class PipelineOrchestrator:
                                + "; ".join(reasons[-3:]))
 
     async def _open(self, stage: PipelineStage, entry: ModelEntry,
-                    params: DistributedChatParams, max_len: int) -> StageSession:
+                    params: DistributedChatParams, max_len: int, plan: WirePlan
+                    ) -> StageSession:
+        wire = plan.for_stage(stage.start, stage.end)
         p = self.sign_open({
             "shard_id": stage.shard.shard_id, "model_id": entry.model_id,
             "weights_sha256": entry.weights_sha256, "start": stage.start, "end": stage.end,
-            "max_length": max_len, "wire_dtype": params.wire_dtype})
+            "max_length": max_len, "wire_dtype": wire})
         uri = stage.shard.endpoint.rstrip("/") + "/shard"
         try:
             ch = await self.connect(uri, p, params.timeout_s)
@@ -205,7 +247,7 @@ class PipelineOrchestrator:
                 self.health.mark_suspect(stage.shard.shard_id, e.code)
             raise ShardUnavailable(f"could not open a session on {stage.shard.shard_id}: "
                                    f"{e.message}", shard_id=stage.shard.shard_id) from e
-        return StageSession(stage, ch)
+        return StageSession(stage, ch, wire)
 
     # ---- giving up (M26 §5.4) ----
 
@@ -250,7 +292,7 @@ class PipelineOrchestrator:
 
     async def _local(self, entry: ModelEntry) -> LocalEngine:
         if entry.weights_sha256 not in self._locals:
-            head, _ = await self._head(entry)
+            head = (await self._head(entry)).head
             loop = asyncio.get_running_loop()
             self._locals[entry.weights_sha256] = await loop.run_in_executor(
                 self.executor, lambda: LocalEngine(entry, self.local_dtype, head=head))
@@ -269,7 +311,8 @@ class PipelineOrchestrator:
                     "p50_ms": round(xs[len(xs) // 2], 3),
                     "p95_ms": round(xs[min(len(xs) - 1, int(0.95 * len(xs)))], 3),
                     "overhead_p50_ms": round(ov[len(ov) // 2], 3),
-                    "overhead_p95_ms": round(ov[min(len(ov) - 1, int(0.95 * len(ov)))], 3)}
+                    "overhead_p95_ms": round(ov[min(len(ov) - 1, int(0.95 * len(ov)))], 3),
+                    "wire_dtype": st.wire}
         return done_frame(call.gen, t0=t0, first_ms=call.first_ms or 0.0, tokens_per_s=tps,
                           pipeline=[s.shard_id for s in call.stages],
                           timings={"construction_ms": round(construct_ms, 1),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hearthnet.distributed_inference.generation import SamplingParams
-from hearthnet.distributed_inference.shard import WIRE_DTYPES
+from hearthnet.distributed_inference.wire import check_wire_names
 from hearthnet.errors import BadRequest
 
 
@@ -38,7 +38,8 @@ class DistributedChatParams:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     fallback_to_local: bool = True
-    wire_dtype: str = "fp16"
+    wire_dtype: str = "auto"  # auto | fp16 | bf16 | fp32 (issue 11 §2)
+    wire_wide_dtype: str = "bf16"  # what auto uses where fp16 does not fit: bf16 | fp32
     max_shards: int = 16
     timeout_s: float = 30.0
     fallback_after_failures: int = 2
@@ -60,14 +61,14 @@ class DistributedChatParams:
                       fallback_to_local=bool(d.get("fallback_to_local",
                                                    defaults.fallback_to_local)),
                       wire_dtype=str(d.get("wire_dtype", defaults.wire_dtype)),
+                      wire_wide_dtype=str(d.get("wire_wide_dtype", defaults.wire_wide_dtype)),
                       max_shards=int(d.get("max_shards", defaults.max_shards)),
                       timeout_s=float(d.get("timeout_s", defaults.timeout_s)),
                       fallback_after_failures=int(d.get("fallback_after_failures",
                                                         defaults.fallback_after_failures)))
         except (TypeError, ValueError) as e:
             raise BadRequest(f"bad params: {e}") from e
-        if out.wire_dtype not in WIRE_DTYPES:
-            raise BadRequest("wire_dtype must be fp16, bf16 or fp32")
+        check_wire_names(out.wire_dtype, out.wire_wide_dtype)
         if not 0.1 <= out.timeout_s <= 600:
             raise BadRequest("timeout_s must be in 0.1..600")
         return out

@@ -10,12 +10,22 @@ calibration); a shard that returns scaled garbage crosses it.
 A malicious shard that returns *plausible* garbage — values of a normal norm — passes these
 checks. That limit is documented and shown by a test; detecting it would need shadow
 inference (M26 §10).
+
+The same calibration run records each boundary's largest |value| (`Calibration.absmax`):
+the wire dtype `auto` uses it to choose fp16 where max × `WIRE_MARGIN` fits fp16's range
+and a wider dtype where it does not (issue 11 §2). Some models carry huge, nearly
+prompt-independent activations at a few positions (SmolLM2: ~24,900 from layer 11 on;
+Gemma-3: > 100,000), so the margin is smaller than the norm bound's: it separates
+"always far below 65,504" from "near or over it", and a value that overflows anyway is
+caught by the sender (`wire_overflow`) and the step redone wider.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +33,9 @@ import torch
 from hearthnet.errors import ShardCorrupted
 
 MARGIN = 4.0
+WIRE_MARGIN = 2.0
+FP16_MAX = 65504.0
+_VERSION = 2  # 2: with absmax per boundary
 CALIBRATION_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about autumn rain.",
@@ -54,12 +67,36 @@ class SanityChecker:
                     shard_id=shard_id, check="norm")
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What one calibration run measured about a model's layer boundaries.
+
+    `bounds[i]`: the norm bound of layer i's output; `absmax[i]`: its largest |value|;
+    `embed_absmax`: the largest |value| of the embeddings (the first stage's input).
+    """
+
+    bounds: list[float]
+    absmax: list[float]
+    embed_absmax: float
+
+    def absmax_at(self, boundary: int) -> float:
+        """Largest |value| crossing `boundary` (-1: the embeddings, i: layer i's output)."""
+        return self.embed_absmax if boundary < 0 else self.absmax[boundary]
+
+    def fp16_fits(self, boundary: int) -> bool:
+        """True when `boundary`'s calibrated max × `WIRE_MARGIN` fits fp16's range."""
+        return self.absmax_at(boundary) * WIRE_MARGIN <= FP16_MAX
+
+
 @torch.inference_mode()
-def calibrate(model_dir: Path, prompts: Sequence[str] = CALIBRATION_PROMPTS) -> list[float]:
-    """Per-boundary norm bounds of a stored model; cached in `activation_bounds.json`."""
+def calibrate(model_dir: Path, prompts: Sequence[str] = CALIBRATION_PROMPTS) -> Calibration:
+    """Per-boundary norm bounds and magnitudes; cached in `activation_bounds.json`."""
     cached = model_dir / BOUNDS_FILE
     if cached.is_file():
-        return [float(x) for x in json.loads(cached.read_text())["bounds"]]
+        data = json.loads(cached.read_text())
+        if data.get("version") == _VERSION:
+            return Calibration([float(x) for x in data["bounds"]],
+                               [float(x) for x in data["absmax"]], float(data["embed_absmax"]))
     from hearthnet.distributed_inference.backends.small_model_layered import (
         LayeredHead,
         LayeredStack,
@@ -69,17 +106,21 @@ def calibrate(model_dir: Path, prompts: Sequence[str] = CALIBRATION_PROMPTS) -> 
     entry = ModelEntry.load(model_dir)
     head = LayeredHead(entry)
     stack = LayeredStack(entry, 0, entry.num_layers - 1)
-    peaks = [0.0] * entry.num_layers
+    peaks, absmax, embed_absmax = [0.0] * entry.num_layers, [0.0] * entry.num_layers, 0.0
     for p in prompts:
         ids = head.chat_prompt_ids([{"role": "user", "content": p}])
         h = head.embed(ids)
+        embed_absmax = max(embed_absmax, float(h.abs().max()))
         for i in range(entry.num_layers):
             s = stack.open_session(i, i, len(ids))
             h = s.forward(h, 0)
             peaks[i] = max(peaks[i], float(h.norm(dim=-1).max()))
+            absmax[i] = max(absmax[i], float(h.abs().max()))
             s.close()
-    bounds = [x * MARGIN for x in peaks]
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"margin": MARGIN, "prompts": list(prompts), "bounds": bounds}))
+    cal = Calibration([x * MARGIN for x in peaks], absmax, embed_absmax)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # nodes sharing a store may race here
+    tmp.write_text(json.dumps({"version": _VERSION, "margin": MARGIN, "prompts": list(prompts),
+                               "bounds": cal.bounds, "absmax": cal.absmax,
+                               "embed_absmax": cal.embed_absmax}))
     tmp.replace(cached)
-    return bounds
+    return cal

@@ -38,9 +38,11 @@ from hearthnet.errors import (
     ShardUnavailable,
     StreamStalled,
     WeightsMismatch,
+    WireOverflow,
 )
 from hearthnet.models.store import ModelEntry
 from hearthnet.observability import Metrics, get_logger
+from hearthnet.transport.codec import cast_to_wire
 
 log = get_logger("shard")
 
@@ -234,8 +236,14 @@ class ShardServer:
             self._latencies.append(dt * 1000)
             self.metrics.shard_forward_ms.labels(self.shard_id).observe(dt * 1000)
             self.last_used = self.clock()
-            await stream.send_step(inp.step, inp.start_pos, out.to(wire),
-                                   compute_us=int(dt * 1e6))
+            try:
+                sent = cast_to_wire(out, wire)
+            except WireOverflow as e:  # a transport limit, reported as such (issue 11 §2)
+                log.info("wire_overflow", shard_id=self.shard_id, step=inp.step,
+                         wire_dtype=str(wire))
+                await stream.send_error(e)
+                continue
+            await stream.send_step(inp.step, inp.start_pos, sent, compute_us=int(dt * 1e6))
 
     def _forward(self, session: Any, x: torch.Tensor, start_pos: int, step: int) -> torch.Tensor:
         out = session.forward(x, start_pos)

@@ -56,6 +56,7 @@ class NodeSpec:
     auto: dict[str, Any] | None = None  # shards = "auto" with this [...auto] table (issue 17)
     threads: int | None = None  # torch_threads of this node (default: the mesh's)
     api: dict[str, Any] = field(default_factory=dict)  # [api] (e.g. listen_port)
+    model_shards: list[tuple[str, int, int]] = field(default_factory=list)  # other models
 
 
 @dataclass
@@ -96,7 +97,7 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
               ) -> str:
     """One node's TOML. `members` are listed without keys (`provision` fills them in)."""
     di = {"enabled": True, "shard_health_timeout_seconds": timeout_s,
-          "activation_dtype": "fp16", **spec.extra_di}
+          "activation_dtype": "auto", **spec.extra_di}
     lines = ['shards = "auto"', ""] if spec.auto is not None else []
     lines += ["[node]", f'id = "{spec.node_id}"', 'listen_host = "127.0.0.1"',
               f"listen_port = {port}", f"data_dir = {_toml_value(str(data_dir))}",
@@ -106,13 +107,13 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
               "[research]", "enable = true", "", "[research.distributed_inference]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in di.items()]
     lines += ["", "[research.distributed_inference.host]",
-              f"serve_shards = {_toml_value(bool(spec.shards) or spec.auto is not None)}"]
+              f"serve_shards = {_toml_value(bool(spec.shards or spec.model_shards) or spec.auto is not None)}"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in spec.extra_host.items()] + [""]
     if spec.auto is not None:
         lines += ["[research.distributed_inference.auto]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in spec.auto.items()] + [""]
-    for lo, hi in spec.shards:
-        lines += ["[[shards]]", f'model = "{model}"', f"layers = [{lo}, {hi}]",
+    for m, lo, hi in [(model, lo, hi) for lo, hi in spec.shards] + spec.model_shards:
+        lines += ["[[shards]]", f'model = "{m}"', f"layers = [{lo}, {hi}]",
                   "max_concurrent_streams = 8", ""]
     if spec.faults:
         lines += ["[testing.faults]"] + [f"{k} = {_toml_value(v)}"
@@ -156,11 +157,12 @@ class LocalMesh:
 
     def __init__(self, specs: list[NodeSpec], *, root: Path | None = None,
                  model: str = "smollm2", timeout_s: float = 30.0, threads: int = 1,
-                 quiet: bool = True, insecure_plaintext: bool = False) -> None:
+                 quiet: bool = True, insecure_plaintext: bool = False,
+                 models: Path | None = None) -> None:
         self.root = Path(root or tempfile.mkdtemp(prefix="hearthnet-mesh-"))
         self.tls = not insecure_plaintext
         self.model, self.timeout_s, self.threads, self.quiet = model, timeout_s, threads, quiet
-        self.models = models_dir()
+        self.models = models or models_dir()
         self.nodes: dict[str, NodeProc] = {}
         ports = [free_port() for _ in specs]
         first = f"{'wss' if self.tls else 'ws'}://127.0.0.1:{ports[0]}"
@@ -248,7 +250,7 @@ class LocalMesh:
     def wait_covered(self, node_id: str, timeout: float = 60.0, shards: int | None = None
                      ) -> dict[str, Any]:
         """Wait until `node_id` sees the model fully covered (and `shards` live ones)."""
-        want = shards if shards is not None else sum(len(n.spec.shards)
+        want = shards if shards is not None else sum(len(n.spec.shards) + len(n.spec.model_shards)
                                                      for n in self.nodes.values())
         deadline = time.monotonic() + timeout
         st: dict[str, Any] = {}

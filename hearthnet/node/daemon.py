@@ -63,7 +63,14 @@ from hearthnet.distributed_inference.request import ChatRequest, DistributedChat
 from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
 from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
 from hearthnet.distributed_inference.store import ShardStore
-from hearthnet.errors import AuthError, BadRequest, HearthNetError, Refused, ShardUnavailable
+from hearthnet.errors import (
+    AuthError,
+    BadRequest,
+    HearthNetError,
+    ModelUnusable,
+    Refused,
+    ShardUnavailable,
+)
 from hearthnet.mesh.bus import CapabilityBus
 from hearthnet.mesh.eventlog import EventLog
 from hearthnet.mesh.gossip import MAX_MESSAGE_BYTES, GossipPeerLink, handle_gossip_connection
@@ -158,6 +165,7 @@ class Node:
             metrics=self.metrics, connect=self._connect, executor=self.executor,
             defaults=DistributedChatParams(
                 fallback_to_local=cfg.di.fallback_to_local, wire_dtype=cfg.di.activation_dtype,
+                wire_wide_dtype=cfg.di.activation_wide_dtype,
                 max_shards=cfg.di.max_shards_per_request,
                 timeout_s=cfg.di.shard_health_timeout_seconds,
                 fallback_after_failures=cfg.di.fallback_after_failures),
@@ -300,8 +308,11 @@ class Node:
         for e in self.models.entries():
             try:
                 await self.orchestrator.prepare(e.alias)
+            except ModelUnusable:
+                pass  # logged once by the orchestrator, with its cause; calls get the error
             except HearthNetError as err:
-                log.warning("model_prepare_failed", model=e.alias, code=err.code)
+                log.warning("model_prepare_failed", model=e.alias, code=err.code,
+                            message=err.message)
 
     async def _heartbeat_loop(self) -> None:
         """Re-advertise every health timeout / 2 with health; evict idle weights."""

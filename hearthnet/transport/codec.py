@@ -26,7 +26,7 @@ from math import prod
 
 import torch
 
-from hearthnet.errors import BadRequest, FrameTooLarge, ProtocolError
+from hearthnet.errors import BadRequest, FrameTooLarge, ProtocolError, WireOverflow
 
 TENSOR_CHUNK_BYTES = 1 << 20
 """Default largest payload of one data frame (M26 §5.5, PROTOCOL.md §4)."""
@@ -149,6 +149,25 @@ def max_frame_bytes(chunk_bytes: int = TENSOR_CHUNK_BYTES) -> int:
 # Sending
 
 
+def cast_to_wire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in the wire ``dtype``; `WireOverflow` when finite values become Inf.
+
+    A narrowing cast (fp32 → fp16) of values beyond the dtype's range gives Inf: that is a
+    transport limit, not corrupt activations, and the sender says so (issue 11 §2). Only
+    a narrowing cast is checked; values that were already non-finite stay the receiver's
+    sanity check's business.
+    """
+    if tensor.dtype == dtype:
+        return tensor
+    out = tensor.to(dtype)
+    if torch.finfo(dtype).max < torch.finfo(tensor.dtype).max and \
+            bool((torch.isinf(out) & torch.isfinite(tensor)).any()):
+        name = WireDtype.from_torch(dtype).wire_name
+        raise WireOverflow(f"activations exceed the range of the wire dtype {name}; a wider "
+                           f"wire dtype (bf16 or fp32) is needed", wire_dtype=name)
+    return out
+
+
 class EncodedTensor:
     """A tensor prepared for sending: wire dtype, contiguous, its raw little-endian bytes.
 
@@ -205,9 +224,7 @@ class EncodedTensor:
         count = chunk_count_for(total, chunk_bytes)
         if count > _U32_MAX:
             raise BadRequest(f"tensor needs {count} chunks: use a larger chunk size")
-        t = tensor.detach()
-        if t.dtype != wire_dtype.torch_dtype:
-            t = t.to(wire_dtype.torch_dtype)
+        t = cast_to_wire(tensor.detach(), wire_dtype.torch_dtype)
         if t.device.type != "cpu":
             t = t.cpu()
         t = t.contiguous()

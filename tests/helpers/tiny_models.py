@@ -18,9 +18,10 @@ import torch
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(model_type="llama"),
     # Llama-3.2-1B-Instruct: llama3 rope scaling, theta 500000, tied embeddings
-    "llama3": dict(model_type="llama", rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "llama3": dict(model_type="llama", rope_theta=500000.0, max_position_embeddings=131072,
+                   rope_scaling={
+                       "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     # Qwen2.5-0.5B-Instruct: qkv bias, tied; the sliding window switched on (as Qwen2 allows)
     "qwen2": dict(model_type="qwen2", use_sliding_window=True, sliding_window=4,
                   max_window_layers=2, rope_theta=1000000.0),
@@ -55,20 +56,25 @@ def tiny_config(family: str, *, layers: int = 6, vocab_size: int = 49152) -> Any
     kw = dict(FAMILIES[family])
     model_type = kw.pop("model_type")
     kw.setdefault("tie_word_embeddings", family != "qwen3")
+    kw.setdefault("max_position_embeddings", 256)
     if "layer_types" in kw:
         kw["layer_types"] = (kw["layer_types"] * layers)[:layers]
     return AutoConfig.for_model(
         model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
+
+
+OVERFLOW_GAIN = 40000.0
 
 
 def make_tiny_model(family: str, out: Path, tokenizer_from: Path, *, layers: int = 6,
-                    seed: int = 0, scale: float = 0.08) -> Path:
+                    seed: int = 0, overflow_from: int | None = None) -> Path:
     """A `family` model with random weights and SmolLM2's tokenizer, written to `out`.
 
-    `scale` is the standard deviation of the 2-D weights; large values grow the residual
-    stream (used to build a model whose activations overflow fp16).
+    `overflow_from` (Gemma families): layer whose post-feed-forward norm gets a gain of
+    `OVERFLOW_GAIN`, so that the residual stream from that layer on exceeds fp16's 65,504
+    at every position — as a real Gemma-3's does (issue 11 §2).
     """
     from transformers import AutoModelForCausalLM
 
@@ -78,9 +84,12 @@ def make_tiny_model(family: str, out: Path, tokenizer_from: Path, *, layers: int
     with torch.no_grad():  # larger weights than the init so layers really mix positions
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(0, scale)
+                p.normal_(0, 0.08)
             elif "norm" in name and p.dim() == 1:  # norms away from their identity init
                 p.normal_(0.0 if family.startswith("gemma") else 1.0, 0.1)
+        if overflow_from is not None:
+            norm = model.model.layers[overflow_from].post_feedforward_layernorm
+            norm.weight.fill_(OVERFLOW_GAIN)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -49,7 +49,8 @@ def test_defaults_are_the_spec_section_7_values() -> None:
     assert (di.enabled, di.backend, di.max_shards_per_request,
             di.shard_health_timeout_seconds, di.fallback_to_local, di.activation_dtype,
             di.allow_self_as_shard, di.max_concurrent_pipelines) == \
-        (False, "small_model_layered", 16, 30, True, "fp16", False, 4)
+        (False, "small_model_layered", 16, 30, True, "auto", False, 4)  # auto: issue 11 §2
+    assert di.activation_wide_dtype == "bf16"
     assert (di.fallback_after_failures, di.flow_control_window, di.chunk_bytes) == \
         (2, 16, 1048576)
     assert (di.host.serve_shards, di.host.shard_eviction_idle_seconds,
@@ -60,13 +61,25 @@ def test_defaults_are_the_spec_section_7_values() -> None:
     assert cfg.community.min_trust == "trusted"
 
 
+@pytest.mark.parametrize("value", ["auto", "fp16", "bf16", "fp32"])
+def test_activation_dtype_accepts_auto_and_every_wire_dtype(value: str) -> None:
+    section = f'\n[research.distributed_inference]\nactivation_dtype = "{value}"\n'
+    cfg = parse_config(MINIMAL + section)
+    assert cfg.research.distributed_inference.activation_dtype == value
+
+
+def test_activation_dtype_refuses_others() -> None:
+    with pytest.raises(ConfigError):
+        parse_config(MINIMAL + '\n[research.distributed_inference]\nactivation_dtype = "int8"\n')
+
+
 BAD = [
     # (toml, key in message, words of the reason)
     ('[node]\nid = "node-x"\nlisten_prot = 1\n', "node.listen_prot", "unknown key"),
     ('[node]\nid = "Node X"\n', "node.id", "pattern"),
     ("[research]\nenable = true\n", "node", "required key is missing"),
     (MINIMAL + "[research.distributed_inference]\nactivation_dtype = 'bf8'\n",
-     "research.distributed_inference.activation_dtype", "'fp16' or 'fp32'"),
+     "research.distributed_inference.activation_dtype", "'bf16' or 'fp32'"),
     (MINIMAL + "[research.distributed_inference]\nbackend = 'vllm'\n",
      "research.distributed_inference.backend", "small_model_layered"),
     (MINIMAL + "[research.distributed_inference]\nshard_health_timeout_seconds = 0\n",

@@ -15,9 +15,7 @@ from hearthnet.distributed_inference.backends.small_model_layered import (
     LayeredHead,
     LayeredStack,
 )
-from hearthnet.models import ModelStore
-from hearthnet.models.importer import import_folder
-from tests.helpers.tiny_models import FAMILIES, make_tiny_model, tiny_config
+from tests.helpers.tiny_models import FAMILIES, tiny_config
 
 SPLITS = {"two": [(0, 2), (3, 5)], "three": [(0, 1), (2, 3), (4, 5)]}
 PROMPT = list(range(300, 314))  # 14 positions: longer than every sliding window (≤ 7)
@@ -25,14 +23,8 @@ DECODE = 16
 
 
 @pytest.fixture(scope="module")
-def family_store(tmp_path_factory, smollm2):
-    root = tmp_path_factory.mktemp("families")
-    store = ModelStore(root / "store")
-    entries = {}
-    for fam in FAMILIES:
-        src = make_tiny_model(fam, root / "src" / fam, smollm2.path, layers=6, seed=1)
-        entries[fam] = import_folder(store, src, alias=fam)
-    return entries
+def family_store(family_models):
+    return family_models[1]
 
 
 def _greedy_through(head, stacks, ranges, ids, n):
@@ -52,32 +44,17 @@ def _greedy_through(head, stacks, ranges, ids, n):
     return toks, torch.stack(logits)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """The whole transformers model of a family, loaded once per family."""
-    from transformers import AutoModelForCausalLM
-
-    cache: dict[str, object] = {}
-
-    def get(entry):
-        if entry.alias not in cache:
-            cache[entry.alias] = AutoModelForCausalLM.from_pretrained(
-                str(entry.path), dtype=torch.float32).eval()
-        return cache[entry.alias]
-
-    return get
-
-
 @pytest.mark.parametrize("split", sorted(SPLITS))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_split_matches_transformers(family, split, family_store, reference):
+def test_family_split_matches_transformers(family, split, family_store,
+                                           family_reference):
     entry = family_store[family]
     ranges = SPLITS[split]
     head = LayeredHead(entry)
     stacks = [LayeredStack(entry, a, b) for a, b in ranges]
     toks, logits = _greedy_through(head, stacks, ranges, PROMPT, DECODE)
     with torch.no_grad():  # teacher-forced on our tokens: one pass gives every step's logits
-        ref_logits = reference(entry)(torch.tensor([PROMPT + toks[:-1]])).logits[
+        ref_logits = family_reference(entry)(torch.tensor([PROMPT + toks[:-1]])).logits[
             0, len(PROMPT) - 1:]
     diff = (logits - ref_logits).abs().max().item()
     assert diff < 1e-4, f"{family} {split}: max logit difference {diff}"

@@ -17,13 +17,13 @@ OTHER_PROMPTS = ["Write a short poem about a lighthouse keeper.",
 
 @pytest.fixture(scope="module")
 def checker(smollm2):
-    return SanityChecker(calibrate(smollm2.path))
+    return SanityChecker(calibrate(smollm2.path).bounds)
 
 
 def test_bounds_are_cached_per_boundary(smollm2, checker):
     assert checker.bounds is not None and len(checker.bounds) == smollm2.num_layers
     assert all(b > 0 for b in checker.bounds)
-    assert calibrate(smollm2.path) == checker.bounds  # second call reads the cache
+    assert calibrate(smollm2.path).bounds == checker.bounds  # second call reads the cache
     assert not set(OTHER_PROMPTS) & set(CALIBRATION_PROMPTS)
 
 

@@ -48,7 +48,7 @@ def _permute(hidden_size: int):
 
 @torch.inference_mode()
 def test_permuted_hidden_state_passes_every_check(smollm2):
-    checker = SanityChecker(calibrate(smollm2.path))
+    checker = SanityChecker(calibrate(smollm2.path).bounds)
     head = LayeredHead(smollm2)
     stack = LayeredStack(smollm2, 0, smollm2.num_layers - 1)
     ids = head.chat_prompt_ids([{"role": "user", "content": "Name three rivers in Europe."}])

@@ -1,0 +1,79 @@
+"""The wire dtype of each stage of a call (M26 §5.5, issue 11 §2).
+
+A call's `wire_dtype` is `auto` (the default), `fp16`, `bf16` or `fp32`. A stage's stream
+carries one dtype both ways: its input (the output of layer `start - 1`, or the
+embeddings) and its output (layer `end`). With `auto`, a stage gets fp16 when both of
+its boundaries' calibrated max |value| × `WIRE_MARGIN` fit fp16's range, and the call's
+wide dtype (bf16 by default, or fp32; config `activation_wide_dtype`) when not. A sender
+that sees finite values overflow anyway reports `wire_overflow`; the orchestrator then
+widens that stage for the rest of the call (`WirePlan.widen`) and redoes the step — no
+shard is blamed. A forced fp16 on a model whose calibration does not fit is refused
+before any work (`WirePlan.check_forced`), and an overflow under a forced dtype ends the
+call with `wire_overflow`: never a silent change of dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hearthnet.distributed_inference.sanity import FP16_MAX, WIRE_MARGIN, Calibration
+from hearthnet.distributed_inference.shard import WIRE_DTYPES
+from hearthnet.errors import BadRequest, WireOverflow
+
+CALL_WIRE_DTYPES = ("auto", *WIRE_DTYPES)
+WIDE_DTYPES = ("bf16", "fp32")
+
+
+def check_wire_names(mode: str, wide: str) -> None:
+    """`BadRequest` unless `mode` is a call wire dtype and `wide` a wide one."""
+    if mode not in CALL_WIRE_DTYPES:
+        raise BadRequest(f"wire_dtype must be one of {list(CALL_WIRE_DTYPES)}, not {mode!r}")
+    if wide not in WIDE_DTYPES:
+        raise BadRequest(f"the wide wire dtype must be one of {list(WIDE_DTYPES)}, "
+                         f"not {wide!r}")
+
+
+@dataclass
+class WirePlan:
+    """Which dtype each stage's stream uses in one call; widened stages are remembered."""
+
+    mode: str
+    wide: str
+    calibration: Calibration
+    widened: set[tuple[int, int]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        check_wire_names(self.mode, self.wide)
+
+    def for_stage(self, start: int, end: int) -> str:
+        """The wire dtype of a stage over layers `[start, end]`."""
+        if self.mode != "auto":
+            return self.mode
+        cal = self.calibration
+        if (start, end) in self.widened or not (cal.fp16_fits(start - 1)
+                                                and cal.fp16_fits(end)):
+            return self.wide
+        return "fp16"
+
+    def widen(self, start: int, end: int, cause: WireOverflow) -> str:
+        """The dtype to redo a step with after `cause`; re-raises it when none is wider."""
+        if self.mode != "auto" or self.for_stage(start, end) != "fp16":
+            raise WireOverflow(f"{cause.message} (layers {start}-{end}; wire_dtype "
+                               f"{self.mode} was asked for: use auto, bf16 or fp32)",
+                               layers=[start, end], wire_dtype=self.mode)
+        self.widened.add((start, end))
+        return self.for_stage(start, end)
+
+    def check_forced(self, model: str) -> None:
+        """`BadRequest` when a forced fp16 cannot carry the model's calibrated activations."""
+        if self.mode != "fp16":
+            return
+        cal = self.calibration
+        for b in range(-1, len(cal.absmax)):
+            if not cal.fp16_fits(b):
+                where = "the embeddings" if b < 0 else f"layer {b}"
+                raise BadRequest(
+                    f"wire_dtype fp16 cannot carry {model}'s activations: their calibrated "
+                    f"max |value| after {where} is {cal.absmax_at(b):.0f}, × margin "
+                    f"{WIRE_MARGIN:g} over fp16's {FP16_MAX:.0f}; use wire_dtype auto, bf16 "
+                    f"or fp32", layer=b)
