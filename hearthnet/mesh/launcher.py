@@ -96,6 +96,7 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
               members: list[NodeSpec] | None = None, insecure_plaintext: bool = False
               ) -> str:
     """One node's TOML. `members` are listed without keys (`provision` fills them in)."""
+    serves = bool(spec.shards or spec.model_shards) or spec.auto is not None
     di = {"enabled": True, "shard_health_timeout_seconds": timeout_s,
           "activation_dtype": "auto", **spec.extra_di}
     lines = ['shards = "auto"', ""] if spec.auto is not None else []
@@ -107,7 +108,7 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
               "[research]", "enable = true", "", "[research.distributed_inference]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in di.items()]
     lines += ["", "[research.distributed_inference.host]",
-              f"serve_shards = {_toml_value(bool(spec.shards or spec.model_shards) or spec.auto is not None)}"]
+              f"serve_shards = {_toml_value(serves)}"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in spec.extra_host.items()] + [""]
     if spec.auto is not None:
         lines += ["[research.distributed_inference.auto]"]
@@ -250,8 +251,8 @@ class LocalMesh:
     def wait_covered(self, node_id: str, timeout: float = 60.0, shards: int | None = None
                      ) -> dict[str, Any]:
         """Wait until `node_id` sees the model fully covered (and `shards` live ones)."""
-        want = shards if shards is not None else sum(len(n.spec.shards) + len(n.spec.model_shards)
-                                                     for n in self.nodes.values())
+        want = shards if shards is not None else sum(
+            len(n.spec.shards) + len(n.spec.model_shards) for n in self.nodes.values())
         deadline = time.monotonic() + timeout
         st: dict[str, Any] = {}
         while time.monotonic() < deadline:

@@ -183,12 +183,13 @@ async def test_forced_fp16_overflow_at_run_time_ends_in_wire_overflow(family_mes
 def test_cli_exits_non_zero_without_done(family_mesh):
     mesh, _ = family_mesh
     cfg = str(mesh.nodes["node-a"].config)
-    for model, wire in ((MISCALIBRATED, "fp16"), (BROKEN, "auto")):
+    for model, wire, code in ((MISCALIBRATED, "fp16", "wire_overflow"),
+                              (BROKEN, "auto", "model_unusable")):
         r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "chat", "--config", cfg,
                             "--model", model, "--wire-dtype", wire, "--max-tokens", "4",
                             "Hello"], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0, r.stdout + r.stderr
-        assert "[error]" in r.stderr
+        assert code in r.stderr
 
 
 # ---- failures are loud (issue 11 §3) ----
