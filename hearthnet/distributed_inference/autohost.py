@@ -133,7 +133,7 @@ def _layer_index(tensor: str) -> int | None:
 class Decision:
     """One thing this node decided, for `hearthnet status`."""
 
-    kind: str  # initial | rehost | rebalance | cancelled | skipped
+    kind: str  # initial | rehost | rebalance | cancelled | dropped
     model: str
     layers: list[int]
     detail: str
@@ -321,14 +321,17 @@ class AutoHost:
 
     # ---- the view of one model ----
 
-    def spans(self, entry: ModelEntry) -> list[Span]:
-        """Live hosts of `entry` (down ones left out) plus others' claims still loading."""
+    def spans(self, entry: ModelEntry, *, claims: bool = True) -> list[Span]:
+        """Live hosts of `entry` (down ones left out), plus others' claims still loading
+        unless `claims` is false (a claim may justify where to load, never a drop)."""
         cost = self._costs.get(entry.model_id)
         default = cost.speed if cost else 1.0
         caps = self.view.capacities(entry.model_id, self.cfg.di.advertisement_expiry_s)
         out = [Span(h, lo, hi, caps[h].speed if h in caps else default)
                for h, lo, hi in self._hosted_ranges(entry)]
-        return out + [Span(c.origin, c.lo, c.hi, c.speed) for c in self._loading(entry)]
+        if claims:
+            out += [Span(c.origin, c.lo, c.hi, c.speed) for c in self._loading(entry)]
+        return out
 
     def _hosted_ranges(self, entry: ModelEntry) -> set[tuple[str, int, int]]:
         """(host, lo, hi) of every live, reachable host of `entry`, ours included."""
@@ -438,7 +441,7 @@ class AutoHost:
         return shard
 
     async def _maybe_move(self, entry: ModelEntry, cost: ModelCost, reason: str) -> None:
-        spans = self.spans(entry)
+        spans = self.spans(entry, claims=False)  # only what is up now keeps the old range
         for s in sorted(self._mine(entry), key=lambda s: s.lo):
             mine = next((x for x in spans if x.host == self.node_id and x.lo == s.lo
                          and x.hi == s.hi), None)
@@ -455,6 +458,9 @@ class AutoHost:
                 return
             await self._load(entry, cost, move.new_lo, move.new_hi, reason, detail)
             await self.host.drop_shard(s.shard_id, reason)  # M26 §4.2: after the new is up
+            self._note("dropped", entry, s.lo, s.hi,
+                       f"{reason}: withdrawn after {move.new_lo}-{move.new_hi} was up, freed "
+                       "once its open sessions ended")
             return
 
     def _note(self, kind: str, entry: ModelEntry, lo: int, hi: int, detail: str) -> None:

@@ -1,0 +1,89 @@
+"""Rebalancing with real node processes (issue 17 §3): no gap, the open chat finishes.
+
+``node-a`` and ``node-b`` (pinned speed 1, budgets of 15 SmolLM2 layers) start together and
+split the model 0-14 / 15-29. A long chat runs through ``node-b`` (pipeline: node-a's 0-14,
+then node-b's own 15-29). Meanwhile ``node-c``, three times as fast, joins and takes 0-14
+(both halves are equally weak). Now ``node-a`` moving to 15-29 doubles the weakest coverage
+(quality 0.5 < 0.75), so its next (jittered, 3 s) rebalance check moves it: it loads 15-29,
+advertises it, withdraws 0-14 and frees it only when the chat's session on it has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.mesh.bus import bus_call
+from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from tests.integration.test_autohost import _cli, _covered_by, _ranges, _wait_for
+
+pytestmark = pytest.mark.slow
+
+BUDGET = {"memory_mb": 215, "rebalance_interval_s": 3.0}  # 15 layers of SmolLM2 fp32
+PROMPT = "Write a long, detailed essay about the history of bread, with many sections."
+
+
+@pytest.fixture(scope="module")
+def mesh(smollm2, tmp_path_factory):
+    di = {"allow_self_as_shard": True}
+    specs = [NodeSpec("node-a", trust="steward", auto={**BUDGET, "speed": 1.0}, extra_di=di),
+             NodeSpec("node-b", auto={**BUDGET, "speed": 1.0}, extra_di=di),
+             NodeSpec("node-c", auto={**BUDGET, "speed": 3.0}, extra_di=di)]
+    m = LocalMesh(specs, root=tmp_path_factory.mktemp("rebalance"))
+    try:
+        for n in ("node-a", "node-b"):
+            m.start_node(n, wait=False)
+        for n in ("node-a", "node-b"):
+            m._wait_ready(m.nodes[n], 120.0)
+        r = _cli(m, "models", "serve", "smollm2", "--config", str(m.nodes["node-a"].config))
+        assert r.returncode == 0, r.stderr
+        yield m
+    finally:
+        m.stop()
+
+
+async def test_rebalance_without_gap_and_without_failing_the_open_chat(mesh):
+    st = _wait_for(lambda: _covered_by(s := mesh.status("node-b"), {"node-a", "node-b"})
+                   and s, "node-a and node-b to split the model")
+    assert sorted(r for rs in _ranges(st).values() for r in rs) == [[0, 14], [15, 29]]
+    old = next(s["shard_id"] for s in st["shards"] if s["host"] == "node-a")
+    frames: list[dict[str, Any]] = []
+    gaps: list[float] = []
+    args = chat_args(PROMPT, "smollm2", SamplingParams(max_tokens=400),
+                     fallback_to_local=False)
+
+    async def chat() -> None:
+        async for f in bus_call(mesh.nodes["node-b"].uri, CHAT_CAPABILITY, args):
+            frames.append(f)
+            if sum(x["type"] == "token_delta" for x in frames) == 5:
+                mesh.start_node("node-c", wait=False)
+
+    task = asyncio.create_task(chat())
+    moved_at = None
+    while not task.done():  # watch coverage all along: it must never have a gap
+        s = await asyncio.to_thread(mesh.status, "node-b")
+        if not _covered_by(s, {"node-a", "node-b", "node-c"}):
+            gaps.append(time.time())
+        a = s["placement"]["last_rebalance"]
+        if moved_at is None and a and a["host"] == "node-a":
+            moved_at = a["at"]
+        await asyncio.sleep(0.2)
+    await task
+    done = frames[-1]
+    assert done["type"] == "done" and not done.get("fallback"), done
+    assert done["failovers"] == 0 and old in done["pipeline"], done  # ran on the old range
+    assert moved_at is not None, "node-a did not move while the chat was open"
+    assert not gaps, f"coverage had a gap at {gaps}"
+    st = _wait_for(lambda: (s := mesh.status("node-b")) and
+                   _ranges(s, {"node-a"}).get("node-a") == [[15, 29]] and s,
+                   "node-a's old range to be withdrawn")
+    assert _ranges(st, {"node-c"})["node-c"] == [[0, 14]]
+    a = mesh.status("node-a")["placement"]["this_node"]
+    kinds = [d["kind"] for d in a["decisions"]]
+    assert kinds[-2:] == ["rebalance", "dropped"], a["decisions"]
+    assert "quality 0.50" in a["decisions"][-2]["detail"]
