@@ -72,6 +72,7 @@ from hearthnet.errors import (
     ShardUnavailable,
 )
 from hearthnet.mesh.bus import CapabilityBus
+from hearthnet.mesh.discovery import LanDiscovery
 from hearthnet.mesh.eventlog import EventLog
 from hearthnet.mesh.gossip import MAX_MESSAGE_BYTES, GossipPeerLink, handle_gossip_connection
 from hearthnet.models.store import ModelEntry, ModelStore
@@ -175,12 +176,15 @@ class Node:
         self.admin_bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(SERVED_MODELS_CAPABILITY, self._served_capability)
         for peer in cfg.peer_uris():
-            link = GossipPeerLink(
-                self.log, peer, on_peer=self._on_peer,
-                ssl_factory=(lambda: self.guard.client_ssl(None)) if self.guard.tls else None,
-                check_peer=self.guard.peer_of if self.guard.tls else None)
-            link.start()
-            self.links.append(link)
+            self._link(peer)
+        self.discovery: LanDiscovery | None = None
+        if cfg.node.discovery == "mdns":  # addresses only; TLS pins members (issue 17 §5)
+            self.discovery = LanDiscovery(
+                self.node_id, cfg.advertise_host(), self.port,
+                "wss" if self.guard.tls else "ws",
+                allowed=lambda nid: nid in self.guard.directory,
+                on_found=lambda _nid, uri: self._link(uri))
+            await self.discovery.start()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
         self._metrics_server: Any = None
         if cfg.node.metrics_port:  # a plain-HTTP /metrics for a LAN Prometheus (TLS-free)
@@ -279,6 +283,17 @@ class Node:
         with binding("the HTTP API", "[api] listen_port", api.listen_host, api.listen_port):
             await self.api.start()
 
+    def _link(self, uri: str) -> None:
+        """Keep a gossip link to `uri` (a configured or discovered peer), once."""
+        if any(link.uri == uri.rstrip("/") for link in self.links):
+            return
+        link = GossipPeerLink(
+            self.log, uri, on_peer=self._on_peer,
+            ssl_factory=(lambda: self.guard.client_ssl(None)) if self.guard.tls else None,
+            check_peer=self.guard.peer_of if self.guard.tls else None)
+        link.start()
+        self.links.append(link)
+
     def _on_peer(self, peer: str, connected: bool) -> None:
         """A gossip link to `peer` came up or went down (status: peers, killed hosts)."""
         self.peer_links[peer] = (connected, time.time())
@@ -362,6 +377,9 @@ class Node:
             await asyncio.sleep(0.3)  # let the live push carry the withdrawals out
         for shard in self.shards.values():
             await shard.close_all()
+        discovery: LanDiscovery | None = getattr(self, "discovery", None)
+        if discovery is not None:
+            await discovery.stop()
         for link in self.links:
             await link.stop()
         if self.api is not None:

@@ -83,7 +83,9 @@ async def test_rebalance_without_gap_and_without_failing_the_open_chat(mesh):
                    _ranges(s, {"node-a"}).get("node-a") == [[15, 29]] and s,
                    "node-a's old range to be withdrawn")
     assert _ranges(st, {"node-c"})["node-c"] == [[0, 14]]
-    a = mesh.status("node-a")["placement"]["this_node"]
+    a = _wait_for(lambda: (x := mesh.status("node-a")["placement"]["this_node"])
+                  and x["decisions"][-1]["kind"] == "dropped" and x,
+                  "node-a to free its old range once the chat's session ended")
     kinds = [d["kind"] for d in a["decisions"]]
     assert kinds[-2:] == ["rebalance", "dropped"], a["decisions"]
     assert "quality 0.50" in a["decisions"][-2]["detail"]

@@ -116,16 +116,18 @@ class LanNode:
 class NetnsLan:
     """Nodes on separate network namespaces joined by a bridge; see the module docstring."""
 
-    def __init__(self, specs: list[NodeSpec], *, timeout_s: float = 10.0) -> None:
-        tag = f"hnl{os.getpid()}"
-        self.bridge = f"{tag}br"
+    def __init__(self, specs: list[NodeSpec], *, timeout_s: float = 10.0,
+                 name: str = "") -> None:
+        tag = f"hnl{os.getpid()}"  # `name` (a letter or two) keeps modules' LANs apart
+        self.bridge = f"{tag}{name}br"
         self.root = Path(tempfile.mkdtemp(prefix="hearthnet-lan-"))
         self.client_py = self.root / "client.py"
         self.client_py.write_text(CLIENT)
         self.nodes: dict[str, LanNode] = {}
         for i, spec in enumerate(specs):
             addr = f"{SUBNET}.{11 + i}"
-            self.nodes[spec.node_id] = LanNode(spec, f"{tag}-{spec.node_id}", f"{tag}v{i}",
+            self.nodes[spec.node_id] = LanNode(spec, f"{tag}-{name}{spec.node_id}",
+                                               f"{tag}{name}v{i}",
                                                addr, self.root / f"{spec.node_id}.toml")
         first = next(iter(self.nodes.values()))
         for n in self.nodes.values():
@@ -148,6 +150,8 @@ class NetnsLan:
             _ip("link", "set", n.veth, "master", self.bridge, "up")
             _ip("-n", n.ns, "addr", "add", f"{n.addr}/24", "dev", "eth0")
             _ip("-n", n.ns, "link", "set", "eth0", "up")
+            # multicast (mDNS discovery, issue 17) leaves by the bridge
+            _ip("-n", n.ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
 
     def down(self) -> None:
         """Kill every process in the namespaces, delete them and the bridge (idempotent)."""
