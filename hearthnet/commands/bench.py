@@ -69,6 +69,8 @@ BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
                  "(shards in separate processes on 127.0.0.1)", *_lazy("pipeline")),
     "failover": ("kill -9 the last-stage shard mid-answer: time to the next token, total "
                  "time and tokens against an unfaulted run", *_lazy("failover")),
+    "placement": ("automatic vs equal layer split on three hosts with different threads "
+                  "and memory budgets (issue 17)", *_lazy("placement")),
 }
 """name → (help, add_args, run). ``run`` returns (figures as a JSON-able dict, report)."""
 

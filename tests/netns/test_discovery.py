@@ -49,6 +49,7 @@ def test_nodes_find_each_other_without_peers(lan):
 def test_a_chat_runs_through_the_discovered_mesh(lan):
     p = lan.client("node-a", "chat", "Name three colours.", "8", "10")
     out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
     frames = [json.loads(line) for line in out.splitlines()]
     done = next(f for f in frames if f["type"] == "done")
     assert not done.get("fallback") and len(done["pipeline"]) == 2, done
