@@ -27,7 +27,7 @@ model: $(STAMP)
 # node keys + member lists of the example configs (issue 7), both written to each node's
 # data dir (the TOMLs stay as committed); idempotent: existing keys are kept.
 keys: $(STAMP)
-	$(HN) keys provision config/mesh3 config/mesh4
+	$(HN) keys provision config/mesh3 config/mesh4 config/auto3
 
 demo: install
 	$(HN) demo

@@ -4,7 +4,7 @@
 split the model 0-14 / 15-29. A long chat runs through ``node-b`` (pipeline: node-a's 0-14,
 then node-b's own 15-29). Meanwhile ``node-c``, three times as fast, joins and takes 0-14
 (both halves are equally weak). Now ``node-a`` moving to 15-29 doubles the weakest coverage
-(quality 0.5 < 0.75), so its next (jittered, 3 s) rebalance check moves it: it loads 15-29,
+(quality 0.5 < 0.75), so its next (jittered, 1 s) rebalance check moves it: it loads 15-29,
 advertises it, withdraws 0-14 and frees it only when the chat's session on it has ended.
 """
 
@@ -24,7 +24,7 @@ from tests.integration.test_autohost import _cli, _covered_by, _ranges, _wait_fo
 
 pytestmark = pytest.mark.slow
 
-BUDGET = {"memory_mb": 215, "rebalance_interval_s": 3.0}  # 15 layers of SmolLM2 fp32
+BUDGET = {"memory_mb": 215, "rebalance_interval_s": 1.0}  # 15 layers of SmolLM2 fp32
 PROMPT = "Write a long, detailed essay about the history of bread, with many sections."
 
 
@@ -60,7 +60,7 @@ async def test_rebalance_without_gap_and_without_failing_the_open_chat(mesh):
     async def chat() -> None:
         async for f in bus_call(mesh.nodes["node-b"].uri, CHAT_CAPABILITY, args):
             frames.append(f)
-            if sum(x["type"] == "token_delta" for x in frames) == 5:
+            if sum(x["type"] == "token_delta" for x in frames) == 1:
                 mesh.start_node("node-c", wait=False)
 
     task = asyncio.create_task(chat())
