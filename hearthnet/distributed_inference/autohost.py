@@ -349,6 +349,14 @@ class AutoHost:
                 and (c.origin, c.lo, c.hi) not in hosted
                 and c.weights_sha256 == entry.weights_sha256]
 
+    def _placing(self, entry: ModelEntry) -> list[str]:
+        """Other hosts that announced themselves lately and host nothing of `entry` yet:
+        a gap may be theirs to fill (hosts starting together), not a lost range."""
+        hosting = {h for h, _, _ in self._hosted_ranges(entry)}
+        fresh = self.view.capacities(entry.model_id, self.auto.claim_ttl_s)
+        return sorted(h for h in fresh if h != self.node_id and h not in hosting
+                      and not self.prober.is_down(h))
+
     def _mine(self, entry: ModelEntry) -> list[HostedShard]:
         return [s for s in self.host.hosted() if s.entry.model_id == entry.model_id]
 
@@ -380,7 +388,7 @@ class AutoHost:
                                              self._capacities(entry, cost))[self.node_id])
             if length > 0:
                 await self._claim_and_load(entry, cost, length, "initial")
-        elif gaps and room > 0:
+        elif gaps and room > 0 and not self._placing(entry):
             longest = max(hi - lo + 1 for lo, hi in gaps)
             await self._claim_and_load(entry, cost, min(room, longest), "rehost")
         elif gaps or rebalance:
