@@ -167,6 +167,12 @@ class DistributedInferenceSection(_Section):
     fallback_after_failures: Annotated[int, Field(ge=1)] = 2  # M26 §5.4
     flow_control_window: Annotated[int, Field(ge=1, le=1024)] = 16  # M26 §5.5
     chunk_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 1024 * 1024
+    # issue 14 §1: what one call may ask for, checked before any work (mesh and local path)
+    max_prompt_bytes: Annotated[int, Field(ge=1, le=16 * 1024 * 1024)] = 32 * 1024
+    max_prompt_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 4096
+    max_completion_tokens: Annotated[int, Field(ge=1, le=8192)] = 2048
+    # a long prefill runs in chunks of this many positions (orchestrator and shards)
+    prefill_chunk_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 256
     host: HostSection = Field(default_factory=HostSection)
     auto: AutoSection = Field(default_factory=AutoSection)
 

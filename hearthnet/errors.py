@@ -41,6 +41,7 @@ class; every code above is in `CODES` and no code is used outside this tree.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -248,11 +249,16 @@ def one_line(code: str, message: str) -> str:
     return f"hearthnet: {code}: {message}"
 
 
-def error_from_code(code: str, message: str, **details: Any) -> HearthNetError:
-    """Rebuild the matching exception from a code received in a peer's error frame."""
+def error_from_code(code: str, message: str,
+                    details: Mapping[str, Any] | None = None) -> HearthNetError:
+    """Rebuild the matching exception from a code received in a peer's error frame.
+
+    `details` are peer-supplied: they are attached as a plain map and never passed as
+    keyword arguments (a key named ``self`` or ``code`` must not reach a constructor).
+    """
     cls = _BY_CODE.get(code, HearthNetError)
-    if cls is ConfigError:
-        return HearthNetError(message, code=code, **details)
-    err = cls(message, **details)
+    err = HearthNetError(message, code=code) if cls is ConfigError else cls(message)
     err.code = code
+    if details:
+        err.details = {str(k): v for k, v in details.items()}
     return err

@@ -83,16 +83,26 @@ def describe(frame: dict[str, Any]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Exit 0 only for a call that ended with `done` (issue 14 §3); every failure is an
+    `error` frame in `--json` mode (a lost node included) and exit code 1."""
     import torch
 
-    torch.set_num_threads(args.threads)
-    params = sampling_from_args(args)
-    messages = [{"role": "user", "content": args.prompt}]
-    if args.local:
-        return _run_local(args, messages, params)
-    from hearthnet.commands.remote import chat_via_node
+    from hearthnet.errors import ConfigError, HearthNetError
 
-    return chat_via_node(args, messages, params)
+    torch.set_num_threads(args.threads)
+    try:
+        params = sampling_from_args(args)
+        messages = [{"role": "user", "content": args.prompt}]
+        if args.local:
+            return _run_local(args, messages, params)
+        from hearthnet.commands.remote import chat_via_node
+
+        return chat_via_node(args, messages, params)
+    except ConfigError:
+        raise  # exit code 2 (cli.main)
+    except HearthNetError as e:
+        emit({"type": "error", "code": e.code, "message": e.message}, args.json)
+        return 1
 
 
 def _run_local(args: argparse.Namespace, messages: list[dict[str, str]],

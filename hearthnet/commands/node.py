@@ -55,4 +55,29 @@ def _run(args: argparse.Namespace) -> int:
             update={"listen_port": args.port})})
     configure_logging(cfg.node.log_level, node=cfg.node.id)
     run(Node(cfg).run())
+    exit_promptly()
     return 0
+
+
+def exit_promptly(grace_s: float = 2.0) -> None:
+    """End the process within `grace_s` of the node stopping, whatever compute threads do
+    (issue 14 §1): the interpreter would otherwise join a busy executor thread for as long
+    as its forward runs. Threads still busy after the grace are logged, then `os._exit`."""
+    import os
+    import sys
+    import threading
+    import time
+
+    from hearthnet.observability import get_logger
+
+    deadline = time.monotonic() + grace_s
+    others = [t for t in threading.enumerate()
+              if t is not threading.main_thread() and not t.daemon]
+    for t in others:
+        t.join(max(0.0, deadline - time.monotonic()))
+    busy = [t.name for t in others if t.is_alive()]
+    if busy:
+        get_logger("node").warning("exit_with_busy_threads", threads=busy, grace_s=grace_s)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

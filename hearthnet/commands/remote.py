@@ -55,11 +55,24 @@ def chat_via_node(args: argparse.Namespace, messages: list[dict[str, str]],
     call = chat_args(messages[-1]["content"], args.model, params, wire_dtype=args.wire_dtype)
 
     async def go() -> int:
-        last: str | None = None
-        async for frame in bus_call(uri, CHAT_CAPABILITY, call):
-            emit(frame, args.json)
-            last = frame.get("type")
-        return 0 if last == "done" else 1  # a call that ends without `done` failed
+        ended: str | None = None
+        tokens = 0
+        try:
+            async for frame in bus_call(uri, CHAT_CAPABILITY, call):
+                emit(frame, args.json)
+                kind = frame.get("type")
+                tokens += kind == "token_delta"
+                if kind in ("done", "error"):
+                    ended = ended or str(kind)
+        except ConnectionLost as e:  # the orchestrating node died mid-answer (issue 14 §9)
+            emit({"type": "error", "code": e.code, "message": e.message,
+                  "tokens_so_far": tokens}, args.json)
+            return 1
+        if ended is None:  # the stream stopped without `done` or `error`
+            emit({"type": "error", "code": "connection_lost", "tokens_so_far": tokens,
+                  "message": f"the node at {uri} ended the call without done or error"},
+                 args.json)
+        return 0 if ended == "done" else 1
 
     return run(go())
 

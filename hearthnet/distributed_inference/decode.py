@@ -30,9 +30,10 @@ class DecodeLoop:
     """Drives one call's `Generation` through its stages, token by token."""
 
     def __init__(self, *, metrics: Metrics, health: ShardHealthTracker, failover: Failover,
-                 executor: Executor) -> None:
+                 executor: Executor, prefill_chunk_tokens: int = 256) -> None:
         self.metrics, self.health, self.failover = metrics, health, failover
         self.executor = executor
+        self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
 
     async def run(self, call: CallState, head: LayeredHead, checker: SanityChecker,
                   t0: float) -> AsyncIterator[Frame]:
@@ -46,7 +47,7 @@ class DecodeLoop:
         x = head.embed(gen.prompt_ids)
         pos = 0
         while not gen.done:
-            h = await self.relay(call, x, pos, checker)
+            h = await self.relay_chunked(call, x, pos, checker)
             for f in call.take_frames():
                 yield f
             # lm_head (~7 ms for SmolLM2) runs off the loop: other calls' relays go on
@@ -59,6 +60,17 @@ class DecodeLoop:
             yield token_frame(ev)
             pos += x.shape[1]
             x = head.embed([ev.token_id])
+
+    async def relay_chunked(self, call: CallState, x: torch.Tensor, pos: int,
+                            checker: SanityChecker) -> torch.Tensor:
+        """`relay` a long prefill in chunks of `prefill_chunk_tokens` positions: each chunk
+        is its own step, so other calls' steps interleave (issue 14 §1)."""
+        n = self.prefill_chunk_tokens
+        t = int(x.shape[1])
+        for at in range(0, t - n, n):  # every chunk but the last
+            await self.relay(call, x[:, at:at + n], pos + at, checker)
+        last = ((t - 1) // n) * n
+        return await self.relay(call, x[:, last:], pos + last, checker)
 
     async def relay(self, call: CallState, x: torch.Tensor, pos: int,
                     checker: SanityChecker) -> torch.Tensor:
@@ -82,7 +94,9 @@ class DecodeLoop:
             t = time.perf_counter()
             try:
                 res = await st.channel.step(call.step, pos, x, call.params.timeout_s)
-                checker.check(st.shard_id, st.stage.end, res.tensor)
+                # a wrong shape or dtype is corruption too (issue 14 §3): failover
+                checker.check(st.shard_id, st.stage.end, res.tensor, shape=x.shape,
+                              dtype=getattr(st.channel, "wire_dtype", None))
             except StreamStalled as e:  # the transport's stall is the pipeline's (M26 §6)
                 raise StageFailed(k, PipelineStalled(f"{st.shard_id}: {e.message}"), x) from e
             except HearthNetError as e:

@@ -2,7 +2,7 @@
 
 ```toml
 [testing.faults]
-mode = "nan"          # exit | nan | garbage | slow | hang | close_mid_frame
+mode = "nan"          # exit | nan | garbage | wrong_shape | slow | hang | close_mid_frame
 after_steps = 5       # misbehave from the shard's 6th step on (default 0)
 shard = "0-14"        # only the hosted shard with these layers (default: every shard)
 delay_s = 1.0         # for "slow": seconds per step (one chunk per second)
@@ -23,7 +23,7 @@ import torch
 
 from hearthnet.errors import ConfigError
 
-MODES = ("exit", "nan", "garbage", "slow", "hang", "close_mid_frame")
+MODES = ("exit", "nan", "garbage", "wrong_shape", "slow", "hang", "close_mid_frame")
 
 
 class CloseMidFrame(Exception):
@@ -58,6 +58,8 @@ def install_faults(shard: Any, spec: dict[str, Any]) -> None:
             return out * float("nan")
         if mode == "garbage":
             return out * 1000.0
+        if mode == "wrong_shape":  # plausible values, one hidden unit short (issue 14 §3)
+            return out[..., :-1].contiguous()
         if mode == "slow":
             time.sleep(delay)
             return out

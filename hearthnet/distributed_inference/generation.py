@@ -28,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if not 1 <= self.max_tokens <= 8192:
             raise BadRequest(f"max_tokens must be in 1..8192, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 10.0 or self.temperature != self.temperature:
@@ -42,6 +43,26 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_types(p: SamplingParams) -> None:
+    """Type checks at the door (issue 14 §3): `top_k=1.5` or `seed="abc"` is `bad_request`
+    before any work, never an exception from the sampler mid-answer."""
+    for name in ("max_tokens", "top_k"):
+        if not _is_int(getattr(p, name)):
+            raise BadRequest(f"{name} must be an integer, got {getattr(p, name)!r}"[:200])
+    for name in ("temperature", "top_p"):
+        v = getattr(p, name)
+        if not (_is_int(v) or isinstance(v, float)):
+            raise BadRequest(f"{name} must be a number, got {v!r}"[:200])
+    if p.seed is not None and not (_is_int(p.seed) and 0 <= p.seed < 2**63):
+        raise BadRequest(f"seed must be an integer in 0..2**63-1 or null, got {p.seed!r}"[:200])
+    if not isinstance(p.stop, tuple):
+        raise BadRequest("stop must be a list of strings")
 
 
 class Sampler:
@@ -181,3 +202,34 @@ class Generation:
         self._held = ""
         self.text += rest
         return rest
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """How much one call may ask for (issue 14 §1): checked before any work, the same for
+    the mesh and the local path (config `[research.distributed_inference]`
+    ``max_prompt_bytes``, ``max_prompt_tokens``, ``max_completion_tokens``)."""
+
+    max_prompt_bytes: int = 32 * 1024
+    max_prompt_tokens: int = 4096
+    max_completion_tokens: int = 2048
+
+    def check_request(self, messages: list[Any], params: SamplingParams) -> None:
+        """Bytes and `max_tokens`, before tokenising anything; raises `BadRequest`."""
+        size = sum(len(m["content"].encode("utf-8", "replace"))
+                   for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+        if size > self.max_prompt_bytes:
+            raise BadRequest(f"the prompt is {size} bytes; this node's limit is "
+                             f"max_prompt_bytes = {self.max_prompt_bytes}",
+                             limit="max_prompt_bytes", value=size)
+        if params.max_tokens > self.max_completion_tokens:
+            raise BadRequest(f"max_tokens {params.max_tokens} is over this node's limit "
+                             f"max_completion_tokens = {self.max_completion_tokens}",
+                             limit="max_completion_tokens", value=params.max_tokens)
+
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        """The tokenised prompt's length; raises `BadRequest`."""
+        if len(ids) > self.max_prompt_tokens:
+            raise BadRequest(f"the prompt is {len(ids)} tokens; this node's limit is "
+                             f"max_prompt_tokens = {self.max_prompt_tokens}",
+                             limit="max_prompt_tokens", value=len(ids))

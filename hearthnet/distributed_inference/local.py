@@ -17,7 +17,12 @@ from hearthnet.distributed_inference.backends.small_model_layered import (
     LayeredHead,
     LayeredStack,
 )
-from hearthnet.distributed_inference.generation import Generation, SamplingParams, TokenEvent
+from hearthnet.distributed_inference.generation import (
+    Generation,
+    PromptLimits,
+    SamplingParams,
+    TokenEvent,
+)
 from hearthnet.errors import BadRequest
 from hearthnet.models.store import ModelEntry
 
@@ -42,14 +47,19 @@ class LocalEngine:
     """
 
     def __init__(self, entry: ModelEntry, weights: str = "fp32",
-                 head: LayeredHead | None = None, head_weights: str | None = None) -> None:
+                 head: LayeredHead | None = None, head_weights: str | None = None, *,
+                 limits: PromptLimits | None = None, prefill_chunk_tokens: int = 256) -> None:
         self.entry = entry
+        self.limits = limits or PromptLimits()
+        self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         self.head = head or LayeredHead(entry, head_weights or weights)
         self.stack = LayeredStack(entry, 0, entry.num_layers - 1, weights)
 
     def new_generation(self, messages: list[dict[str, str]],
                        params: SamplingParams) -> Generation:
+        self.limits.check_request(messages, params)  # before tokenising (issue 14 §1)
         ids = self.head.chat_prompt_ids(messages)
+        self.limits.check_prompt_ids(ids)
         return Generation(self.head.tokenizer, ids, params, self.head.eos_token_ids)
 
     def generate(self, messages: list[dict[str, str]], params: SamplingParams,
@@ -64,6 +74,15 @@ class LocalEngine:
         `timings` is the caller's own (per call: the engine is shared by concurrent
         fallbacks); it is filled as the generation runs.
         """
+        for ev in self.steps(gen, timings):
+            if ev is not None:
+                yield ev
+
+    def steps(self, gen: Generation, timings: LocalTimings | None = None
+              ) -> Generator[TokenEvent | None, None, None]:
+        """As `run`, but the prefill runs in chunks of `prefill_chunk_tokens` positions and
+        yields None after each chunk but the last, so a caller driving this from a shared
+        executor lets other calls' work run between chunks (issue 14 §1)."""
         t = timings if timings is not None else LocalTimings()
         ids = gen.all_ids
         max_len = len(gen.prompt_ids) + gen.params.max_tokens + 1
@@ -72,7 +91,12 @@ class LocalEngine:
         session = self.stack.open_session(0, self.entry.num_layers - 1, max_len)
         try:
             t0 = time.perf_counter()
-            h = session.forward(self.head.embed(ids), 0)  # (1, T, H)
+            n = self.prefill_chunk_tokens
+            for at in range(0, len(ids) - n, n):  # every chunk but the last
+                session.forward(self.head.embed(ids[at:at + n]), at)
+                yield None
+            last = ((len(ids) - 1) // n) * n
+            h = session.forward(self.head.embed(ids[last:]), last)  # (1, T, H)
             ev = gen.step(self.head.logits(h))
             t.prefill_ms = t.first_token_ms = \
                 (time.perf_counter() - t0) * 1000

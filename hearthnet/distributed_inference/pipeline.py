@@ -32,7 +32,7 @@ from hearthnet.distributed_inference.decode import DecodeLoop
 from hearthnet.distributed_inference.descriptors import PipelineStage
 from hearthnet.distributed_inference.failover import Failover
 from hearthnet.distributed_inference.frames import done_frame, error_frame, token_frame
-from hearthnet.distributed_inference.generation import Generation
+from hearthnet.distributed_inference.generation import Generation, PromptLimits
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
 from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
@@ -72,7 +72,8 @@ class PipelineOrchestrator:
                  metrics: Metrics, connect: Connector, executor: Executor,
                  defaults: DistributedChatParams | None = None, enabled: bool = True,
                  sign_open: OpenSigner | None = None, max_concurrent_pipelines: int = 4,
-                 local_dtype: str = "fp32") -> None:
+                 local_dtype: str = "fp32", limits: PromptLimits | None = None,
+                 prefill_chunk_tokens: int = 256) -> None:
         self.models, self.router, self.health, self.metrics = models, router, health, metrics
         self.connect, self.executor = connect, executor
         self.defaults = defaults or DistributedChatParams()
@@ -84,10 +85,12 @@ class PipelineOrchestrator:
         self._head_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(max_concurrent_pipelines)
         self.local_dtype = local_dtype
+        self.limits = limits or PromptLimits()
+        self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         self.failover = Failover(models=models, router=router, health=health,
                                  metrics=metrics, open_stage=self._open)
         self.decoder = DecodeLoop(metrics=metrics, health=health, failover=self.failover,
-                                  executor=executor)
+                                  executor=executor, prefill_chunk_tokens=prefill_chunk_tokens)
 
     # ---- public API ----
 
@@ -99,6 +102,7 @@ class PipelineOrchestrator:
                 "distributed inference is disabled on this node "
                 "(policy.research.enable / research.distributed_inference.enabled)")
         entry = self.models.get(request.model)  # ModelNotFound is a bad_request
+        self.limits.check_request(request.messages, params.sampling)  # issue 14 §1
         async with self._slots, contextlib.aclosing(self._chat(entry, request, params)) as it:
             async for frame in it:  # aclosing: an abandoned call still closes its sessions
                 yield frame
@@ -120,11 +124,12 @@ class PipelineOrchestrator:
         head, checker = prep.head, prep.checker
         wire = WirePlan(params.wire_dtype, params.wire_wide_dtype, prep.calibration)
         wire.check_forced(entry.alias)  # a forced fp16 that cannot fit: refused before work
-        gen = Generation(head.tokenizer, head.chat_prompt_ids(request.messages),
-                         params.sampling, head.eos_token_ids)
         call: CallState | None = None
         outcome = "error"
         try:
+            ids = head.chat_prompt_ids(request.messages)
+            self.limits.check_prompt_ids(ids)  # the same limit as the local path
+            gen = Generation(head.tokenizer, ids, params.sampling, head.eos_token_ids)
             try:
                 call = await self._construct(entry, gen, params, wire)
             except (ShardUnavailable, WeightsMismatch) as e:
@@ -272,12 +277,15 @@ class PipelineOrchestrator:
         engine = await self._local(entry)
         loop = asyncio.get_running_loop()
         timings = LocalTimings()  # this call's own: concurrent fallbacks share the engine
-        it = engine.run(gen, timings)
+        it = engine.steps(gen, timings)
+        end = object()
         try:
-            while True:
-                ev = await loop.run_in_executor(self.executor, next, it, None)
-                if ev is None:
+            while True:  # one executor job per prefill chunk or token: others interleave
+                ev = await loop.run_in_executor(self.executor, next, it, end)
+                if ev is end:
                     break
+                if ev is None:
+                    continue
                 if first_ms is None:
                     first_ms = (time.perf_counter() - t0) * 1000
                     self.metrics.first_token_ms.observe(first_ms)
@@ -295,7 +303,9 @@ class PipelineOrchestrator:
             head = (await self._head(entry)).head
             loop = asyncio.get_running_loop()
             self._locals[entry.weights_sha256] = await loop.run_in_executor(
-                self.executor, lambda: LocalEngine(entry, self.local_dtype, head=head))
+                self.executor, lambda: LocalEngine(
+                    entry, self.local_dtype, head=head, limits=self.limits,
+                    prefill_chunk_tokens=self.prefill_chunk_tokens))
         return self._locals[entry.weights_sha256]
 
     # ---- endings ----

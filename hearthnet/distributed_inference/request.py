@@ -55,6 +55,8 @@ class DistributedChatParams:
         known = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop"}
         if set(s) - known:
             raise BadRequest(f"unknown sampling keys {sorted(set(s) - known)}")
+        if not isinstance(s.get("stop", []), list):
+            raise BadRequest("params.sampling.stop must be a list of strings")
         try:
             sampling = SamplingParams(**{**s, "stop": tuple(s.get("stop", ()))})
             out = cls(sampling=sampling,

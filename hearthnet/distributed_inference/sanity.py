@@ -52,8 +52,18 @@ class SanityChecker:
     def __init__(self, bounds: Sequence[float] | None) -> None:
         self.bounds = list(bounds) if bounds else None
 
-    def check(self, shard_id: str, end: int, hidden: torch.Tensor) -> None:
-        """Raise `ShardCorrupted` when `hidden` has NaN/Inf or exceeds the boundary's bound."""
+    def check(self, shard_id: str, end: int, hidden: torch.Tensor, *,
+              shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> None:
+        """Raise `ShardCorrupted` when `hidden` is not of `shape`/`dtype` (when given; the
+        stage's input shape and the wire dtype, issue 14 §3), has NaN/Inf or exceeds the
+        boundary's bound."""
+        if shape is not None and tuple(hidden.shape) != tuple(shape):
+            raise ShardCorrupted(f"shard {shard_id} returned a hidden state of shape "
+                                 f"{tuple(hidden.shape)}; expected {tuple(shape)}",
+                                 shard_id=shard_id, check="shape")
+        if dtype is not None and hidden.dtype != dtype:
+            raise ShardCorrupted(f"shard {shard_id} returned {hidden.dtype} activations; "
+                                 f"expected {dtype}", shard_id=shard_id, check="dtype")
         h = hidden.float()
         if not bool(torch.isfinite(h).all()):
             raise ShardCorrupted(f"shard {shard_id} returned NaN or Inf activations",

@@ -58,6 +58,7 @@ class ShardSettings:
     session_idle_timeout_s: float = 120.0
     max_session_tokens: int = 8192
     compute_dtype: str = "fp32"
+    prefill_chunk_tokens: int = 256  # a long step runs in chunks of this many positions
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ class ShardServer:
         try:
             stack = await self._ensure_loaded()
             session = stack.open_session(req.start, req.end, req.max_length)
+            stream.limit_tensor_bytes(self.session_tensor_bytes(req))
             await stream.accept({"shard_id": self.shard_id, "hidden_size": stack.hidden_size,
                                  "compute_dtype": self.settings.compute_dtype})
             self.metrics.shard_sessions_total.labels(self.shard_id, "accepted", req.caller).inc()
@@ -210,7 +212,6 @@ class ShardServer:
             self._gauge()
 
     async def _step_loop(self, stream: Any, session: Any, wire: torch.dtype) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             inp = await stream.recv_step(deadline_s=self.settings.session_idle_timeout_s)
             if inp is None:
@@ -219,8 +220,8 @@ class ShardServer:
             self.metrics.shard_queue_depth.labels(self.shard_id).set(self.queue_depth)
             try:
                 t0 = time.perf_counter()
-                out = await loop.run_in_executor(self.executor, self._forward, session,
-                                                 inp.tensor, inp.start_pos, inp.step)
+                out = await self._forward_chunked(session, inp.tensor, inp.start_pos,
+                                                  inp.step)
                 dt = time.perf_counter() - t0
             except BadRequest as e:  # a refused step leaves the session usable
                 await stream.send_error(e)
@@ -244,6 +245,27 @@ class ShardServer:
                 await stream.send_error(e)
                 continue
             await stream.send_step(inp.step, inp.start_pos, sent, compute_us=int(dt * 1e6))
+
+    async def _forward_chunked(self, session: Any, x: torch.Tensor, start_pos: int,
+                               step: int) -> torch.Tensor:
+        """Run a step in chunks of `prefill_chunk_tokens` positions, each its own executor
+        job, so a long prefill yields the compute thread to other sessions' steps between
+        chunks (issue 14 §1). Chunks are just successive positions of the same session."""
+        loop = asyncio.get_running_loop()
+        n = self.settings.prefill_chunk_tokens
+        if x.dim() != 3 or x.shape[1] <= n:
+            return await loop.run_in_executor(self.executor, self._forward, session, x,
+                                              start_pos, step)
+        outs = []
+        for at in range(0, int(x.shape[1]), n):
+            outs.append(await loop.run_in_executor(self.executor, self._forward, session,
+                                                   x[:, at:at + n], start_pos + at, step))
+        return torch.cat(outs, dim=1)
+
+    def session_tensor_bytes(self, req: OpenRequest) -> int:
+        """The largest tensor a session can legitimately send: all of its positions at
+        the hidden width in its wire dtype (issue 14 §2)."""
+        return req.max_length * self.entry.hidden_size * compute_dtype(req.wire_dtype).itemsize
 
     def _forward(self, session: Any, x: torch.Tensor, start_pos: int, step: int) -> torch.Tensor:
         out = session.forward(x, start_pos)

@@ -56,7 +56,7 @@ from hearthnet.distributed_inference.descriptors import (
     make_shard_id,
     withdrawal_payload,
 )
-from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.generation import PromptLimits, SamplingParams
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
 from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
@@ -171,7 +171,11 @@ class Node:
                 timeout_s=cfg.di.shard_health_timeout_seconds,
                 fallback_after_failures=cfg.di.fallback_after_failures),
             enabled=cfg.distributed_enabled, sign_open=self.guard.sign_open,
-            max_concurrent_pipelines=cfg.di.max_concurrent_pipelines)
+            max_concurrent_pipelines=cfg.di.max_concurrent_pipelines,
+            limits=PromptLimits(max_prompt_bytes=cfg.di.max_prompt_bytes,
+                                max_prompt_tokens=cfg.di.max_prompt_tokens,
+                                max_completion_tokens=cfg.di.max_completion_tokens),
+            prefill_chunk_tokens=cfg.di.prefill_chunk_tokens)
         self.bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(SERVED_MODELS_CAPABILITY, self._served_capability)
@@ -230,7 +234,8 @@ class Node:
                 eviction_idle_s=host.shard_eviction_idle_seconds,
                 session_idle_timeout_s=host.session_idle_timeout_seconds,
                 max_session_tokens=host.max_session_tokens,
-                compute_dtype=host.compute_dtype),
+                compute_dtype=host.compute_dtype,
+                prefill_chunk_tokens=self.cfg.di.prefill_chunk_tokens),
             executor=self.executor, metrics=self.metrics)
         await shard.start()
         self.shards[shard.shard_id] = shard
@@ -388,7 +393,7 @@ class Node:
             if server is not None:
                 server.close()
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(server.wait_closed(), 5)
+                    await asyncio.wait_for(server.wait_closed(), 2)
         if getattr(self, "_metrics_server", None) is not None:
             self._metrics_server.shutdown()
         self.log.close()
@@ -432,6 +437,7 @@ class Node:
         try:
             stream = await ServerStream.accept_open(
                 ws, window=di.flow_control_window, chunk_bytes=di.chunk_bytes,
+                max_tensor_bytes=self._max_tensor_bytes(),
                 deadline_s=di.shard_health_timeout_seconds, metrics=self.metrics)
         except HearthNetError as e:
             log.info("shard_open_failed", code=e.code, peer=peer)
@@ -465,6 +471,14 @@ class Node:
                 await stream.refuse(e)
         finally:
             await stream.close()
+
+    def _max_tensor_bytes(self) -> int:
+        """The largest tensor any hosted shard's session can legitimately send: every
+        position it may hold at the hidden width in fp32 (issue 14 §2); each accepted
+        session then lowers it to its own `max_length` and wire dtype."""
+        tokens = self.cfg.di.host.max_session_tokens
+        return max((tokens * s.entry.hidden_size * 4 for s in self.shards.values()),
+                   default=1)
 
     async def _connect(self, uri: str, params: dict[str, Any], deadline_s: float) -> Any:
         di = self.cfg.di

@@ -333,8 +333,9 @@ class TensorAssembler:
     """Rebuilds tensors from their frames, one tensor at a time, chunks in order.
 
     A tensor of one chunk is a view of that frame's bytes; a tensor of several chunks is
-    a view of one buffer allocated when its first chunk arrives (after validation) and
-    filled chunk by chunk. The caller must feed frames of one direction of one stream.
+    a view of one buffer that grows with the chunks actually received (issue 14 §2: a
+    peer that declares a huge tensor and sends one chunk makes us hold one chunk, not the
+    declared size). The caller must feed frames of one direction of one stream.
     """
 
     __slots__ = ("_buf", "_first", "_next", "chunk_bytes", "expect_dtype", "expect_opcode",
@@ -405,8 +406,7 @@ class TensorAssembler:
             if h.chunk_count == 1:
                 return h, _view(frame, HEADER_SIZE, h)
             self._first = h
-            self._buf = bytearray(h.total_bytes)
-            self._buf[:h.payload_bytes] = memoryview(frame)[HEADER_SIZE:]
+            self._buf = bytearray(memoryview(frame)[HEADER_SIZE:])
             self._next = 1
             return h, None
         if (h.chunk_index != self._next or h.opcode != first.opcode
@@ -418,8 +418,7 @@ class TensorAssembler:
                                 f"chunk {self._next - 1} of step {first.step}")
         buf = self._buf
         assert buf is not None
-        at = h.chunk_index * self.chunk_bytes
-        buf[at:at + h.payload_bytes] = memoryview(frame)[HEADER_SIZE:]
+        buf += memoryview(frame)[HEADER_SIZE:]  # chunks arrive in order: appending places them
         self._next += 1
         if self._next < h.chunk_count:
             return h, None

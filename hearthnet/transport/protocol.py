@@ -509,10 +509,22 @@ class StreamProtocol:
             return
         frame = _error_frame(error, fatal=True, step=None)
         self._drop_unsent()
+        self.drop_partial()
         self._control = [frame]
         self.state = State.FAILED
         self.failure = error
         self.close_code = close_code
+
+    def drop_partial(self) -> None:
+        """Free the tensor being received, if any (a failed stream holds no buffer)."""
+        self._assembler.reset()
+
+    def limit_tensor_bytes(self, limit: int) -> None:
+        """Lower the largest tensor this side accepts (server, before `send_accept`):
+        a shard derives it from what the session can legitimately send (issue 14 §2)."""
+        if self.state is not State.OPEN_RECEIVED:
+            raise BadRequest("the tensor limit can only be lowered before ACCEPT")
+        self.max_tensor_bytes = max(1, min(self.max_tensor_bytes, limit))
 
     # -- receiving -----------------------------------------------------------------------
 
@@ -614,7 +626,7 @@ class StreamProtocol:
         if not fatal and self._assembler.in_progress:
             raise ProtocolError("non-fatal ERROR in the middle of a tensor")
         extra = {k: v for k, v in details.items() if k not in ("code", "message")}
-        error = error_from_code(code, message, **extra)
+        error = error_from_code(code, message, extra)
         if fatal:
             self._drop_unsent()
             self._assembler.reset()

@@ -274,6 +274,7 @@ class _Session:
         """End the session on ``error`` (first cause wins) and wake every waiter."""
         if self._failure is None:
             self._failure = error
+        self._proto.drop_partial()  # a half-received tensor is freed now, not at the next GC
         self._wake()
         self._credit.set()
         if not self._handshake.done():
@@ -573,6 +574,10 @@ class ServerStream(_Session):
         self._check_usable()
         self._proto.send_accept(params or {})
         await self._flush()
+
+    def limit_tensor_bytes(self, limit: int) -> None:
+        """Lower this session's largest accepted tensor before `accept` (issue 14 §2)."""
+        self._proto.limit_tensor_bytes(limit)
 
     async def refuse(self, err: HearthNetError) -> None:
         """Send ``err`` as a fatal ERROR and close: refuses an OPEN or ends a session."""

@@ -304,7 +304,9 @@ def test_while_a_tensor_waits_unconsumed_the_next_one_stops_at_the_window() -> N
         pump(c, s)
         pump(s, c)
     assert s.held_tensors == 1 and c.blocked and c.in_flight == 2
-    assert s.buffered_bytes == 2 * 640  # one complete + one in progress, nothing more
+    # one complete tensor + only the chunks received of the next (issue 14 §2: the buffer
+    # grows with the data, it is not allocated at the declared size)
+    assert 640 < s.buffered_bytes <= 640 + 2 * 64
     got = steps(s)
     s.consumed()
     for _ in range(20):

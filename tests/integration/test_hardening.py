@@ -1,0 +1,266 @@
+"""Issue 14: the attack run's defects, reproduced against real node processes.
+
+One module mesh (`LocalMesh`, mutual TLS): node-a orchestrates with small call limits,
+node-c hosts every SmolLM2 layer and, from its third step on, returns hidden states one
+unit too narrow (fault injection), node-o is an orchestrator the last test kills
+mid-answer. Tests wait on states (frames, metrics, process exit), not on sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.errors import HearthNetError
+from hearthnet.mesh.bus import bus_call
+from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+from hearthnet.transport.codec import OP_INPUT, EncodedTensor
+from hearthnet.transport.websocket import TensorChannel
+
+LIMITS = {"max_prompt_bytes": 12000, "max_prompt_tokens": 1500, "max_completion_tokens": 16,
+          "prefill_chunk_tokens": 64}
+SHARD = "node-c"
+
+
+@pytest.fixture(scope="module")
+def mesh(smollm2):
+    specs = [NodeSpec("node-a", extra_di=LIMITS),
+             NodeSpec(SHARD, [(0, 29)], faults={"mode": "wrong_shape", "after_steps": 2},
+                      extra_di={"prefill_chunk_tokens": 64}),
+             NodeSpec("node-o")]
+    with LocalMesh(specs) as m:
+        yield m
+
+
+async def _chat(m: LocalMesh, node: str, prompt: str, **kw: Any) -> list[dict[str, Any]]:
+    sampling = kw.pop("sampling", None) or SamplingParams(max_tokens=kw.pop("max_tokens", 4))
+    args = chat_args(prompt, "smollm2", sampling, **kw)
+    if "raw_sampling" in kw:
+        args["params"]["sampling"].update(args["params"].pop("raw_sampling"))
+    return [f async for f in bus_call(m.nodes[node].uri, CHAT_CAPABILITY, args)]
+
+
+def _metric(m: LocalMesh, node: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in m.metrics(node).splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ---- §1 limits before any work ----
+
+@pytest.mark.parametrize(("prompt", "max_tokens", "limit"), [
+    ("hello " * 2200, 4, "max_prompt_bytes"),       # 13,200 bytes
+    ("hello " * 1900, 4, "max_prompt_tokens"),      # 11,400 bytes, ~1,900 tokens
+    ("hi", 17, "max_completion_tokens")])
+async def test_call_limits_are_checked_before_any_work(mesh, prompt, max_tokens, limit):
+    opened = _metric(mesh, SHARD, "hearthnet_distributed_inference_shard_sessions_total")
+    frames = await _chat(mesh, "node-a", prompt, max_tokens=max_tokens)
+    assert [f["type"] for f in frames] == ["error"], frames  # no shard_status: no work
+    assert frames[0]["code"] == "bad_request" and limit in frames[0]["message"]
+    assert _metric(mesh, SHARD, "hearthnet_distributed_inference_shard_sessions_total") \
+        == opened
+
+
+@pytest.mark.parametrize("bad", [{"top_k": 1.5}, {"seed": "abc"}])
+async def test_sampling_types_are_checked_at_the_door(mesh, bad):
+    frames = await _chat(mesh, "node-a", "hi", raw_sampling=bad)
+    assert [f["type"] for f in frames] == ["error"] and frames[0]["code"] == "bad_request"
+
+
+# ---- §3 a stage output of the wrong shape is corruption ----
+
+async def test_wrong_width_from_a_shard_is_corruption_not_silent_truncation(mesh):
+    frames = await _chat(mesh, "node-a", "Name three colours.", max_tokens=6)
+    kinds = [f["type"] for f in frames]
+    assert kinds[-1] == "done", frames
+    degraded = [f for f in frames if f["type"] == "shard_status"
+                and f["status"] == "degraded"]
+    assert degraded and degraded[0]["code"] == "shard_corrupted"
+    assert "shape" in degraded[0]["message"]
+    assert frames[-1]["usage"]["completion_tokens"] == 6 and frames[-1]["fallback"]
+
+
+# ---- §1 one call cannot monopolise compute: chunked prefill ----
+
+async def test_a_long_local_prefill_yields_to_another_call(mesh):
+    """Both calls continue on node-a's local engine (node-c is corrupt by now): the short
+    call, started once the long one has fallen back, gets its answer before the long
+    call's first token — the long prefill runs in chunks that let it through."""
+    order: list[str] = []
+    aborted = asyncio.Event()
+
+    async def long_call() -> None:
+        args = chat_args("hello " * 700, "smollm2", SamplingParams(max_tokens=1))
+        async for f in bus_call(mesh.nodes["node-a"].uri, CHAT_CAPABILITY, args):
+            if f["type"] == "pipeline_aborted":
+                aborted.set()
+            if f["type"] in ("token_delta", "error"):
+                order.append("long:" + f["type"])
+
+    async def short_call() -> None:
+        await aborted.wait()
+        frames = await _chat(mesh, "node-a", "hi", max_tokens=1)
+        assert frames[-1]["type"] == "done", frames
+        order.append("short:done")
+
+    await asyncio.wait_for(asyncio.gather(long_call(), short_call()), 240)
+    assert order[0] == "short:done", order
+
+
+async def test_a_long_shard_prefill_yields_to_another_session(mesh, smollm2):
+    """Two sessions on node-c: a 1,024-position prefill, and a one-position step sent
+    right after it. The short step's answer arrives first (the prefill runs in chunks of
+    64 positions, each its own job on the shard's one compute thread)."""
+    ch1 = await _open(mesh, smollm2, max_length=1100)
+    ch2 = await _open(mesh, smollm2, max_length=8)
+    order: list[str] = []
+    try:
+        async def long() -> None:
+            await ch1.step(1, 0, torch.randn(1, 1024, 576, dtype=torch.float16), 120)
+            order.append("long")
+
+        async def short() -> None:
+            depth = "hearthnet_distributed_inference_shard_queue_depth"
+            while _metric(mesh, SHARD, depth) < 1:  # the prefill is computing now
+                await asyncio.sleep(0.02)
+            await ch2.step(1, 0, torch.randn(1, 1, 576, dtype=torch.float16), 120)
+            order.append("short")
+
+        await asyncio.gather(long(), short())
+    finally:
+        await ch1.close()
+        await ch2.close()
+    assert order == ["short", "long"]
+
+
+async def _open(m: LocalMesh, smollm2: Any, *, max_length: int, wire: str = "fp16"
+                ) -> TensorChannel:
+    params = {"shard_id": f"{smollm2.model_id}:0-29@{SHARD}", "model_id": smollm2.model_id,
+              "weights_sha256": smollm2.weights_sha256, "start": 0, "end": 29,
+              "max_length": max_length, "wire_dtype": wire}
+    return await TensorChannel.connect(m.nodes[SHARD].listen_uri + "/shard",
+                                       m.sign_open("node-a", params),
+                                       ssl=m.client_ssl("node-a", SHARD), deadline_s=30)
+
+
+# ---- §2 memory amplification ----
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+async def _one_chunk_then_vanish(m: LocalMesh, smollm2: Any, shape: tuple[int, ...]) -> None:
+    ch = await _open(m, smollm2, max_length=8192, wire="fp32")
+    # a real header declaring `shape`, but only the first 1 MiB chunk of it
+    frame = EncodedTensor(torch.zeros(shape), opcode=OP_INPUT, stream_id=ch.stream_id,
+                          step=1, start_pos=0).frame(0)
+    await ch.connection.send(frame)
+    ch.connection.transport.abort()
+    await ch.close()
+
+
+async def test_a_declared_tensor_costs_only_what_was_received(mesh, smollm2):
+    pid = mesh.nodes[SHARD].proc.pid
+    ch = await _open(mesh, smollm2, max_length=8, wire="fp32")
+    try:  # the session's own limit: max_length × hidden × wire bytes, not 256 MiB
+        assert ch.max_tensor_bytes == 8 * 576 * 4
+    finally:
+        await ch.close()
+    base = _rss_mb(pid)
+    for shape in [(1, 8192, 576)] * 6 + [(256, 1024, 256)] * 2:  # 18.9 MB; 256 MiB
+        with contextlib.suppress(HearthNetError):  # the 256 MiB one is refused outright
+            await _one_chunk_then_vanish(mesh, smollm2, shape)
+    sessions = "hearthnet_distributed_inference_shard_active_sessions"
+    deadline = time.monotonic() + 30
+    while _metric(mesh, SHARD, sessions) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert _metric(mesh, SHARD, sessions) == 0
+    # no gc.collect() anywhere: before the fix each session kept its declared size
+    assert _rss_mb(pid) - base < 40, (base, _rss_mb(pid))
+
+
+# ---- §3/§9 the CLI: exit codes, --json error frames, the orchestrator's loss ----
+
+def _cli(m: LocalMesh, node: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hearthnet.cli", "chat", "--json", "--config",
+         str(m.nodes[node].config), "--threads", "1", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_cli_exits_non_zero_with_an_error_frame_on_a_refused_call(mesh):
+    p = _cli(mesh, "node-a", "--max-tokens", "17", "hi")
+    out, _ = p.communicate(timeout=120)
+    frames = [json.loads(x) for x in out.splitlines()]
+    assert p.returncode == 1 and frames[-1]["type"] == "error", out
+    assert "max_completion_tokens" in frames[-1]["message"]
+
+
+def test_orchestrator_death_mid_answer_is_connection_lost_with_tokens_so_far(mesh):
+    p = _cli(mesh, "node-o", "--max-tokens", "200", "Tell me a long story about a cat.")
+    assert p.stdout is not None
+    tokens = 0
+    for line in p.stdout:
+        if json.loads(line)["type"] == "token_delta":
+            tokens += 1
+            if tokens == 2:
+                mesh.kill("node-o")
+                break
+    rest = p.stdout.read()
+    p.wait(timeout=60)
+    frames = [json.loads(x) for x in rest.splitlines()]
+    assert p.returncode == 1, rest
+    assert frames and frames[-1]["type"] == "error", rest
+    assert frames[-1]["code"] == "connection_lost" and frames[-1]["tokens_so_far"] >= 2
+
+
+# ---- §1 shutdown within seconds whatever the compute thread does ----
+
+def test_sigterm_stops_a_node_whose_compute_thread_is_busy(tmp_path, smollm2):
+    spec = NodeSpec("node-s", [(0, 0)], faults={"mode": "slow", "delay_s": 600})
+    m = LocalMesh([spec], root=tmp_path)
+    try:
+        m.start(wait_cover=False)  # one layer: the model is never covered, and need not be
+
+        async def busy() -> TensorChannel:
+            params = {"shard_id": f"{smollm2.model_id}:0-0@node-s",
+                      "model_id": smollm2.model_id, "weights_sha256": smollm2.weights_sha256,
+                      "start": 0, "end": 0, "max_length": 4, "wire_dtype": "fp16"}
+            ch = await TensorChannel.connect(m.nodes["node-s"].listen_uri + "/shard",
+                                             m.sign_open("node-s", params),
+                                             ssl=m.client_ssl("node-s", "node-s"),
+                                             deadline_s=30)
+            await ch.send_step(1, 0, torch.zeros(1, 1, 576, dtype=torch.float16))
+            while "hearthnet_distributed_inference_shard_queue_depth" not in m.metrics(
+                    "node-s") or _metric(m, "node-s", "hearthnet_distributed_inference_"
+                                         "shard_queue_depth") < 1:
+                await asyncio.sleep(0.05)  # until the step sits in the compute thread
+            return ch
+
+        asyncio.run(busy())
+        proc = m.nodes["node-s"].proc
+        assert proc is not None
+        proc.terminate()
+        proc.wait(timeout=30)  # before the fix: the 600 s forward is joined at exit
+        log = m.log_text("node-s")
+        assert '"node_stopped"' in log and '"exit_with_busy_threads"' in log
+    finally:
+        m.stop()
