@@ -24,7 +24,7 @@ from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
-from hearthnet.mesh.node import CHAT_CAPABILITY, chat_args
+from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 from hearthnet.transport.codec import OP_INPUT, EncodedTensor
 from hearthnet.transport.websocket import TensorChannel
 
