@@ -121,7 +121,7 @@ def parse_frame(f: dict[str, Any]) -> ChatFrame:
                     int(f.get("failovers", 0)), bool(f.get("fallback", False)), f)
     if kind == "error":
         details = f.get("details") if isinstance(f.get("details"), dict) else {}
-        raise error_from_code(str(f.get("code")), str(f.get("message")), **(details or {}))
+        raise error_from_code(str(f.get("code")), str(f.get("message")), details)
     return OtherFrame(kind, f)
 
 
