@@ -8,15 +8,37 @@ contents (M26 §5.8).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import sys
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
-_LATENCY_BUCKETS_MS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-_SIZE_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+# Buckets fitted to measured values (issue 15 §6): SmolLM2 decode steps through one shard
+# take 15-50 ms on a CPU host (most samples fell in one 20-50 ms bucket before), first
+# tokens 100 ms-2 s, decode 5-40 tokens/s, per-hop overhead 0.5-10 ms.
+LATENCY_BUCKETS_MS = (0.5, 1, 2, 3, 5, 7.5, 10, 12.5, 15, 17.5, 20, 22.5, 25, 30, 35, 40,
+                      50, 65, 80, 100, 150, 200, 300, 500, 1000, 2000, 5000, 10000)
+CALL_BUCKETS_MS = (10, 25, 50, 75, 100, 150, 200, 250, 300, 400, 500, 650, 800, 1000, 1250,
+                   1500, 2000, 3000, 5000, 10000, 30000)
+TOKENS_PER_S_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20, 22.5, 25, 30, 35, 40, 50,
+                        64, 80, 100, 128, 256)
+OVERHEAD_BUCKETS_MS = (0.1, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 15, 20,
+                       50, 100, 500)
 
 
 class Metrics:
@@ -29,16 +51,20 @@ class Metrics:
         # M26 §5.10 — orchestrator side, per call
         self.pipeline_construct_ms = Histogram(
             p + "pipeline_construct_ms", "Time to pick a pipeline and open its sessions (ms)",
-            buckets=_SIZE_BUCKETS_MS, registry=r)
+            buckets=CALL_BUCKETS_MS, registry=r)
         self.first_token_ms = Histogram(
             p + "first_token_ms", "Time from call start to the first token (ms)",
-            buckets=_SIZE_BUCKETS_MS, registry=r)
+            buckets=CALL_BUCKETS_MS, registry=r)
         self.tokens_per_second = Histogram(
             p + "tokens_per_second", "Decode tokens per second of a finished call",
-            buckets=(0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+            buckets=TOKENS_PER_S_BUCKETS, registry=r)
         self.shard_latency_ms = Histogram(
             p + "shard_latency_ms", "Round trip of one step through one shard, seen by the caller",
-            ["shard_id"], buckets=_LATENCY_BUCKETS_MS, registry=r)
+            ["shard_id"], buckets=LATENCY_BUCKETS_MS, registry=r)
+        self.hop_overhead_ms = Histogram(
+            p + "hop_overhead_ms", "Per-hop overhead of one step: round trip minus the shard's "
+            "compute (transport, serialisation, queueing; ms)", ["shard_id"],
+            buckets=OVERHEAD_BUCKETS_MS, registry=r)
         self.failovers_total = Counter(
             p + "failovers_total", "Shard failovers performed", registry=r)
         self.fallback_to_local_total = Counter(
@@ -53,7 +79,7 @@ class Metrics:
         # shard host side (issue 4 item 8)
         self.shard_forward_ms = Histogram(
             p + "shard_forward_ms", "Compute time of one forward on a hosted shard (ms)",
-            ["shard_id"], buckets=_LATENCY_BUCKETS_MS, registry=r)
+            ["shard_id"], buckets=LATENCY_BUCKETS_MS, registry=r)
         self.shard_queue_depth = Gauge(
             p + "shard_queue_depth", "Forwards waiting or running on a hosted shard",
             ["shard_id"], registry=r)
@@ -87,22 +113,65 @@ class Metrics:
             "hearthnet_auth_failures_total", "Refused connections and session opens",
             ["reason"], registry=r)
 
+        # the node process itself: RSS, CPU seconds, open files (Linux /proc) and the build
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        Info("hearthnet_build", "HearthNet build: version, Python and torch", registry=r).info(
+            build_info())
+
     def render(self) -> bytes:
         """The Prometheus text exposition of this node's metrics."""
         return generate_latest(self.registry)
 
 
+def build_info() -> dict[str, str]:
+    """Version labels of ``hearthnet_build_info``."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "unknown"
+
+    from hearthnet import __version__
+
+    return {"version": __version__, "python": platform.python_version(),
+            "torch": of("torch"), "transformers": of("transformers")}
+
+
+# Libraries whose INFO lines are per-connection chatter ("connection open", "HTTP response
+# sent"): shown from debug on, else only their warnings.
+_CHATTY = ("websockets", "aiohttp.access", "aiohttp.server", "urllib3", "httpx", "asyncio")
+
+
 def configure_logging(level: str = "info", *, json: bool = True, **context: Any) -> None:
-    """Set up structlog (JSON lines on stderr) and bind `context` (e.g. node id) to every line."""
+    """Set up structlog (JSON lines on stderr) and bind `context` (e.g. node id) to every line.
+
+    Every library logger (websockets, aiohttp, transformers …) goes through the same
+    structlog processors, so a node's terminal shows one format at the configured level.
+    """
     lvl = getattr(logging, level.upper(), logging.INFO)
-    logging.basicConfig(stream=sys.stderr, level=lvl, format="%(message)s")
-    processors: list[Any] = [
+    shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    processors.append(structlog.processors.JSONRenderer() if json
-                      else structlog.dev.ConsoleRenderer(colors=False))
+    renderer = structlog.processors.JSONRenderer() if json \
+        else structlog.dev.ConsoleRenderer(colors=False)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name,
+                           structlog.stdlib.ExtraAdder()]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(lvl)
+    for name in _CHATTY:
+        logging.getLogger(name).setLevel(lvl if lvl <= logging.DEBUG else logging.WARNING)
+    logging.captureWarnings(True)
+    processors = [*shared, renderer]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
@@ -112,6 +181,28 @@ def configure_logging(level: str = "info", *, json: bool = True, **context: Any)
     structlog.contextvars.clear_contextvars()
     if context:
         structlog.contextvars.bind_contextvars(**context)
+
+
+@contextlib.asynccontextmanager
+async def progress(logger: Any, event: str, every_s: float = 2.0, **fields: Any
+                   ) -> AsyncIterator[None]:
+    """Log ``<event>_started``, ``<event>_progress`` every `every_s` seconds with the time
+    so far, and ``<event>_done`` with the total — a long load never looks like a hang."""
+    t0 = time.perf_counter()
+    logger.info(f"{event}_started", **fields)
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            logger.info(f"{event}_progress", elapsed_s=round(time.perf_counter() - t0, 1),
+                        **fields)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        yield
+    finally:
+        ticker.cancel()
+    logger.info(f"{event}_done", seconds=round(time.perf_counter() - t0, 2), **fields)
 
 
 def get_logger(name: str) -> Any:

@@ -34,14 +34,19 @@ def _transport_args(p: argparse.ArgumentParser) -> None:
                    help="credit window in chunks")
     p.add_argument("--chunk-bytes", type=int, default=TENSOR_CHUNK_BYTES,
                    help="largest chunk payload in bytes")
+    p.add_argument("--results-dir", default="bench-results",
+                   help="folder for transport.json (default bench-results)")
 
 
 def _transport_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from hearthnet.bench import machine, write_results
     from hearthnet.transport.bench import format_report, run_transport_bench
 
     res = run_transport_bench(steps=args.steps, warmup=args.warmup,
                               prefill_reps=args.prefill_reps, window=args.window,
                               chunk_bytes=args.chunk_bytes)
+    res.setdefault("machine", machine())
+    res["results_file"] = str(write_results("transport", res, Path(args.results_dir)))
     return res, format_report(res)
 
 

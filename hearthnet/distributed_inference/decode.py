@@ -106,6 +106,7 @@ class DecodeLoop:
             st.rtt_ms.append(rtt)
             st.overhead_ms.append(rtt - res.compute_us / 1000)
             self.metrics.shard_latency_ms.labels(st.shard_id).observe(rtt)
+            self.metrics.hop_overhead_ms.labels(st.shard_id).observe(st.overhead_ms[-1])
             self.health.observe_latency(st.shard_id, rtt)
             x = res.tensor
         return x

@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ver = msub.add_parser("verify", help="recompute a model's hashes")
     ver.add_argument("model")
     ver.set_defaults(func=_verify)
+    rm = msub.add_parser("remove", help="delete a stored model (alias, model id or hash)")
+    rm.add_argument("model")
+    rm.set_defaults(func=_remove)
     from hearthnet.commands.served import register_served
 
     register_served(msub)  # serve / unserve / served: the community's list (issue 17)
@@ -72,6 +75,13 @@ def _list(args: argparse.Namespace) -> int:
         tag = " synthetic" if e.synthetic else ""
         print(f"{e.alias:<14} {e.model_id:<40} layers={e.num_layers:<3} {e.dtype:<9} "
               f"{size:>8.0f} MB sha256={e.weights_sha256[:16]}…{tag}  {e.path}")
+    return 0
+
+
+def _remove(args: argparse.Namespace) -> int:
+    e = _store(args).remove(args.model)
+    size = sum(int(f["size"]) for f in e.files.values()) / 2**20
+    print(f"removed {e.alias} ({e.model_id}, {size:.0f} MB) from {e.path.parent}")
     return 0
 
 

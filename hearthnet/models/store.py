@@ -116,6 +116,22 @@ class ModelStore:
             f"Import one with `hearthnet models import smollm2` or `hearthnet models import PATH`.",
             model=name)
 
+    def remove(self, name: str) -> ModelEntry:
+        """Delete a stored model (by alias, model id or weights hash); returns what it was.
+
+        The folder is first renamed out of the store, so no reader sees half a model.
+
+        Raises:
+            ModelNotFound: listing the models that are there.
+        """
+        import shutil
+
+        e = self.get(name)
+        doomed = e.path.with_name(e.path.name + ".removing")
+        os.replace(e.path, doomed)
+        shutil.rmtree(doomed)
+        return e
+
     def find(self, name: str) -> ModelEntry | None:
         try:
             return self.get(name)

@@ -77,7 +77,7 @@ from hearthnet.mesh.eventlog import EventLog
 from hearthnet.mesh.gossip import MAX_MESSAGE_BYTES, GossipPeerLink, handle_gossip_connection
 from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.node.guard import NodeGuard, remove_state, write_state
-from hearthnet.observability import Metrics, get_logger
+from hearthnet.observability import Metrics, get_logger, progress
 from hearthnet.security import note_refusal, split_open
 from hearthnet.transport.codec import max_frame_bytes
 from hearthnet.transport.websocket import ServerStream, TensorChannel
@@ -237,7 +237,8 @@ class Node:
                 compute_dtype=host.compute_dtype,
                 prefill_chunk_tokens=self.cfg.di.prefill_chunk_tokens),
             executor=self.executor, metrics=self.metrics)
-        await shard.start()
+        async with progress(log, "shard_load", model=entry.alias, layers=[lo, hi]):
+            await shard.start()
         self.shards[shard.shard_id] = shard
         from hearthnet.distributed_inference.faults import install_faults
 
@@ -327,7 +328,8 @@ class Node:
     async def _prepare_models(self) -> None:
         for e in self.models.entries():
             try:
-                await self.orchestrator.prepare(e.alias)
+                async with progress(log, "head_load", model=e.alias):
+                    await self.orchestrator.prepare(e.alias)
             except ModelUnusable:
                 pass  # logged once by the orchestrator, with its cause; calls get the error
             except HearthNetError as err:

@@ -31,9 +31,10 @@ GAUGE = "hearthnet_distributed_inference_shard_active_sessions"
 
 
 @pytest.fixture(scope="module")
-def mesh(smollm2):
+def mesh(smollm2, tmp_path_factory):
     with LocalMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 14)]),
-                    NodeSpec("node-c", [(15, 29)])]) as m:
+                    NodeSpec("node-c", [(15, 29)])],
+                   root=tmp_path_factory.mktemp("mesh")) as m:
         yield m
 
 
@@ -106,6 +107,22 @@ async def test_host_app_client_typed_frames_and_errors(mesh, reference):
                 pass
         with pytest.raises(BadRequest):  # unknown model: the spec's bad_request
             await hn.answer(PROMPT, model="no-such-model")
+
+
+def test_node_logs_are_one_format_with_load_progress(mesh):
+    """Every stderr line of every node is a structlog JSON line (websockets' and aiohttp's
+    own loggers included), and loading a shard says so."""
+    for node_id in mesh.nodes:
+        text = mesh.log_text(node_id)
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        assert lines and all(ln.startswith("{") for ln in lines), \
+            [ln for ln in lines if not ln.startswith("{")][:3]
+        events = [json.loads(ln)["event"] for ln in lines]
+        assert "connection open" not in events
+    b = [json.loads(ln) for ln in mesh.log_text("node-b").splitlines() if ln.strip()]
+    started = next(e for e in b if e["event"] == "shard_load_started")
+    done = next(e for e in b if e["event"] == "shard_load_done")
+    assert started["layers"] == done["layers"] == [0, 14] and done["seconds"] > 0
 
 
 def test_one_error_format_for_local_and_remote_chat(mesh):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -37,3 +38,14 @@ def test_port_in_use_is_one_line(tmp_path: Path, taken: str):
     key = "[node] listen_port" if taken == "node" else "[api] listen_port"
     assert last.startswith("hearthnet: port_in_use: ") and f"127.0.0.1:{port}" in last, last
     assert key in last
+
+
+def test_bench_transport_writes_bench_results(tmp_path: Path):
+    """Every benchmark writes its figures to bench-results/ — transport too."""
+    r = subprocess.run([*CLI, "bench", "transport", "--steps", "10", "--warmup", "2",
+                        "--prefill-reps", "1", "--results-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    figures = json.loads((tmp_path / "transport.json").read_text())
+    assert figures["decode_576"]["n"] == 10 and figures["decode_576"]["p50_ms"] > 0
+    assert figures["machine"]["cpus"] >= 1

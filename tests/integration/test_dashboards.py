@@ -292,15 +292,25 @@ def test_grafana_datasource_and_dashboard_structure():
         if p["type"] == "row":
             continue
         assert p["type"] in {"timeseries", "stat"} and p["title"]
-        assert p["datasource"] == {"type": "prometheus", "uid": ds[0]["uid"]}
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         assert p["targets"]
         refs = [t["refId"] for t in p["targets"]]
         assert len(refs) == len(set(refs))
         for t in p["targets"]:
-            assert t["datasource"]["uid"] == ds[0]["uid"]
+            assert t["datasource"]["uid"] == "${datasource}"
             assert t["expr"].count("(") == t["expr"].count(")")
-    for v in dash["templating"]["list"]:
-        assert v["datasource"]["uid"] == ds[0]["uid"]
+    # a datasource variable: the dashboard imports into an existing Grafana (issue 15 §6),
+    # defaulting to the provisioned Prometheus
+    variables = dash["templating"]["list"]
+    assert variables[0]["type"] == "datasource" and variables[0]["query"] == "prometheus"
+    assert variables[0]["current"]["value"] == ds[0]["uid"]
+    for v in variables[1:]:
+        assert v["datasource"]["uid"] == "${datasource}"
+    # the corruption panels show 0, not "no data", before the first corruption
+    for p in panels:
+        for t in p.get("targets", []):
+            if SPEC_CORRUPTION in t["expr"]:
+                assert t["expr"].endswith(" or vector(0)"), t["expr"]
 
     def exprs_of(word: str) -> str:
         hit = [p for p in panels if word.lower() in p["title"].lower()]
@@ -320,6 +330,9 @@ def test_grafana_datasource_and_dashboard_structure():
     assert P + "fallback_to_local_total" in exprs_of("fallbacks to local")
     assert SPEC_CORRUPTION in exprs_of("corruption")
     assert P + "shard_forward_ms_bucket" in exprs_of("forward time")
+    assert P + "hop_overhead_ms_bucket" in exprs_of("per-hop overhead")
+    assert "process_resident_memory_bytes" in exprs_of("resident memory")
+    assert "process_cpu_seconds_total" in exprs_of("cpu per node")
     sess = exprs_of("active sessions")
     assert P + "shard_active_sessions" in sess and P + "shard_queue_depth" in sess
     used = dashboard_metrics()
@@ -400,6 +413,7 @@ def test_spec_metrics_observed_after_one_chat(scraped):
     for sid, row in per_shard.items():
         assert row["steps"] >= 8  # the prompt, then one step per generated token but the last
         assert _count(samples, P + "shard_latency_ms", shard_id=sid) == row["steps"], sid
+        assert _count(samples, P + "hop_overhead_ms", shard_id=sid) == row["steps"], sid
         buckets = [(lab["le"], v) for lab, v in samples[P + "shard_latency_ms_bucket"]
                    if lab["shard_id"] == sid]
         values = [v for _, v in buckets]
