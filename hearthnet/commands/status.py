@@ -33,6 +33,8 @@ def render(st: dict[str, Any]) -> str:
                       f"{', incoming' if p.get('direction') == 'in' else ''})"
                       for p in st.get("peers", [])) or "none"
     lines.append(f"peers: {peers}")
+    if st.get("api"):
+        lines.append(f"api: {st['api']}/v1   status page: {st['api']}/")
     lines.append("")
     lines.append(f"{'SHARD':<34} {'LAYERS':<8} {'HOST':<10} {'STATE':<8} {'SESS':>4} "
                  f"{'QUEUE':>5} {'P95 ms':>7} {'AGE s':>6}")
