@@ -31,6 +31,8 @@ are different classes (as h11's Local/Remote)::
     │   ├── WireOverflow                finite values overflow the wire dtype   "wire_overflow"
     │   └── ConnectionLost              peer went away / stream ended early     "connection_lost"
     ├── StorageError                    the node's own event log (sqlite)       "event_log"
+    ├── ListenFailed                    a listener cannot bind at start-up      "listen_failed"
+    │   └── PortInUse                   its port is taken                       "port_in_use"
     └── Refused                         the node refused a peer or caller
         ├── AuthError                   membership / signature / trust / TLS    "auth_failed"
         └── LimitExceeded               rate, connection or session limits "rate_limit_exceeded"
@@ -216,6 +218,16 @@ class LimitExceeded(Refused):
     code = "rate_limit_exceeded"
 
 
+class ListenFailed(HearthNetError):
+    """A listener (node, admin, metrics, API) cannot bind at start-up; names the config key."""
+
+    code = "listen_failed"
+
+
+class PortInUse(ListenFailed):
+    code = "port_in_use"
+
+
 _BY_CODE: dict[str, type[HearthNetError]] = {
     "internal": InternalError,
     "bad_config": ConfigError,
@@ -239,6 +251,8 @@ _BY_CODE: dict[str, type[HearthNetError]] = {
     "model_unusable": ModelUnusable,
     "auth_failed": AuthError,
     "rate_limit_exceeded": LimitExceeded,
+    "listen_failed": ListenFailed,
+    "port_in_use": PortInUse,
 }
 CODES = frozenset(_BY_CODE)
 """Every error code HearthNet sends (the wire's closed set)."""

@@ -35,6 +35,10 @@ _STATUS: dict[str, tuple[int, str]] = {
     "experimental_disabled": (503, "service_unavailable"),
     "pipeline_aborted": (503, "service_unavailable"),
     "pipeline_stalled": (504, "service_unavailable"),
+    "stream_stalled": (504, "service_unavailable"),
+    "connection_lost": (502, "service_unavailable"),
+    "model_unusable": (503, "service_unavailable"),
+    "weights_mismatch": (503, "service_unavailable"),
 }
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 _ROLES = {"system", "developer", "user", "assistant"}

@@ -67,7 +67,9 @@ from hearthnet.errors import (
     AuthError,
     BadRequest,
     HearthNetError,
+    ListenFailed,
     ModelUnusable,
+    PortInUse,
     Refused,
     ShardUnavailable,
 )
@@ -577,11 +579,11 @@ def binding(what: str, key: str, host: str, port: int) -> Iterator[None]:
         yield
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            raise HearthNetError(f"{what} cannot listen on {host}:{port}: the port is in use "
-                                 f"(another node, or another program?); stop it or change "
-                                 f"{key}", code="port_in_use") from None
-        raise HearthNetError(f"{what} cannot listen on {host}:{port}: {e.strerror or e}; "
-                             f"check {key}", code="listen_failed") from None
+            raise PortInUse(f"{what} cannot listen on {host}:{port}: the port is in use "
+                            f"(another node, or another program?); stop it or change "
+                            f"{key}") from None
+        raise ListenFailed(f"{what} cannot listen on {host}:{port}: {e.strerror or e}; "
+                           f"check {key}") from None
 
 
 def _watch_parent(stopping: asyncio.Event) -> asyncio.Task[None] | None:
