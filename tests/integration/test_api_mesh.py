@@ -97,7 +97,7 @@ async def test_disconnect_mid_stream_closes_shard_sessions(mesh, oai):
 
 
 async def test_host_app_client_typed_frames_and_errors(mesh, reference):
-    async with HearthNetClient(mesh.nodes["node-a"].uri) as hn:
+    async with HearthNetClient.from_config(mesh.nodes["node-a"].config) as hn:  # README's way
         frames = [f async for f in hn.chat(PROMPT, max_tokens=N)]
         assert all(isinstance(f, ShardStatus) for f in frames[:2])
         assert "".join(f.text for f in frames if isinstance(f, TokenDelta)) == reference

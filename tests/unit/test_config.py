@@ -233,3 +233,26 @@ def test_node_command_refuses_a_bad_config_with_exit_code_2(
     assert main(["node", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert str(path) in err and "node.listen_prot" in err and "unknown key" in err
+
+
+def test_api_is_loopback_by_default_and_needs_a_key_elsewhere(tmp_path: Path) -> None:
+    """[api] (issue 15 §2): no key on loopback; on a LAN address a key or key file."""
+    cfg = config_from_dict({"node": {"id": "node-a"}})
+    assert cfg.api.enabled and cfg.api.loopback and cfg.api_keys() == []
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"node": {"id": "node-a"}, "api": {"listen_host": "0.0.0.0"}})
+    assert e.value.key == "api.keys"
+    with pytest.raises(ConfigError):  # a short key is refused
+        config_from_dict({"node": {"id": "node-a"},
+                          "api": {"listen_host": "192.168.1.5", "keys": ["short"]}})
+    (tmp_path / "keys.txt").write_text("# household keys\n" + "k" + "1" * 20 + "\n\n")
+    f = tmp_path / "n.toml"
+    f.write_text('[node]\nid = "node-a"\n[api]\nlisten_host = "0.0.0.0"\n'
+                 'keys = ["0123456789abcdef0123"]\nkey_file = "keys.txt"\n')
+    cfg = load_config(f)
+    assert not cfg.api.loopback
+    assert cfg.api_keys() == ["0123456789abcdef0123", "k" + "1" * 20]
+    (tmp_path / "keys.txt").unlink()
+    with pytest.raises(ConfigError) as e:
+        cfg.api_keys()
+    assert e.value.key == "api.key_file"
