@@ -86,19 +86,17 @@ def test_unknown_shape_is_one_line_error(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_models_remove_deletes_one_model_and_says_so(tmp_path, smollm2):
+def test_models_remove_deletes_one_model_and_says_so(tmp_path, smollm2, capsys):
     """`hearthnet models remove` (issue 15 §6): the store forgets exactly that model."""
+    from hearthnet.cli import main
+
     store = ModelStore(tmp_path / "models")
     _tiny(store, smollm2, alias="keep")
     gone = _tiny(store, smollm2, alias="gone", seed=1)
-    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "models", "--models-dir",
-                        str(store.root), "remove", "gone"], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("removed gone (hearthnet-synthetic/tiny")
+    argv = ["models", "--models-dir", str(store.root), "remove", "gone"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("removed gone (hearthnet-synthetic/tiny")
     assert [e.alias for e in store.entries()] == ["keep"] and not gone.path.exists()
     assert not list(store.root.glob("*.removing"))
-    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "models", "--models-dir",
-                        str(store.root), "remove", "gone"], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 1 and r.stderr.strip().startswith("hearthnet: bad_request: unknown")
+    assert main(argv) == 1  # gone already: the one-line error, no traceback
+    assert capsys.readouterr().err.strip().startswith("hearthnet: bad_request: unknown")
