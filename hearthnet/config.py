@@ -48,6 +48,8 @@ from hearthnet.errors import ConfigError
 NodeId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
 Port = Annotated[int, Field(ge=0, le=65535)]
 Trust = Literal["guest", "member", "trusted", "steward"]
+WeightFormat = Literal["native", "fp32", "bf16", "fp16", "int8", "int4"]  # formats.FORMATS
+CallWeights = Literal["exact", "fp32", "bf16", "fp16", "int8", "int4"]  # formats.check_policy
 DEFAULT_LAN_NETWORKS = ["127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"]
 _WILDCARDS = {"0.0.0.0", "::", ""}
 
@@ -129,7 +131,10 @@ class HostSection(_Section):
     shard_max_vram_mb: Annotated[int, Field(ge=0)] = 20000
     session_idle_timeout_seconds: Annotated[float, Field(gt=0)] = 120
     max_session_tokens: Annotated[int, Field(ge=1)] = 8192
-    compute_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    compute_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # the default of `weights`
+    # how hosted layers are held (issue 12 §2); unset: `compute_dtype`. Per shard:
+    # `[[shards]] weights`.
+    weights: WeightFormat | None = None
 
 
 class AutoSection(_Section):
@@ -162,6 +167,10 @@ class DistributedInferenceSection(_Section):
     # fits, activation_wide_dtype where it does not
     activation_dtype: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
     activation_wide_dtype: Literal["bf16", "fp32"] = "bf16"
+    # issue 12 §2: how this node's orchestrator holds the head (and the local engine);
+    # `weights` is the default minimum format of the shards a call accepts
+    head_weights: WeightFormat = "fp32"
+    weights: CallWeights = "int8"
     allow_self_as_shard: bool = False
     max_concurrent_pipelines: Annotated[int, Field(ge=1)] = 4
     fallback_after_failures: Annotated[int, Field(ge=1)] = 2  # M26 §5.4
@@ -201,6 +210,7 @@ class ShardSection(_Section):
     model: Annotated[str, Field(min_length=1, max_length=256)]  # alias or model_id
     layers: tuple[int, int]  # inclusive
     max_concurrent_streams: Annotated[int, Field(ge=1, le=4096)] = 8
+    weights: WeightFormat | None = None  # how the layers are held; unset: the host's
 
     @field_validator("layers", mode="before")
     @classmethod

@@ -36,13 +36,14 @@ def render(st: dict[str, Any]) -> str:
     if st.get("api"):
         lines.append(f"api: {st['api']}/v1   status page: {st['api']}/")
     lines.append("")
-    lines.append(f"{'SHARD':<34} {'LAYERS':<8} {'HOST':<10} {'STATE':<8} {'SESS':>4} "
-                 f"{'QUEUE':>5} {'P95 ms':>7} {'AGE s':>6}")
+    lines.append(f"{'SHARD':<34} {'LAYERS':<8} {'HOST':<10} {'STATE':<8} {'FORMAT':<6} "
+                 f"{'MEM MB':>7} {'SESS':>4} {'QUEUE':>5} {'P95 ms':>7} {'AGE s':>6}")
     for s in st["shards"]:
         state = s.get("state") or ("suspect" if s["suspect"] else "online")
         lo, hi = s["layers"]
         name = s["shard_id"].split("/")[-1][:34]
         lines.append(f"{name:<34} {lo:>2}-{hi:<5} {s['host']:<10} {state:<8} "
+                     f"{s.get('format') or '-':<6} {s.get('memory_mb') or 0:>7} "
                      f"{s['active_sessions'] or 0:>4} {s['queue_depth'] or 0:>5} "
                      f"{(s['p95_latency_ms'] or 0):>7.1f} {s['age_s']:>6.1f}")
         if s.get("reason"):

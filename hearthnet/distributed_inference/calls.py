@@ -92,6 +92,7 @@ class CallState:
     params: DistributedChatParams
     max_len: int
     wire: WirePlan
+    formats: frozenset[str] | None = None  # weight formats the call accepts (issue 12 §2)
     failures: int = 0
     step: int = 0
     failover_ms: list[float] = field(default_factory=list)

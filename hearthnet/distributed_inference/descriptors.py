@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from hearthnet.distributed_inference.formats import HELD_FORMATS
 from hearthnet.errors import BadRequest, PeerDataError
 from hearthnet.mesh.eventlog import EVENT_TYPES, EventType
 
@@ -87,19 +88,21 @@ class ShardDescriptor:
     endpoint: Endpoint  # base ws:// or wss:// URI of the host node
     advertised_at: datetime
     hop_weight: float = 1.0  # assigned by the receiving ShardStore (M26 §5.2)
+    weights_format: str = "fp32"  # how the layers are held (issue 12 §2, formats.py)
 
     @classmethod
     def create(cls, *, model_id: str, weights_sha256: str, layer_range: tuple[int, int],
                host: NodeID, endpoint: Endpoint, max_concurrent_streams: int,
                vram_required_mb: int = 0, advertised_at: datetime | None = None,
-               hop_weight: float = 1.0) -> ShardDescriptor:
+               hop_weight: float = 1.0, weights_format: str = "fp32") -> ShardDescriptor:
         """Build a descriptor with its canonical shard id; validates like `from_dict`."""
         lo, hi = layer_range
         d = cls(shard_id=make_shard_id(model_id, lo, hi, host), model_id=model_id,
                 weights_sha256=weights_sha256, layer_range=(lo, hi),
                 vram_required_mb=vram_required_mb,
                 max_concurrent_streams=max_concurrent_streams, host=host, endpoint=endpoint,
-                advertised_at=advertised_at or datetime.now(UTC), hop_weight=hop_weight)
+                advertised_at=advertised_at or datetime.now(UTC), hop_weight=hop_weight,
+                weights_format=weights_format)
         d.validate()
         return d
 
@@ -141,6 +144,8 @@ class ShardDescriptor:
                "vram_required_mb", "must be an integer >= 0")
         _check(isinstance(self.hop_weight, (int, float)) and math.isfinite(self.hop_weight)
                and self.hop_weight > 0, "hop_weight", "must be a positive number")
+        _check(self.weights_format in HELD_FORMATS, "weights_format",
+               f"must be one of {', '.join(HELD_FORMATS)}")
 
     def to_dict(self) -> dict[str, Any]:
         """A msgpack/JSON-safe dict (the `descriptor` of an advertisement payload)."""
@@ -155,6 +160,7 @@ class ShardDescriptor:
             "endpoint": self.endpoint,
             "advertised_at": to_timestamp(self.advertised_at),
             "hop_weight": self.hop_weight,
+            "weights_format": self.weights_format,
         }
 
     @classmethod
@@ -173,7 +179,8 @@ class ShardDescriptor:
                    max_concurrent_streams=_field(d, "max_concurrent_streams"),
                    host=_field(d, "host"), endpoint=_field(d, "endpoint"),
                    advertised_at=to_datetime(float(at)),
-                   hop_weight=d.get("hop_weight", 1.0))
+                   hop_weight=d.get("hop_weight", 1.0),
+                   weights_format=d.get("weights_format", "fp32"))
         desc.validate()
         return desc
 

@@ -114,7 +114,8 @@ class Failover:
         t0 = time.perf_counter()
         while True:
             try:
-                new = await self.router.repick(call.pipeline, exclude=exclude)
+                new = await self.router.repick(call.pipeline, exclude=exclude,
+                                               formats=call.formats)
             except (ShardUnavailable, WeightsMismatch) as e:
                 raise FellBack(f"no replacement for {failed.shard_id}: {e.message}") from e
             try:

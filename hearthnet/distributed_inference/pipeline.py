@@ -31,6 +31,7 @@ from hearthnet.distributed_inference.calls import (
 from hearthnet.distributed_inference.decode import DecodeLoop
 from hearthnet.distributed_inference.descriptors import PipelineStage
 from hearthnet.distributed_inference.failover import Failover
+from hearthnet.distributed_inference.formats import accepted_formats, resolve_format
 from hearthnet.distributed_inference.frames import done_frame, error_frame, token_frame
 from hearthnet.distributed_inference.generation import Generation, PromptLimits
 from hearthnet.distributed_inference.health import ShardHealthTracker
@@ -72,7 +73,7 @@ class PipelineOrchestrator:
                  metrics: Metrics, connect: Connector, executor: Executor,
                  defaults: DistributedChatParams | None = None, enabled: bool = True,
                  sign_open: OpenSigner | None = None, max_concurrent_pipelines: int = 4,
-                 local_dtype: str = "fp32", limits: PromptLimits | None = None,
+                 local_weights: str = "fp32", limits: PromptLimits | None = None,
                  prefill_chunk_tokens: int = 256) -> None:
         self.models, self.router, self.health, self.metrics = models, router, health, metrics
         self.connect, self.executor = connect, executor
@@ -84,7 +85,7 @@ class PipelineOrchestrator:
         self._locals: dict[str, LocalEngine] = {}
         self._head_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(max_concurrent_pipelines)
-        self.local_dtype = local_dtype
+        self.local_weights = local_weights  # the head's and local engine's format
         self.limits = limits or PromptLimits()
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         self.failover = Failover(models=models, router=router, health=health,
@@ -189,7 +190,8 @@ class PipelineOrchestrator:
         loop = asyncio.get_running_loop()
         what = "head"
         try:
-            head = await loop.run_in_executor(self.executor, LayeredHead, entry)
+            head = await loop.run_in_executor(self.executor, LayeredHead, entry,
+                                              self.local_weights)
             what = "calibration"
             cal = await loop.run_in_executor(self.executor, calibrate, entry.path)
         except HearthNetError:
@@ -210,9 +212,12 @@ class PipelineOrchestrator:
         max_len = len(gen.prompt_ids) + params.sampling.max_tokens + 1
         exclude: set[str] = set()
         reasons: list[str] = []
+        own = resolve_format(self.local_weights, entry.dtype)
+        formats = frozenset(accepted_formats(params.weights, own))
         for _ in range(_OPEN_ATTEMPTS):
             pipeline = await self.router.pick(entry.model_id, entry.weights_sha256,
-                                              entry.num_layers, exclude=exclude)
+                                              entry.num_layers, exclude=exclude,
+                                              formats=formats)
             if len(pipeline.stages) > params.max_shards:
                 self.router.release(pipeline)
                 raise ShardUnavailable(f"the cover needs {len(pipeline.stages)} shards; "
@@ -222,7 +227,7 @@ class PipelineOrchestrator:
                 return_exceptions=True)
             stages = [o for o in opened if isinstance(o, StageSession)]
             if len(stages) == len(opened):
-                return CallState(pipeline, stages, gen, params, max_len, wire)
+                return CallState(pipeline, stages, gen, params, max_len, wire, formats)
             for st in stages:
                 with contextlib.suppress(Exception):
                     await st.channel.close()
@@ -294,8 +299,10 @@ class PipelineOrchestrator:
         finally:
             await loop.run_in_executor(self.executor, it.close)  # frees the local KV cache
         self.metrics.tokens_per_second.observe(timings.decode_tokens_per_s)
+        own = engine.stack.format
         yield done_frame(gen, t0=t0, first_ms=first_ms or 0.0,
                          tokens_per_s=timings.decode_tokens_per_s, pipeline=["local"],
+                         formats={"head": engine.head.format, "stages": [own]},
                          fallback=True)
 
     async def _local(self, entry: ModelEntry) -> LocalEngine:
@@ -304,7 +311,7 @@ class PipelineOrchestrator:
             loop = asyncio.get_running_loop()
             self._locals[entry.weights_sha256] = await loop.run_in_executor(
                 self.executor, lambda: LocalEngine(
-                    entry, self.local_dtype, head=head, limits=self.limits,
+                    entry, self.local_weights, head=head, limits=self.limits,
                     prefill_chunk_tokens=self.prefill_chunk_tokens))
         return self._locals[entry.weights_sha256]
 
@@ -318,6 +325,7 @@ class PipelineOrchestrator:
             if xs:
                 per_shard[st.shard_id] = {
                     "layers": [st.stage.start, st.stage.end], "steps": len(xs),
+                    "weights_format": st.stage.shard.weights_format,
                     "p50_ms": round(xs[len(xs) // 2], 3),
                     "p95_ms": round(xs[min(len(xs) - 1, int(0.95 * len(xs)))], 3),
                     "overhead_p50_ms": round(ov[len(ov) // 2], 3),
@@ -325,10 +333,17 @@ class PipelineOrchestrator:
                     "wire_dtype": st.wire}
         return done_frame(call.gen, t0=t0, first_ms=call.first_ms or 0.0, tokens_per_s=tps,
                           pipeline=[s.shard_id for s in call.stages],
+                          formats={"head": self._own_format(call),
+                                   "stages": [s.stage.shard.weights_format
+                                              for s in call.stages]},
                           timings={"construction_ms": round(construct_ms, 1),
                                    "failover_ms": [round(x, 1) for x in call.failover_ms],
                                    "per_shard": per_shard},
                           failovers=len(call.failover_ms))
+
+    def _own_format(self, call: CallState) -> str:
+        prepared = self._prepared.get(call.pipeline.weights_sha256)
+        return prepared.head.format if prepared is not None else self.local_weights
 
     async def _close(self, call: CallState) -> None:
         self.router.release(call.pipeline)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hearthnet.distributed_inference.formats import DEFAULT_MIN_FORMAT, check_policy
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.distributed_inference.wire import check_wire_names
 from hearthnet.errors import BadRequest
@@ -43,6 +44,9 @@ class DistributedChatParams:
     max_shards: int = 16
     timeout_s: float = 30.0
     fallback_after_failures: int = 2
+    # the shards' weight formats the call accepts (issue 12 §2): a minimum format, or
+    # "exact" (only the orchestrator's own); see formats.check_policy
+    weights: str = DEFAULT_MIN_FORMAT
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], defaults: DistributedChatParams) -> DistributedChatParams:
@@ -67,7 +71,8 @@ class DistributedChatParams:
                       max_shards=int(d.get("max_shards", defaults.max_shards)),
                       timeout_s=float(d.get("timeout_s", defaults.timeout_s)),
                       fallback_after_failures=int(d.get("fallback_after_failures",
-                                                        defaults.fallback_after_failures)))
+                                                        defaults.fallback_after_failures)),
+                      weights=check_policy(d.get("weights", defaults.weights)))
         except (TypeError, ValueError) as e:
             raise BadRequest(f"bad params: {e}") from e
         check_wire_names(out.wire_dtype, out.wire_wide_dtype)

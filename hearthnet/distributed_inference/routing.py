@@ -152,8 +152,11 @@ class ShardRouter:
     # ---- picking ----
 
     async def pick(self, model_id: str, weights_sha256: str, total_layers: int, *,
-                   exclude: Collection[ShardID] = (), reserve: bool = True) -> Pipeline:
+                   exclude: Collection[ShardID] = (), reserve: bool = True,
+                   formats: Collection[str] | None = None) -> Pipeline:
         """A pipeline covering layers ``0..total_layers-1`` of the model (M26 §5.2).
+
+        `formats`: the weight formats the call accepts (issue 12 §2; None: any).
 
         Raises:
             BadRequest: `total_layers` < 1.
@@ -162,9 +165,9 @@ class ShardRouter:
         """
         if total_layers < 1:
             raise BadRequest(f"total_layers must be >= 1, not {total_layers}")
-        cands = self._candidates(model_id, weights_sha256, total_layers, set(exclude))
+        cands = self._candidates(model_id, weights_sha256, total_layers, set(exclude), formats)
         stages = self._cover(cands, 0, total_layers - 1, model_id, weights_sha256,
-                             total_layers, set(exclude))
+                             total_layers, set(exclude), formats)
         p = Pipeline.from_stages(uuid.uuid4().hex, model_id, weights_sha256, total_layers,
                                  stages, self._now())
         if reserve:
@@ -174,7 +177,8 @@ class ShardRouter:
         return p
 
     async def repick(self, pipeline: Pipeline, exclude: Collection[ShardID], *,
-                     reserve: bool = True) -> Pipeline:
+                     reserve: bool = True, formats: Collection[str] | None = None
+                     ) -> Pipeline:
         """Replace the excluded stages of `pipeline` (M26 §4.4, §5.4); see module docstring.
 
         Raises:
@@ -189,10 +193,10 @@ class ShardRouter:
         if reserve:  # our own reservations must not make replacements look full
             self._release_ids(pipeline.shard_ids)
         try:
-            new_stages = self._patch(stages, excl, kept, model, sha, total)
+            new_stages = self._patch(stages, excl, kept, model, sha, total, formats)
             if new_stages is None:
-                new_stages = self._cover(self._candidates(model, sha, total, excl), 0,
-                                         total - 1, model, sha, total, excl)
+                new_stages = self._cover(self._candidates(model, sha, total, excl, formats), 0,
+                                         total - 1, model, sha, total, excl, formats)
         except BaseException:
             if reserve:
                 self._reserve_ids(pipeline.shard_ids)
@@ -206,9 +210,10 @@ class ShardRouter:
         return p
 
     def _patch(self, stages: list[PipelineStage], excl: set[ShardID], kept: set[ShardID],
-               model: str, sha: str, total: int) -> list[PipelineStage] | None:
+               model: str, sha: str, total: int, formats: Collection[str] | None
+               ) -> list[PipelineStage] | None:
         """Keep good stages, re-cover each run of excluded ones; None if that fails."""
-        cands = self._candidates(model, sha, total, excl | kept)
+        cands = self._candidates(model, sha, total, excl | kept, formats)
         out: list[PipelineStage] = []
         i = 0
         while i < len(stages):
@@ -221,7 +226,7 @@ class ShardRouter:
                 j += 1
             try:
                 out.extend(self._cover(cands, stages[i].start, stages[j].end, model, sha,
-                                       total, excl))
+                                       total, excl, formats))
             except (ShardUnavailable, WeightsMismatch):
                 return None
             i = j + 1
@@ -231,13 +236,13 @@ class ShardRouter:
 
     # ---- the cover ----
 
-    def _candidates(self, model: str, sha: str, total: int, excl: set[ShardID]
-                    ) -> list[_Cand]:
+    def _candidates(self, model: str, sha: str, total: int, excl: set[ShardID],
+                    formats: Collection[str] | None) -> list[_Cand]:
         out = []
         for ad in self.store.candidates(model, sha):
             d = ad.descriptor
             if d.shard_id in excl or d.hi >= total or self._full(ad) \
-                    or not self._trusted(d.host):
+                    or not self._trusted(d.host) or not _format_ok(d, formats):
                 continue
             out.append(self._cand(ad))
         return out
@@ -267,11 +272,12 @@ class ShardRouter:
         return cursor != 0 or self.settings.allow_self_as_shard or not c.is_self
 
     def _cover(self, cands: list[_Cand], lo: int, hi: int, model: str, sha: str,
-               total: int, excl: set[ShardID]) -> list[PipelineStage]:
+               total: int, excl: set[ShardID], formats: Collection[str] | None = None
+               ) -> list[PipelineStage]:
         """Stages covering exactly ``lo..hi``: greedy, then minimum-stage fallback."""
         stages = self._greedy(cands, lo, hi, best_reach=False)
         if stages is None:
-            self._fail(cands, lo, hi, model, sha, total, excl)
+            self._fail(cands, lo, hi, model, sha, total, excl, formats)
         assert stages is not None
         limit = self.settings.max_shards_per_request
         if len(stages) > limit:
@@ -308,7 +314,7 @@ class ShardRouter:
                 c.d.shard_id)
 
     def _fail(self, cands: list[_Cand], lo: int, hi: int, model: str, sha: str,
-              total: int, excl: set[ShardID]) -> None:
+              total: int, excl: set[ShardID], formats: Collection[str] | None = None) -> None:
         """Raise the error explaining why ``lo..hi`` cannot be covered."""
         covered = [False] * (hi - lo + 1)
         for c in cands:
@@ -328,7 +334,7 @@ class ShardRouter:
                 f"({', '.join(hashes)}…), not {sha[:12]}…; import the same model files on "
                 "every node", model_id=model, uncovered=ranges, requested=sha,
                 advertised=sorted({a.descriptor.weights_sha256 for a in others}))
-        reasons = self._reasons(same_model, sha, missing, total, excl)
+        reasons = self._reasons(same_model, sha, missing, total, excl, formats)
         if not same_model:
             known = ", ".join(sorted(self.store.models())) or "none"
             detail = f"no live shard advertises {model} (models advertised: {known})"
@@ -340,7 +346,8 @@ class ShardRouter:
                                "busy shards", model_id=model, uncovered=ranges)
 
     def _reasons(self, same_model: list[Advertisement], sha: str, missing: list[int],
-                 total: int, excl: set[ShardID]) -> list[str]:
+                 total: int, excl: set[ShardID], formats: Collection[str] | None = None
+                 ) -> list[str]:
         out = []
         for ad in same_model:
             d = ad.descriptor
@@ -348,6 +355,9 @@ class ShardRouter:
                 continue
             if d.shard_id in excl:
                 out.append(f"{d.shard_id} excluded")
+            elif not _format_ok(d, formats):
+                out.append(f"{d.shard_id} holds {d.weights_format} weights; the call accepts "
+                           f"{', '.join(sorted(formats or ()))} (params.weights)")
             elif not self._trusted(d.host):
                 out.append(f"{d.shard_id}: host {d.host} is below the routing minimum trust")
             elif d.hi >= total:
@@ -361,6 +371,11 @@ class ShardRouter:
 
     def _now(self) -> datetime:
         return to_datetime(self.store.clock())
+
+
+def _format_ok(d: ShardDescriptor, formats: Collection[str] | None) -> bool:
+    """Whether the call accepts the shard's weight format (issue 12 §2)."""
+    return formats is None or d.weights_format in formats
 
 
 def _ranges(layers: list[int]) -> list[list[int]]:

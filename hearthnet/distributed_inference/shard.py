@@ -25,12 +25,19 @@ from typing import Any
 
 import torch
 
+from hearthnet.distributed_inference.backends.memory import plan_shard
 from hearthnet.distributed_inference.backends.small_model_layered import (
     LayeredStack,
     compute_dtype,
 )
-from hearthnet.distributed_inference.descriptors import ShardDescriptor, ShardHealth, to_datetime
+from hearthnet.distributed_inference.descriptors import (
+    ShardDescriptor,
+    ShardHealth,
+    make_shard_id,
+    to_datetime,
+)
 from hearthnet.distributed_inference.faults import CloseMidFrame
+from hearthnet.distributed_inference.formats import resolve_format
 from hearthnet.errors import (
     BadRequest,
     ConnectionLost,
@@ -57,7 +64,8 @@ class ShardSettings:
     eviction_idle_s: float = 600.0
     session_idle_timeout_s: float = 120.0
     max_session_tokens: int = 8192
-    compute_dtype: str = "fp32"
+    weights: str = "fp32"  # held format (formats.py); `native` = the stored dtype
+    max_vram_mb: int | None = None  # refuse at start above this (issue 12 §4); None: no cap
     prefill_chunk_tokens: int = 256  # a long step runs in chunks of this many positions
 
 
@@ -88,10 +96,15 @@ class ShardServer:
         self.entry, self.lo, self.hi = entry, lo, hi
         self.settings, self.executor, self.clock = settings, executor, clock
         self.metrics = metrics or Metrics()
+        self.weights_format = resolve_format(settings.weights, entry.dtype)
+        self.memory = plan_shard(entry, lo, hi, self.weights_format,
+                                 settings.max_concurrent_streams, settings.max_session_tokens)
+        self._refuse_over_budget(make_shard_id(entry.model_id, lo, hi, node_id))
         self.descriptor = ShardDescriptor.create(
             model_id=entry.model_id, weights_sha256=entry.weights_sha256, layer_range=(lo, hi),
             host=node_id, endpoint=endpoint,
-            max_concurrent_streams=settings.max_concurrent_streams)
+            max_concurrent_streams=settings.max_concurrent_streams,
+            vram_required_mb=self.memory.total_mb, weights_format=self.weights_format)
         self.shard_id = self.descriptor.shard_id
         self.stack: LayeredStack | None = None
         self._load_lock = asyncio.Lock()
@@ -101,6 +114,20 @@ class ShardServer:
         self._latencies: deque[float] = deque(maxlen=256)
         self._streams: set[Any] = set()
         self.step_hook: StepHook | None = None  # test-only fault injection (issue 6 §5)
+
+    def _refuse_over_budget(self, shard_id: str) -> None:
+        """A shard over `shard_max_vram_mb` is refused before loading (issue 12 §4)."""
+        cap = self.settings.max_vram_mb
+        if cap is None or self.memory.total_mb <= cap:
+            return
+        s = self.settings
+        need = self.memory.describe(self.weights_format, s.max_concurrent_streams,
+                                    s.max_session_tokens)
+        raise ShardUnavailable(
+            f"shard {shard_id} needs {need} but shard_max_vram_mb is {cap}: choose "
+            f"weights = \"int8\", lower max_session_tokens or max_concurrent_streams, "
+            f"host fewer layers, or raise shard_max_vram_mb", shard_id=shard_id,
+            required_mb=self.memory.total_mb, budget_mb=cap)
 
     # ---- lifecycle ----
 
@@ -115,15 +142,10 @@ class ShardServer:
                 loop = asyncio.get_running_loop()
                 self.stack = await loop.run_in_executor(
                     self.executor, LayeredStack, self.entry, self.lo, self.hi,
-                    self.settings.compute_dtype)
+                    self.weights_format)
                 mb = self.stack.param_bytes() / 2**20
-                self.descriptor = ShardDescriptor.create(
-                    model_id=self.entry.model_id, weights_sha256=self.entry.weights_sha256,
-                    layer_range=(self.lo, self.hi), host=self.descriptor.host,
-                    endpoint=self.descriptor.endpoint,
-                    max_concurrent_streams=self.settings.max_concurrent_streams,
-                    vram_required_mb=int(mb + 1))
-                log.info("shard_loaded", shard_id=self.shard_id, mb=round(mb, 1),
+                log.info("shard_loaded", shard_id=self.shard_id, weights=self.weights_format,
+                         weights_mb=round(mb, 1), required_mb=self.memory.total_mb,
                          ms=round((time.perf_counter() - t0) * 1000))
             return self.stack
 
@@ -197,7 +219,8 @@ class ShardServer:
             session = stack.open_session(req.start, req.end, req.max_length)
             stream.limit_tensor_bytes(self.session_tensor_bytes(req))
             await stream.accept({"shard_id": self.shard_id, "hidden_size": stack.hidden_size,
-                                 "compute_dtype": self.settings.compute_dtype})
+                                 "weights_format": self.weights_format,
+                                 "compute_dtype": str(stack.dtype).removeprefix("torch.")})
             self.metrics.shard_sessions_total.labels(self.shard_id, "accepted", req.caller).inc()
             await self._step_loop(stream, session, compute_dtype(req.wire_dtype))
         except (ConnectionLost, StreamStalled) as e:

@@ -171,13 +171,15 @@ class Node:
                 wire_wide_dtype=cfg.di.activation_wide_dtype,
                 max_shards=cfg.di.max_shards_per_request,
                 timeout_s=cfg.di.shard_health_timeout_seconds,
-                fallback_after_failures=cfg.di.fallback_after_failures),
+                fallback_after_failures=cfg.di.fallback_after_failures,
+                weights=cfg.di.weights),
             enabled=cfg.distributed_enabled, sign_open=self.guard.sign_open,
             max_concurrent_pipelines=cfg.di.max_concurrent_pipelines,
             limits=PromptLimits(max_prompt_bytes=cfg.di.max_prompt_bytes,
                                 max_prompt_tokens=cfg.di.max_prompt_tokens,
                                 max_completion_tokens=cfg.di.max_completion_tokens),
-            prefill_chunk_tokens=cfg.di.prefill_chunk_tokens)
+            prefill_chunk_tokens=cfg.di.prefill_chunk_tokens,
+            local_weights=cfg.di.head_weights)
         self.bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(SERVED_MODELS_CAPABILITY, self._served_capability)
@@ -223,11 +225,13 @@ class Node:
         for spec in self.cfg.hosted_shards():
             lo, hi = spec.layers
             await self._host_shard(self.models.get(spec.model), lo, hi,
-                                   spec.max_concurrent_streams)
+                                   spec.max_concurrent_streams, spec.weights)
 
     async def _host_shard(self, entry: ModelEntry, lo: int, hi: int,
-                          max_concurrent_streams: int) -> ShardServer:
-        """Load layers `lo..hi` of `entry`, serve and advertise them."""
+                          max_concurrent_streams: int, weights: str | None = None
+                          ) -> ShardServer:
+        """Load layers `lo..hi` of `entry` held as `weights` (default: the host's), serve
+        and advertise them."""
         host = self.cfg.di.host
         shard = ShardServer(
             entry, lo, hi, node_id=self.node_id, endpoint=self.endpoint,
@@ -236,7 +240,8 @@ class Node:
                 eviction_idle_s=host.shard_eviction_idle_seconds,
                 session_idle_timeout_s=host.session_idle_timeout_seconds,
                 max_session_tokens=host.max_session_tokens,
-                compute_dtype=host.compute_dtype,
+                weights=weights or host.weights or host.compute_dtype,
+                max_vram_mb=host.shard_max_vram_mb,
                 prefill_chunk_tokens=self.cfg.di.prefill_chunk_tokens),
             executor=self.executor, metrics=self.metrics)
         async with progress(log, "shard_load", model=entry.alias, layers=[lo, hi]):

@@ -38,7 +38,7 @@ async def mesh_status(node: Any) -> dict[str, Any]:
             "p95_latency_ms": node.health.p95(d.shard_id) or (h.p95_latency_ms if h else None),
             "max_concurrent_streams": d.max_concurrent_streams,
             # weight format (issue 12) and device (issue 13), when the advertisement has them
-            "format": getattr(d, "format", None) or getattr(d, "weights_format", None),
+            "format": d.weights_format, "memory_mb": d.vram_required_mb,
             "device": getattr(d, "device", None),
             "auto": node.placement.auto_shard(d.shard_id)})  # automatic placement (issue 17)
         nodes.setdefault(d.host, {"node_id": d.host, "self": False, "endpoint": d.endpoint})

@@ -85,12 +85,13 @@ class InProcessMesh:
         self.store = ShardStore(120.0, tracker=self.health)
         self.channels: list[Channel] = []
 
-    def add(self, node_id: str, lo: int, hi: int) -> Host:
-        stack = LayeredStack(self.entry, lo, hi)
+    def add(self, node_id: str, lo: int, hi: int, weights: str = "fp32") -> Host:
+        stack = LayeredStack(self.entry, lo, hi, weights)
         d = ShardDescriptor.create(model_id=self.entry.model_id,
                                    weights_sha256=self.entry.weights_sha256,
                                    layer_range=(lo, hi), host=node_id,
-                                   endpoint=f"ws://{node_id}.inproc:1", max_concurrent_streams=8)
+                                   endpoint=f"ws://{node_id}.inproc:1", max_concurrent_streams=8,
+                                   weights_format=stack.format)
         log = EventLog(self._dir / f"{node_id}.sqlite", node_id)
         self.store.apply(log.append(ADVERTISED, advertisement_payload(d)))
         log.close()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from hearthnet.distributed_inference import formats
 from hearthnet.distributed_inference.backends import quant
 from hearthnet.distributed_inference.backends import small_model_layered as sml
 from hearthnet.distributed_inference.backends.quant import Int4Linear, Int8Linear
@@ -49,21 +50,21 @@ def test_int8_and_int4_linear_match_the_float_product():
 
 
 def test_formats_and_routing_policy():
-    assert quant.resolve_format("native", "bfloat16") == "bf16"
-    assert quant.resolve_format("native", "float32") == "fp32"
-    assert quant.resolve_format("int8", "bfloat16") == "int8"
+    assert formats.resolve_format("native", "bfloat16") == "bf16"
+    assert formats.resolve_format("native", "float32") == "fp32"
+    assert formats.resolve_format("int8", "bfloat16") == "int8"
     assert quant.format_name(torch.bfloat16) == "bf16" and quant.format_name("float32") == "fp32"
     with pytest.raises(BadRequest, match="unknown weight format 'int3'"):
-        quant.resolve_format("int3", "float32")
-    assert quant.check_policy(None) == "int8"
+        formats.resolve_format("int3", "float32")
+    assert formats.check_policy(None) == "int8"
     for bad in ("fp8", 3, "EXACT"):
         with pytest.raises(BadRequest, match="weights must be"):
-            quant.check_policy(bad)
+            formats.check_policy(bad)
     # default: at least as precise as int8 — int4 is left out
-    assert quant.accepted_formats("int8", "fp32") == ["fp32", "bf16", "fp16", "int8"]
-    assert quant.accepted_formats("bf16", "fp32") == ["fp32", "bf16", "fp16"]
-    assert quant.accepted_formats("int4", "fp32") == list(quant.HELD_FORMATS)
-    assert quant.accepted_formats("exact", "bf16") == ["bf16"]
+    assert formats.accepted_formats("int8", "fp32") == ["fp32", "bf16", "fp16", "int8"]
+    assert formats.accepted_formats("bf16", "fp32") == ["fp32", "bf16", "fp16"]
+    assert formats.accepted_formats("int4", "fp32") == list(formats.HELD_FORMATS)
+    assert formats.accepted_formats("exact", "bf16") == ["bf16"]
 
 
 def _logits(entry, weights, ids):
@@ -102,7 +103,7 @@ def test_formats_load_and_stay_close_to_fp32(fam_store, fp32_ref, family, fmt, t
     assert stack.format == fmt and got.dtype == torch.float32
     rel = float((got - ref).norm() / ref.norm())
     assert rel < tol, (family, fmt, rel)
-    if fmt in quant.QUANTISED:  # every Linear was replaced by its quantised module
+    if fmt in formats.QUANTISED:  # every Linear was replaced by its quantised module
         assert not [m for m in stack.layers.modules() if isinstance(m, nn.Linear)]
     if fmt == "int8":  # held bytes ≈ a quarter of fp32 (plus scales and fp32 norms)
         assert 0.25 < stack.param_bytes() / ref_stack_bytes < 0.32

@@ -46,11 +46,13 @@ class Mesh:
 
     def add(self, lo: int, hi: int, host: str = "node-b", *, sha: str = SHA,
             model: str = "m", queue: int = 0, active: int = 0, streams: int = 4,
-            ip: str = "127.0.0.1", online: bool = True, ts: float | None = None) -> str:
+            ip: str = "127.0.0.1", online: bool = True, ts: float | None = None,
+            fmt: str = "fp32") -> str:
         d = ShardDescriptor.create(model_id=model, weights_sha256=sha, layer_range=(lo, hi),
                                    host=host, endpoint=f"ws://{ip}:7700",
                                    max_concurrent_streams=streams,
-                                   advertised_at=datetime.fromtimestamp(T0, UTC))
+                                   advertised_at=datetime.fromtimestamp(T0, UTC),
+                                   weights_format=fmt)
         h = ShardHealth(d.shard_id, online, datetime.fromtimestamp(T0, UTC), 5.0, queue,
                         active)
         ev = Event(f"id{next(_seq)}", host, next(_seq), ADVERTISED,
@@ -357,3 +359,39 @@ def test_routing_settings_from_config_section() -> None:
     s = RoutingSettings.from_config(DistributedInferenceSection(
         max_shards_per_request=3, allow_self_as_shard=True, shard_health_timeout_seconds=10))
     assert s == RoutingSettings(3, True, 10.0)
+
+
+async def test_router_only_chains_shards_of_accepted_formats():
+    """Issue 12 §2: the call's `weights` decides which held formats a pipeline may use."""
+    from hearthnet.distributed_inference.formats import accepted_formats
+
+    m = Mesh()
+    a = m.add(0, 9, "node-b", fmt="int4")
+    b = m.add(0, 9, "node-c", fmt="int8")
+    c = m.add(10, 19, "node-d", fmt="bf16")
+    m.add(10, 19, "node-e", fmt="fp32", queue=9)  # busier: picked only when bf16 is refused
+    default = frozenset(accepted_formats("int8", "fp32"))  # int4 is not in the default
+    p = await m.router.pick("m", SHA, 20, formats=default, reserve=False)
+    assert p.shard_ids == [b, c]
+    anyfmt = frozenset(accepted_formats("int4", "fp32"))
+    assert (await m.router.pick("m", SHA, 20, formats=anyfmt, reserve=False)).shard_ids[0] \
+        in (a, b)
+    with pytest.raises(ShardUnavailable) as ei:  # exact fp32: no fp32 shard for 0-9
+        await m.router.pick("m", SHA, 20, formats=frozenset({"fp32"}), reserve=False)
+    assert "holds int8 weights; the call accepts fp32" in ei.value.message
+    # a replacement keeps the call's formats: losing the int8 shard falls to nothing
+    p = await m.router.pick("m", SHA, 20, formats=default)
+    with pytest.raises(ShardUnavailable, match="holds int4"):
+        await m.router.repick(p, exclude={b}, formats=default)
+
+
+def test_descriptor_carries_its_format():
+    d = ShardDescriptor.create(model_id="m", weights_sha256=SHA, layer_range=(0, 3),
+                               host="node-b", endpoint="ws://127.0.0.1:1",
+                               max_concurrent_streams=2, weights_format="int8")
+    back = ShardDescriptor.from_dict(d.to_dict())
+    assert back.weights_format == "int8"
+    old = {k: v for k, v in d.to_dict().items() if k != "weights_format"}
+    assert ShardDescriptor.from_dict(old).weights_format == "fp32"  # older advertisers
+    with pytest.raises(BadRequest, match="weights_format"):
+        ShardDescriptor.from_dict({**d.to_dict(), "weights_format": "native"})

@@ -17,32 +17,23 @@ Loading is per tensor: a tensor is read from safetensors, converted to the held 
 assigned, then the next one is read, so the stored model never sits in memory whole (a
 device move goes between the conversion and the assignment: `_place`).
 
-Routing (M26 §5.3, refined): a call's `weights` param is a minimum precision — a format
-name (accept shards at least that precise; default `int8`) or `exact` (only the
-orchestrator's own format). Precision order: fp32 > bf16 = fp16 > int8 > int4.
+Format names and the routing policy live in `distributed_inference/formats.py`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from hearthnet.distributed_inference.formats import STORED
 from hearthnet.errors import BadRequest, WeightsMismatch
 
-FORMATS = ("native", "fp32", "bf16", "fp16", "int8", "int4")
-HELD_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
-QUANTISED = ("int8", "int4")
-HEAD_FORMATS = ("fp32", "bf16", "fp16", "int8")
-_PRECISION = {"fp32": 3, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0}
-DEFAULT_MIN_FORMAT = "int8"  # a call's default `weights`: at least as precise as int8
-EXACT = "exact"
 INT4_GROUPS = (128, 64, 32)  # the largest that divides a matrix's input size
 _FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_STORED = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
-           "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 _ROWS = 4096  # rows quantised at a time (bounds the fp32 temporary of one tensor)
 
 
@@ -50,56 +41,12 @@ def format_name(name: str | torch.dtype) -> str:
     """A format name from a format, a dtype name ("float32") or a torch dtype."""
     if isinstance(name, torch.dtype):
         name = str(name).removeprefix("torch.")
-    return _STORED.get(name, name)
-
-
-def check_format(name: object) -> str:
-    """`name` if it is a known format; `BadRequest` naming the known ones otherwise."""
-    if not isinstance(name, str) or name not in FORMATS:
-        raise BadRequest(f"unknown weight format {name!r}; use one of {', '.join(FORMATS)}")
-    return name
-
-
-def resolve_format(name: str, stored_dtype: str) -> str:
-    """The held format: `native` becomes the stored dtype's (fp32|bf16|fp16)."""
-    check_format(name)
-    if name != "native":
-        return name
-    try:
-        return _STORED[stored_dtype]
-    except KeyError:
-        raise BadRequest(f"weights stored as {stored_dtype!r} have no native format; "
-                         f"choose fp32, bf16 or int8") from None
+    return STORED.get(name, name)
 
 
 def compute_dtype_of(fmt: str) -> torch.dtype:
     """The dtype a layer computes in when its weights are held as `fmt`."""
     return _FLOAT.get(fmt, torch.float32)
-
-
-def check_policy(value: object) -> str:
-    """Validate a call's `weights` param (None → the default minimum)."""
-    if value is None:
-        return DEFAULT_MIN_FORMAT
-    if value == EXACT or (isinstance(value, str) and value in HELD_FORMATS):
-        return str(value)
-    raise BadRequest(f"weights must be {EXACT!r} or a minimum format "
-                     f"({', '.join(HELD_FORMATS)}); got {value!r}")
-
-
-def accepts(policy: str, fmt: str, own: str) -> bool:
-    """Whether a call with `weights=policy` may use a shard holding `fmt`.
-
-    `own` is the orchestrator's own (head / local engine) format, for `exact`.
-    """
-    if policy == EXACT:
-        return fmt == own
-    return _PRECISION.get(fmt, -1) >= _PRECISION[policy]
-
-
-def accepted_formats(policy: str, own: str) -> list[str]:
-    """The held formats a policy accepts (for messages)."""
-    return [f for f in HELD_FORMATS if accepts(policy, f, own)]
 
 
 def _rows(w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
@@ -252,3 +199,21 @@ def held_bytes(module: nn.Module) -> int:
         seen.add(id(t))
         total += t.numel() * t.element_size()
     return total
+
+
+def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool) -> int:
+    """Bytes one stored tensor takes once held as `fmt` (what `load_module` makes of it).
+
+    `linear`: the tensor is an `nn.Linear` weight (quantised formats quantise only those;
+    their other tensors are held in fp32).
+    """
+    n = math.prod(shape)
+    if fmt == "int8" and linear:
+        return n + shape[0] * 2  # int8 values + one bf16 scale per output channel
+    if fmt == "int4" and linear:
+        k = shape[1]
+        gs = next((g for g in INT4_GROUPS if k % g == 0), INT4_GROUPS[-1])
+        return n // 2 + (k // gs) * shape[0] * 2 * 2  # packed nibbles + bf16 (scale, zero)
+    if fmt in _FLOAT:
+        return n * torch.empty((), dtype=_FLOAT[fmt]).element_size()
+    return n * 4  # the other tensors of a quantised format: fp32

@@ -45,14 +45,13 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from hearthnet.distributed_inference.backends.quant import (
-    HEAD_FORMATS,
     Int8Linear,
     compute_dtype_of,
     format_name,
     held_bytes,
     load_module,
-    resolve_format,
 )
+from hearthnet.distributed_inference.formats import HEAD_FORMATS, resolve_format
 from hearthnet.errors import BadRequest, WeightsMismatch
 from hearthnet.models.store import ModelEntry
 

@@ -1,0 +1,68 @@
+"""Weight format names and the routing policy over them (issue 12 §2), torch-free.
+
+Formats: `native` (the stored dtype), `fp32`, `bf16`, `fp16`, `int8`, `int4`; what each
+means for the held tensors is `backends/quant.py`. An advertisement names its shard's held
+format (never `native`: that is resolved at load).
+
+Routing (M26 §5.3, refined): a call's `weights` param is a minimum precision — a format
+name (accept shards at least that precise; default `int8`) or `exact` (only the
+orchestrator's own format). Precision order: fp32 > bf16 = fp16 > int8 > int4.
+"""
+
+from __future__ import annotations
+
+from hearthnet.errors import BadRequest
+
+FORMATS = ("native", "fp32", "bf16", "fp16", "int8", "int4")
+HELD_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
+QUANTISED = ("int8", "int4")
+HEAD_FORMATS = ("fp32", "bf16", "fp16", "int8")
+_PRECISION = {"fp32": 3, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0}
+DEFAULT_MIN_FORMAT = "int8"  # a call's default `weights`: at least as precise as int8
+EXACT = "exact"
+STORED = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
+          "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+def check_format(name: object) -> str:
+    """`name` if it is a known format; `BadRequest` naming the known ones otherwise."""
+    if not isinstance(name, str) or name not in FORMATS:
+        raise BadRequest(f"unknown weight format {name!r}; use one of {', '.join(FORMATS)}")
+    return name
+
+
+def resolve_format(name: str, stored_dtype: str) -> str:
+    """The held format: `native` becomes the stored dtype's (fp32|bf16|fp16)."""
+    check_format(name)
+    if name != "native":
+        return name
+    try:
+        return STORED[stored_dtype]
+    except KeyError:
+        raise BadRequest(f"weights stored as {stored_dtype!r} have no native format; "
+                         f"choose fp32, bf16 or int8") from None
+
+
+def check_policy(value: object) -> str:
+    """Validate a call's `weights` param (None → the default minimum)."""
+    if value is None:
+        return DEFAULT_MIN_FORMAT
+    if value == EXACT or (isinstance(value, str) and value in HELD_FORMATS):
+        return str(value)
+    raise BadRequest(f"weights must be {EXACT!r} or a minimum format "
+                     f"({', '.join(HELD_FORMATS)}); got {value!r}")
+
+
+def accepts(policy: str, fmt: str, own: str) -> bool:
+    """Whether a call with `weights=policy` may use a shard holding `fmt`.
+
+    `own` is the orchestrator's own (head / local engine) format, for `exact`.
+    """
+    if policy == EXACT:
+        return fmt == own
+    return _PRECISION.get(fmt, -1) >= _PRECISION[policy]
+
+
+def accepted_formats(policy: str, own: str) -> list[str]:
+    """The held formats a policy accepts (for messages)."""
+    return [f for f in HELD_FORMATS if accepts(policy, f, own)]

@@ -1,0 +1,73 @@
+"""Weight formats through the orchestrator (issue 12 §2, §5): the real SmolLM2.
+
+Distributed output is token-identical to a local engine holding the same formats; the
+`done` frame names every stage's format and the head's; a call's `weights` decides which
+shards it may use.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.local import LocalEngine
+from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
+from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
+from hearthnet.errors import BadRequest
+from hearthnet.observability import Metrics
+from tests.helpers.inprocess import InProcessMesh
+
+PROMPT = [{"role": "user", "content": "Name three colours."}]
+N = 8
+
+
+def _orch(mesh: InProcessMesh, model_store, own: str) -> PipelineOrchestrator:
+    return PipelineOrchestrator(models=model_store, router=mesh.router(), health=mesh.health,
+                                metrics=Metrics(), connect=mesh.connect,
+                                executor=ThreadPoolExecutor(1), local_weights=own)
+
+
+async def _run(orch, **kw) -> list[dict]:
+    params = DistributedChatParams(sampling=SamplingParams(max_tokens=N), wire_dtype="fp32",
+                                   **kw)
+    return [f async for f in orch.chat(ChatRequest("smollm2", PROMPT), params)]
+
+
+def _tokens(frames):
+    return [f["token_id"] for f in frames if f["type"] == "token_delta"]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+async def test_distributed_equals_local_with_the_same_formats(smollm2, model_store, fmt):
+    local = LocalEngine(smollm2, fmt)
+    want = [e.token_id for e in local.generate(PROMPT, SamplingParams(max_tokens=N))]
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14, fmt)
+    mesh.add("node-c", 15, 29, fmt)
+    frames = await _run(_orch(mesh, model_store, fmt))
+    assert _tokens(frames) == want
+    done = frames[-1]
+    assert done["type"] == "done" and done["formats"] == {"head": fmt, "stages": [fmt, fmt]}
+    assert {v["weights_format"] for v in done["timings"]["per_shard"].values()} == {fmt}
+
+
+async def test_call_weights_param_filters_shards(smollm2, model_store):
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 29, "int8")
+    orch = _orch(mesh, model_store, "fp32")
+    # default (at least int8) uses the int8 shard under an fp32 head
+    frames = await _run(orch, fallback_to_local=False)
+    assert frames[-1]["type"] == "done"
+    assert frames[-1]["formats"] == {"head": "fp32", "stages": ["int8"]}
+    # exact: only the orchestrator's own format (fp32) — none is there
+    frames = await _run(orch, fallback_to_local=False, weights="exact")
+    assert frames[-1]["type"] == "error" and frames[-1]["code"] == "shard_unavailable"
+    assert "holds int8 weights; the call accepts fp32" in frames[-1]["message"]
+    # with fallback the local engine answers, in the orchestrator's own format
+    frames = await _run(orch, weights="bf16")
+    assert frames[-1]["fallback"] and frames[-1]["formats"] == {"head": "fp32",
+                                                                "stages": ["fp32"]}
+    with pytest.raises(BadRequest, match="weights must be"):
+        DistributedChatParams.from_dict({"weights": "q4"}, DistributedChatParams())
