@@ -57,6 +57,7 @@ bench: install
 	$(HN) bench transport --json
 	$(HN) bench pipeline --shards 2 --tokens 64 --json
 	$(HN) bench failover --json
+	$(HN) bench api --json
 	$(HN) bench placement --json
 
 clean:

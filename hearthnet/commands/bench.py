@@ -72,6 +72,9 @@ BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
               "and the head (each in a fresh process)", *_lazy("local")),
     "pipeline": ("distributed vs local tokens/s, per-hop overhead, first token, concurrency "
                  "(shards in separate processes on 127.0.0.1)", *_lazy("pipeline")),
+    "api": ("the OpenAI-compatible HTTP API against the capability bus: first token, "
+            "tokens/s, gap between token chunks (shards in separate processes)",
+            *_lazy("api")),
     "failover": ("kill -9 the last-stage shard mid-answer: time to the next token, total "
                  "time and tokens against an unfaulted run", *_lazy("failover")),
     "placement": ("automatic vs equal layer split on three hosts with different threads "

@@ -168,3 +168,16 @@ def test_status_page_in_headless_chromium(mesh, repo_root, tmp_path):
                         ".textContent")
         assert "node-c" in reason and "lost" in reason
         b.screenshot(out / "status-page-degraded.png")
+
+
+async def test_dead_host_without_fallback_is_503_and_listed_on_the_status(mesh, oai):
+    """A shard host is gone (killed above, or here): no cover and no fallback → 503."""
+    mesh.kill("node-c")
+    msgs = [{"role": "user", "content": PROMPT}]
+    with pytest.raises(openai.InternalServerError) as e:
+        await oai.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4,
+                                          extra_body={"hearthnet": {"fallback_to_local":
+                                                                    False}})
+    assert e.value.status_code == 503 and e.value.body["code"] == "shard_unavailable"
+    st = mesh.status("node-a")
+    assert any(ev["type"] == "pipeline_aborted" for ev in st["recent_events"])
