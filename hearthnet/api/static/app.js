@@ -21,7 +21,7 @@ function headers(extra) {
   return h;
 }
 
-function shortShard(id) { return id.split("/").pop(); }
+function shortShard(id) { return String(id).split(":").pop(); }  // "0-14@node-b"
 function pct(n, total) { return (100 * n / total).toFixed(3) + "%"; }
 function fmt(v, digits) { return v === null || v === undefined ? "–" :
   (typeof v === "number" ? v.toFixed(digits) : String(v)); }
@@ -85,15 +85,16 @@ function renderShards(st) {
     const td = (label, cls, ...kids) => el("td", {"data-label": label, class: cls || ""},
       ...kids);
     body.append(el("tr", {class: "shard-row", "data-shard": s.shard_id, "data-state": state},
-      td("Shard", "name", shortShard(s.shard_id)), td("Host", "", s.host),
+      td("Shard", "name", el("span", {title: s.shard_id}, shortShard(s.shard_id))),
+      td("Host", "", s.host),
       td("Layers", "", `${s.layers[0]}–${s.layers[1]}`),
       td("State", "state-" + state, state,
         s.reason ? el("span", {class: "reason"}, s.reason) : null),
       td("p95 ms", "", fmt(s.p95_latency_ms, 1)), td("Queue", "", fmt(s.queue_depth, 0)),
       td("Sessions", "", fmt(s.active_sessions, 0)), td("Format", "", fmt(s.format)),
-      td("Device", "", fmt(s.device))));
+      td("Memory MB", "", fmt(s.memory_mb, 0)), td("Device", "", fmt(s.device))));
   }
-  if (!st.shards.length) body.append(el("tr", {}, el("td", {colspan: "9", class: "muted"},
+  if (!st.shards.length) body.append(el("tr", {}, el("td", {colspan: "10", class: "muted"},
     "no live shard advertisements")));
 }
 
