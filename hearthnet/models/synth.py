@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hearthnet.errors import BadRequest
-from hearthnet.models.store import IMPORTING, ModelEntry, ModelStore
+from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.models.writer import DEFAULT_MAX_FILE_BYTES, SafetensorsWriter, TensorPlan
 
 _QWEN_COMMON: dict[str, Any] = {
@@ -166,25 +166,23 @@ def write_synthetic(store: ModelStore, alias: str, config: dict[str, Any], *, mo
     """Write a random-weight model with `config` as `alias` (see the module docstring).
 
     Nothing is visible to `models list` until it is complete: the folder is written as
-    `<alias>.importing` and renamed at the end.
+    `<alias>.importing` and renamed at the end; an interrupted run resumes.
     """
+    from hearthnet.models.importer import publish_folder, stage_folder
+
     config = dict(config)
     src = tokenizer_from or _tokenizer_source(store)
-    folder, tmp = store.root / alias, store.root / (alias + IMPORTING)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = stage_folder(store, alias, f"{source}:{json.dumps(config, sort_keys=True)}")
     vocab_used = _write_tokenizer(src, tmp, config)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     plan = tensor_plan(config)
     writer = SafetensorsWriter(tmp, plan, max_file_bytes)
+    done = writer.resume()  # an interrupted run's complete files are kept
     std = float(config.get("initializer_range", 0.02))
     for t in plan:
-        _generate(writer, t, seed, std, vocab_used, int(config["vocab_size"]))
+        if t.name not in done:
+            _generate(writer, t, seed, std, vocab_used, int(config["vocab_size"]))
         if progress:
             progress(t.nbytes)
-    written = writer.close()
-    store.write_manifest(tmp, model_id=model_id, alias=alias, source=source, written=written,
-                         synthetic=True)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return ModelEntry.load(folder)
+    return publish_folder(store, tmp, alias, model_id=model_id, written=writer.close(),
+                          source=source, synthetic=True)

@@ -5,7 +5,8 @@ headers are known before any data exists; tensors are then written in ascending 
 each in one piece or in consecutive parts (row chunks), and never held together in memory.
 Files are split at `max_file_bytes` (an `model.safetensors.index.json` names where each
 tensor lives when there is more than one file), each written as `<name>.partial` and renamed
-when complete, so a complete file on disk is always a whole one.
+when complete, so a complete file on disk is always a whole one — and an interrupted
+import resumes after the last complete file (`resume`).
 
 While writing, the writer hashes each file's bytes (`file_sha256`) and — because tensors go
 out in ascending name order — the model's `weights_sha256` as `hearthnet.models.hashing`
@@ -114,6 +115,37 @@ class SafetensorsWriter:
             index = {"metadata": {"total_size": self.result.total_bytes},
                      "weight_map": {t.name: f for f, g in self._queue for t in g}}
             (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+    def resume(self) -> set[str]:
+        """Keep the complete files an interrupted run left (same plan → same header);
+        returns the names of the tensors they hold, which the caller must not write again.
+
+        Their bytes are read back once, in order, into the hashes.
+        """
+        done: set[str] = set()
+        for i, (fname, group) in enumerate(self._queue):
+            f = self.folder / fname
+            if self._pos != sum(len(g) for _, g in self._queue[:i]) or not f.is_file() \
+                    or f.stat().st_size != len(_header(group)) + sum(t.nbytes for t in group):
+                break
+            with f.open("rb") as fh:
+                head = fh.read(len(_header(group)))
+                if head != _header(group):
+                    break
+                fhash = hashlib.sha256(head)
+                for t in group:
+                    shape = ",".join(str(d) for d in t.shape)
+                    self._whash.update(f"{t.name}\0{ST_DTYPES[t.dtype]}\0{shape}\0".encode())
+                    left = t.nbytes
+                    while left:
+                        chunk = fh.read(min(left, 8 << 20))
+                        fhash.update(chunk)
+                        self._whash.update(chunk)
+                        left -= len(chunk)
+            self.result.file_sha256[fname] = fhash.hexdigest()
+            self._pos += len(group)
+            done.update(t.name for t in group)
+        return done
 
     @property
     def expected(self) -> TensorPlan | None:

@@ -1,0 +1,134 @@
+"""GGUF → safetensors, streamed tensor by tensor (issue 12 §1).
+
+A GGUF's tensors are memory-mapped by gguf-py's `GGUFReader`; each one is de-quantised
+(`gguf.dequantize`), put in transformers' layout by transformers' own per-architecture
+`TensorProcessor` (e.g. Llama's q/k un-permutation) and name map, cast to the target dtype
+(bf16 by default) and written (`SafetensorsWriter`) before the next is read: peak memory is
+about one tensor in fp32. The config and tokenizer come from transformers' GGUF metadata
+readers. Checks happen before any tensor work: the architecture must map to a transformers
+decoder family, and every tensor's quantisation type must be one gguf-py can de-quantise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hearthnet.errors import ModelStoreError
+from hearthnet.models.writer import SafetensorsWriter, TensorPlan, WrittenModel
+
+Progress = Callable[[int], None]
+# decoder families transformers' GGUF reader maps (for messages; i11 narrows to ours)
+GGUF_DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+
+
+class GgufPlan:
+    """What a GGUF file holds, checked: config, HF tensor plan, GGUF tensor per HF name."""
+
+    def __init__(self, gguf: Path, dtype: torch.dtype) -> None:
+        from gguf import GGMLQuantizationType, GGUFReader
+        from gguf.quants import _type_traits
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import (
+            GGUF_SUPPORTED_ARCHITECTURES,
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            load_gguf_checkpoint,
+        )
+
+        try:
+            self.reader = GGUFReader(str(gguf))
+            arch = str(self.reader.fields["general.architecture"].contents())
+        except (ValueError, KeyError, OSError) as e:
+            raise ModelStoreError(f"{gguf}: not a readable GGUF file ({e})") from e
+        if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+            raise ModelStoreError(f"{gguf}: GGUF architecture {arch!r} is not supported "
+                                  f"(transformers reads {', '.join(GGUF_DECODERS)}); import "
+                                  f"the model's Hugging Face folder instead")
+        plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
+        bad = sorted({t.tensor_type.name for t in self.reader.tensors
+                      if t.tensor_type not in plain and t.tensor_type not in _type_traits})
+        if bad:
+            raise ModelStoreError(f"{gguf}: quantisation type(s) {', '.join(bad)} cannot be "
+                                  f"de-quantised by gguf-py; convert the model to Q8_0, Q4_0, "
+                                  f"Q4_K … or import its Hugging Face folder instead")
+        try:
+            parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ModelStoreError(f"{gguf}: unreadable GGUF metadata ({e})") from e
+        cfg_dict = dict(parsed["config"])
+        try:
+            self.config = AutoConfig.for_model(**cfg_dict)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.config)  # type: ignore[no-untyped-call]
+        except (ValueError, KeyError) as e:
+            raise ModelStoreError(f"{gguf}: GGUF architecture {arch!r} has no transformers "
+                                  f"causal-LM family ({e})") from e
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(  # type: ignore[no-untyped-call]
+            config=cfg_dict)
+        self.parsed = parsed
+        self.key_map: dict[str, str] = get_gguf_hf_weights_map(model, self.processor)
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        self.by_name = {t.name: t for t in self.reader.tensors}
+        self.plan: list[TensorPlan] = []
+        self.source: dict[str, str] = {}
+        for t in self.reader.tensors:
+            hf = self.key_map.get(t.name)
+            if hf is not None and hf in shapes:
+                self.source[hf] = t.name
+                self.plan.append(TensorPlan(hf, dtype, shapes[hf]))
+        self.plan.sort(key=lambda p: p.name)
+        missing = sorted(set(shapes) - set(self.source) - _tied(self.config))
+        if missing:
+            raise ModelStoreError(f"{gguf}: GGUF architecture {arch!r} does not give every "
+                                  f"tensor of {type(model).__name__} (missing {missing[:3]})")
+        self.arch = arch
+
+    def convert(self, writer: SafetensorsWriter, skip: set[str],
+                progress: Progress | None) -> WrittenModel:
+        """De-quantise, re-lay and write every planned tensor not in `skip`."""
+        import numpy as np
+        from gguf import dequantize
+
+        for p in self.plan:
+            if p.name not in skip:
+                t = self.by_name[self.source[p.name]]
+                res: Any = self.processor.process(  # type: ignore[no-untyped-call]
+                    weights=dequantize(t.data, t.tensor_type), name=t.name,
+                    tensor_key_mapping=self.key_map, parsed_parameters=self.parsed)
+                w = torch.from_numpy(np.array(res.weights, dtype=np.float32))  # one tensor
+                if tuple(w.shape) != p.shape:
+                    w = w.reshape(p.shape)
+                writer.write(p.name, w.to(p.dtype))
+            if progress:
+                progress(p.nbytes)
+        return writer.close()
+
+
+def _tied(config: Any) -> set[str]:
+    return {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+
+
+def save_config_and_tokenizer(gguf: Path, out: Path, model_id: str, dtype: torch.dtype
+                              ) -> None:
+    """config.json (no quantization section, the stored dtype), generation config and
+    tokenizer files."""
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    cfg.name_or_path = model_id
+    cfg.save_pretrained(str(out))
+    data = json.loads((out / "config.json").read_text())
+    data.pop("quantization_config", None)  # plain from_pretrained has to work
+    data.pop("torch_dtype", None)
+    data["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(data, indent=2) + "\n")
+    GenerationConfig.from_model_config(cfg).save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
+        str(out))
