@@ -27,6 +27,7 @@ from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from tests.helpers.browser import Browser, chromium_path
 
 pytestmark = pytest.mark.slow
 
@@ -151,3 +152,14 @@ def test_status_shows_choices_and_last_rehost(mesh):
     assert "last rehost: node-" in r.stdout
     assert "this node: automatic, budget 450 MB" in r.stdout
 
+
+@pytest.mark.skipif(chromium_path() is None, reason="Debian's chromium is not installed")
+def test_status_page_shows_automatic_hosting(mesh, tmp_path):
+    with Browser(tmp_path / "profile") as b:
+        b.goto(mesh.nodes["node-s"].api + "/")
+        b.wait_for("document.querySelectorAll('#placement .auto-host').length >= 4")
+        text = b.eval("document.getElementById('placement').textContent")
+        assert "served models: smollm2 (set by node-s)" in text
+        assert "initial: layers" in text and "rehost: layers" in text
+        assert b.eval("document.querySelector('#placement .last-rehost').textContent"
+                      ).startswith("last rehost: node-")

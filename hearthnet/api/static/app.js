@@ -98,6 +98,24 @@ function renderShards(st) {
     "no live shard advertisements")));
 }
 
+function renderPlacement(st) {
+  // issue 17: the served-model list, who chose which layers and why, last re-host/rebalance
+  const p = st.placement;
+  if (!p) return;
+  const when = (t) => new Date(t * 1000).toLocaleTimeString();
+  const items = [el("li", {}, "served models: " + (p.served_models.map((m) => m.alias ||
+    m.model_id).join(", ") || "none") + (p.set_by ? ` (set by ${p.set_by})` : ""))];
+  for (const s of st.shards.filter((s) => s.auto))
+    items.push(el("li", {class: "auto-host", "data-host": s.host},
+      `${s.host} layers ${s.layers[0]}–${s.layers[1]}: ${s.auto.detail || s.auto.reason}`));
+  for (const kind of ["rehost", "rebalance"]) {
+    const c = p["last_" + kind];
+    items.push(el("li", {class: "last-" + kind}, `last ${kind}: ` + (c ? `${c.host} took ` +
+      `layers ${c.layers[0]}–${c.layers[1]} at ${when(c.at)} — ${c.detail}` : "never")));
+  }
+  $("placement").replaceChildren(...items);
+}
+
 function renderPeers(st) {
   const ul = $("peers");
   ul.replaceChildren(...(st.peers.length ? st.peers.map((p) => el("li", {},
@@ -131,7 +149,8 @@ async function refresh() {
     $("auth").hidden = true;
     $("node").textContent = `node ${st.node_id} · ${st.endpoint}` +
       (st.api ? ` · API ${st.api}/v1` : "");
-    renderModels(st); renderShards(st); renderPeers(st); renderEvents(st);
+    renderModels(st); renderShards(st); renderPlacement(st); renderPeers(st);
+    renderEvents(st);
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     document.body.dataset.refreshed = String(Date.now());
   } catch (e) {
