@@ -85,13 +85,15 @@ def _measure(args: argparse.Namespace, hosts: list[Any], *, serve: bool) -> dict
 
     specs = [NodeSpec("node-o", trust="steward"), *hosts]
     root = Path(tempfile.mkdtemp(prefix="hearthnet-bench-"))
+    mesh = LocalMesh(specs, root=root, model=args.model)
     try:
-        with LocalMesh(specs, root=root, model=args.model) as mesh:
-            if serve:
-                _serve(mesh, args.model)
-            split = _wait_split(mesh)
-            rates = asyncio.run(_chats(mesh.nodes["node-o"].uri, args))
+        mesh.start(wait_cover=not serve)  # automatic hosts cover nothing before `serve`
+        if serve:
+            _serve(mesh, args.model)
+        split = _wait_split(mesh)
+        rates = asyncio.run(_chats(mesh.nodes["node-o"].uri, args))
     finally:
+        mesh.stop()
         shutil.rmtree(root, ignore_errors=True)
     return {"split": split, "tokens_per_s": round(median(rates), 2),
             "runs_tokens_per_s": [round(r, 2) for r in rates]}
