@@ -54,7 +54,7 @@ async def test_rebalance_without_gap_and_without_failing_the_open_chat(mesh):
     old = next(s["shard_id"] for s in st["shards"] if s["host"] == "node-a")
     frames: list[dict[str, Any]] = []
     gaps: list[float] = []
-    args = chat_args(PROMPT, "smollm2", SamplingParams(max_tokens=400),
+    args = chat_args(PROMPT, "smollm2", SamplingParams(max_tokens=300),
                      fallback_to_local=False)
 
     async def chat() -> None:

@@ -1,0 +1,35 @@
+"""`HostProber` (issue 17 §2): a host is down after N failed probes, up again at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hearthnet.distributed_inference.autohost import HostProber, layer_params
+
+
+async def test_prober_marks_down_after_n_failures_and_up_again():
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    prober = HostProber(failures_to_down=2, timeout_s=1.0)
+    hosts = {"b": f"wss://127.0.0.1:{port}"}
+    assert not await prober.probe(hosts) and not prober.is_down("b")
+    server.close()
+    await server.wait_closed()
+    assert not await prober.probe(hosts)  # one failure is not enough
+    assert await prober.probe(hosts) and prober.is_down("b")
+    assert not await prober.probe(hosts)  # no change: still down
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+    try:
+        assert await prober.probe(hosts) and not prober.is_down("b")
+    finally:
+        server.close()
+        await server.wait_closed()
+    prober.down_since["gone"] = 0.0
+    await prober.probe({})  # hosts no longer advertised are forgotten
+    assert not prober.is_down("gone")
+
+
+def test_layer_params_reads_the_safetensors_header(smollm2):
+    # SmolLM2-135M: 576 hidden, 1536 MLP, 9 heads of 64, 3 KV heads; norms 2 × 576
+    want = 576 * 576 * 2 + 576 * 192 * 2 + 576 * 1536 * 3 + 576 * 2
+    assert layer_params(smollm2) == want
