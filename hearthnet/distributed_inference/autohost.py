@@ -465,11 +465,17 @@ class AutoHost:
                                              detail):
                 return
             await self._load(entry, cost, move.new_lo, move.new_hi, reason, detail)
-            await self.host.drop_shard(s.shard_id, reason)  # M26 §4.2: after the new is up
-            self._note("dropped", entry, s.lo, s.hi,
-                       f"{reason}: withdrawn after {move.new_lo}-{move.new_hi} was up, freed "
-                       "once its open sessions ended")
+            # M26 §4.2: only now the old one goes; draining its sessions must not hold up
+            # the next round (a lost range elsewhere), so it runs on its own
+            note = (f"{reason}: withdrawn after {move.new_lo}-{move.new_hi} was up, freed "
+                    "once its open sessions ended")
+            self._tasks.append(asyncio.create_task(self._drop(entry, s, reason, note),
+                                                   name="autohost-drop"))
             return
+
+    async def _drop(self, entry: ModelEntry, s: HostedShard, reason: str, note: str) -> None:
+        await self.host.drop_shard(s.shard_id, reason)
+        self._note("dropped", entry, s.lo, s.hi, note)
 
     def _note(self, kind: str, entry: ModelEntry, lo: int, hi: int, detail: str) -> None:
         d = Decision(kind, entry.alias, [lo, hi], detail)

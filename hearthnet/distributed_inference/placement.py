@@ -183,17 +183,23 @@ def plan_move(num_layers: int, spans: Sequence[Span], mine: Span, balance_qualit
     return move if move.quality < balance_quality else None
 
 
+MEASURE_MAX_PARAMS = 16 * 2**20
+"""The probe matrix holds at most this many weights; a bigger layer's time is scaled."""
+
+
 def measure_speed(params_per_layer: int, hidden_size: int, *, dtype: torch.dtype,
                   repeats: int = 8) -> float:
     """Decoder-layer steps per second of this host for one token (best of `repeats`).
 
     A one-token decode step is bound by streaming the layer's weights once: this times a
-    matrix-vector product over a random matrix of the layer's parameter count, in the
-    held dtype, on the torch threads the process has set.
+    matrix-vector product over a random matrix of the layer's parameter count (at most
+    `MEASURE_MAX_PARAMS`, the time scaled linearly beyond), in the held dtype, on the torch
+    threads the process has set.
     """
-    rows = max(1, params_per_layer // max(1, hidden_size))
-    weight = torch.randn(rows, hidden_size, dtype=torch.float32).to(dtype)
-    x = torch.randn(1, hidden_size, dtype=torch.float32).to(dtype)
+    hidden = max(1, hidden_size)
+    rows = max(1, min(params_per_layer, MEASURE_MAX_PARAMS) // hidden)
+    weight = torch.randn(rows, hidden, dtype=torch.float32).to(dtype)
+    x = torch.randn(1, hidden, dtype=torch.float32).to(dtype)
     best = math.inf
     with torch.inference_mode():
         torch.nn.functional.linear(x, weight)  # warm-up
@@ -201,4 +207,5 @@ def measure_speed(params_per_layer: int, hidden_size: int, *, dtype: torch.dtype
             t0 = time.perf_counter()
             torch.nn.functional.linear(x, weight)
             best = min(best, time.perf_counter() - t0)
-    return 1.0 / max(best, 1e-6)
+    scale = max(1.0, params_per_layer / (rows * hidden))
+    return 1.0 / max(best * scale, 1e-6)
