@@ -10,7 +10,8 @@ memory budget (``--threads``, ``--budgets-mb``):
    measured speeds (`hearthnet.distributed_inference.placement`).
 
 Per mesh: one warm-up chat, then ``--runs`` greedy chats of ``--tokens`` tokens through
-``node-o``; reported: the split and the median decode tokens/s of each, and their ratio.
+``node-o``; reported: the split, each host's measured speed (automatic mesh) and the median
+decode tokens/s of each, and their ratio.
 """
 
 from __future__ import annotations
@@ -91,12 +92,19 @@ def _measure(args: argparse.Namespace, hosts: list[Any], *, serve: bool) -> dict
         if serve:
             _serve(mesh, args.model)
         split = _wait_split(mesh)
+        speeds = {h: _speed(mesh, h) for h in HOSTS} if serve else None
         rates = asyncio.run(_chats(mesh.nodes["node-o"].uri, args))
     finally:
         mesh.stop()
         shutil.rmtree(root, ignore_errors=True)
-    return {"split": split, "tokens_per_s": round(median(rates), 2),
+    return {"split": split, "measured_speed": speeds, "tokens_per_s": round(median(rates), 2),
             "runs_tokens_per_s": [round(r, 2) for r in rates]}
+
+
+def _speed(mesh: Any, host: str) -> float | None:
+    """The layer steps/s `host` measured for itself (its automatic-hosting status)."""
+    me = mesh.status(host)["placement"]["this_node"] or {}
+    return next((m["speed"] for m in me.get("models", {}).values()), None)
 
 
 def _serve(mesh: Any, model: str) -> None:
@@ -108,16 +116,22 @@ def _serve(mesh: Any, model: str) -> None:
 
 
 def _wait_split(mesh: Any, timeout: float = 180.0) -> dict[str, list[list[int]]]:
-    """Wait until the three hosts cover the model; their ranges."""
+    """Wait until the hosts cover the model and the split holds still for 5 s; the ranges
+    (a host whose share of the model rounds to no layer hosts nothing)."""
     deadline = time.monotonic() + timeout
+    last: dict[str, list[list[int]]] = {}
+    since = time.monotonic()
     while time.monotonic() < deadline:
         st = mesh.status("node-o")
         split: dict[str, list[list[int]]] = {}
         for s in st["shards"]:
             split.setdefault(s["host"], []).append(s["layers"])
+        split = {h: sorted(split[h]) for h in sorted(split)}
         covered = all(m["fully_covered"] for m in st["models"] if m["alias"] == mesh.model)
-        if covered and set(split) == set(HOSTS):
-            return {h: sorted(split[h]) for h in sorted(split)}
+        if not covered or split != last:
+            last, since = split, time.monotonic()
+        elif time.monotonic() - since >= 5.0:
+            return split
         time.sleep(0.5)
     raise HearthNetError(f"the hosts did not cover {mesh.model} within {timeout:.0f} s")
 
@@ -144,8 +158,9 @@ def report(f: dict[str, Any]) -> str:
     rows = [[name, ", ".join(f"{h} {'+'.join(f'{a}-{b}' for a, b in r)}"
                              for h, r in f[name]["split"].items()),
              f[name]["tokens_per_s"]] for name in ("equal", "auto")]
-    hosts = "; ".join(f"{h}: {v['torch_threads']} threads, {v['budget_mb']} MB"
-                      for h, v in f["hosts"].items())
+    speeds = f["auto"].get("measured_speed") or {}
+    hosts = "; ".join(f"{h}: {v['torch_threads']} threads, {v['budget_mb']} MB, measured "
+                      f"{speeds.get(h)} layer steps/s" for h, v in f["hosts"].items())
     return (f"placement on unequal hosts ({hosts}), {f['model']}, {f['tokens']} tokens, "
             f"median of {f['runs']}\n" + table(["split", "ranges", "tok/s"], rows) +
             f"\nauto / equal = {f['auto_over_equal']}")

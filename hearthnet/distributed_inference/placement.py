@@ -188,7 +188,7 @@ MEASURE_MAX_PARAMS = 16 * 2**20
 
 
 def measure_speed(params_per_layer: int, hidden_size: int, *, dtype: torch.dtype,
-                  repeats: int = 8) -> float:
+                  repeats: int = 20) -> float:
     """Decoder-layer steps per second of this host for one token (best of `repeats`).
 
     A one-token decode step is bound by streaming the layer's weights once: this times a
