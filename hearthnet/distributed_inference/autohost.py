@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import math
 import random
 import time
 from collections.abc import Iterable, Sequence
@@ -37,9 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-import torch
-
 from hearthnet.config import NodeConfig
+from hearthnet.distributed_inference.backends.memory import (
+    _layer_tensor_shapes,
+    layer_weight_bytes,
+)
+from hearthnet.distributed_inference.backends.quant import compute_dtype_of
 from hearthnet.distributed_inference.community import (
     CAPACITY,
     CLAIM,
@@ -50,9 +53,9 @@ from hearthnet.distributed_inference.community import (
     claim_payload,
     placement_info,
 )
+from hearthnet.distributed_inference.formats import resolve_format
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.placement import (
-    BYTES_PER_PARAM,
     HostCapacity,
     Span,
     best_start,
@@ -66,13 +69,11 @@ from hearthnet.distributed_inference.placement import (
 from hearthnet.distributed_inference.store import ShardStore
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.eventlog import EventLog
-from hearthnet.models.hashing import read_safetensors_header
 from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.observability import get_logger
 
 log = get_logger("distributed_inference.autohost")
 
-_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class HostedShard(Protocol):
@@ -105,28 +106,16 @@ class ModelCost:
 
 
 def layer_params(entry: ModelEntry) -> int:
-    """Parameters of the largest decoder layer, from the safetensors headers (no weights)."""
-    per_layer: dict[int, int] = {}
-    for name in entry.files:
-        header, _ = read_safetensors_header(entry.path / name)
-        for tensor, info in header.items():
-            idx = _layer_index(tensor)
-            if idx is None:
-                continue
-            shape: Any = info.get("shape", [])
-            n = 1
-            for d in shape:
-                n *= int(d)
-            per_layer[idx] = per_layer.get(idx, 0) + n
-    return max(per_layer.values()) if per_layer else 0
+    """Parameters of one decoder layer (the mean over layers), from the safetensors headers
+    (no tensor is read)."""
+    shapes = _layer_tensor_shapes(entry, 0, entry.num_layers - 1)
+    return sum(math.prod(s) for s in shapes) // max(1, entry.num_layers)
 
 
-def _layer_index(tensor: str) -> int | None:
-    parts = tensor.split(".")
-    for a, b in itertools.pairwise(parts):
-        if a == "layers" and b.isdigit():
-            return int(b)
-    return None
+def layer_bytes(entry: ModelEntry, fmt: str) -> int:
+    """Held bytes of one decoder layer as `fmt` (issue 12's memory truth), rounded up."""
+    total = layer_weight_bytes(entry, 0, entry.num_layers - 1, fmt)
+    return -(-total // max(1, entry.num_layers))
 
 
 @dataclass
@@ -207,7 +196,7 @@ class AutoHost:
         self.events, self.store, self.health, self.models = log_, store, health, models
         self.host, self.view = host, view
         self.rng = rng or random.Random()
-        self.format = cfg.di.host.compute_dtype
+        self.format = cfg.di.host.weights or cfg.di.host.compute_dtype  # as the shards hold
         self.budget_mb = self.auto.memory_mb or cfg.di.host.shard_max_vram_mb
         self.prober = HostProber(self.auto.probe_failures,
                                  timeout_s=min(2.0, self.auto.probe_interval_s))
@@ -289,13 +278,12 @@ class AutoHost:
         """Bytes per layer in the held format and this host's speed (measured once)."""
         got = self._costs.get(entry.model_id)
         if got is None:
+            fmt = resolve_format(self.format, entry.dtype)  # `native`: the stored dtype
             params = layer_params(entry)
             speed = self.auto.speed or await asyncio.get_running_loop().run_in_executor(
                 None, lambda: measure_speed(params, entry.hidden_size,
-                                            dtype=_TORCH_DTYPES.get(self.format,
-                                                                    torch.float32)))
-            got = ModelCost(int(params * BYTES_PER_PARAM.get(self.format, 4.0)), params,
-                            float(speed))
+                                            dtype=compute_dtype_of(fmt)))
+            got = ModelCost(layer_bytes(entry, fmt), params, float(speed))
             self._costs[entry.model_id] = got
             log.info("autohost_cost", model=entry.alias, mb_per_layer=round(
                 got.bytes_per_layer / 2**20, 2), speed=round(got.speed, 2))

@@ -33,9 +33,6 @@ import torch
 
 EPS = 1e-9
 
-BYTES_PER_PARAM: Mapping[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0}
-"""Bytes one weight takes in each held format (the layer size behind the memory budget)."""
-
 
 @dataclass(frozen=True, slots=True)
 class Span:
