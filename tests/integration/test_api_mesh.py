@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -107,6 +109,37 @@ async def test_host_app_client_typed_frames_and_errors(mesh, reference):
                 pass
         with pytest.raises(BadRequest):  # unknown model: the spec's bad_request
             await hn.answer(PROMPT, model="no-such-model")
+
+
+def _readme_blocks(repo_root: Path) -> list[tuple[str, str]]:
+    """(language, code) of the fenced blocks of the README's HTTP API section."""
+    text = (Path(repo_root) / "README.md").read_text()
+    section = text.split("## HTTP API, host apps and the status page", 1)[1].split("\n## ")[0]
+    return re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S)
+
+
+def test_readme_examples_run_against_a_mesh(mesh, repo_root):
+    """The README's curl call, openai-client call and host-app client example, as printed
+    there, with the example's address and config swapped for this mesh's."""
+    a = mesh.nodes["node-a"]
+    blocks = _readme_blocks(repo_root)
+    runs = {"sh": ["bash", "-c"], "python": [sys.executable, "-c"]}
+    outputs = []
+    for lang, code in blocks:
+        if lang not in runs:
+            continue
+        code = code.replace("http://127.0.0.1:8080", a.api).replace(
+            "config/mesh3/node-a.toml", str(a.config))
+        if lang == "sh" and shutil.which("curl") is None:
+            outputs.append(None)  # no curl on this machine: the Python examples still run
+            continue
+        r = subprocess.run([*runs[lang], code], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (code, r.stderr[-2000:])
+        outputs.append(r.stdout)
+    assert len(outputs) == 3  # curl, openai, HearthNetClient
+    if outputs[0] is not None:
+        assert "Paris" in json.loads(outputs[0])["choices"][0]["message"]["content"]
+    assert outputs[1].strip() and "Paris" in outputs[2]
 
 
 def test_node_logs_are_one_format_with_load_progress(mesh):
