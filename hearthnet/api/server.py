@@ -46,7 +46,7 @@ log = get_logger("api")
 STATIC = Path(__file__).parent / "static"
 Frame = dict[str, Any]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_PUBLIC = ("/", "/static/", "/favicon.ico")  # the page itself holds no mesh data
+_PUBLIC = ("/", "/favicon.ico")  # the page itself (and /static/*) holds no mesh data
 
 
 class ApiHost(Protocol):
@@ -129,7 +129,7 @@ class ApiServer:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        public = request.path == "/" or request.path.startswith("/static/")
+        public = request.path in _PUBLIC or request.path.startswith("/static/")
         if self.require_key and not public and not self._authorised(request):
             self.host.metrics.auth_failures_total.labels(reason="api_key").inc()
             log.info("api_refused", path=request.path[:64], peer=request.remote)

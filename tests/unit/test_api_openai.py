@@ -190,8 +190,12 @@ async def test_lan_listener_needs_a_key_compared_and_counted(served):
     r = await client.chat.completions.create(model="smollm2", messages=MSG)
     assert r.choices[0].message.content == "ok"
     page_url = str(client.base_url).removesuffix("v1/")
-    async with aiohttp.ClientSession() as s, s.get(page_url) as page:
-        assert page.status == 200 and "HearthNet" in await page.text()  # page: no data
+    async with aiohttp.ClientSession() as s:
+        async with s.get(page_url) as page:  # the page holds no mesh data: no key
+            assert page.status == 200 and "HearthNet" in await page.text()
+        async with s.get(page_url + "static/app.js") as js, s.get(page_url + "favicon.ico") as ico:
+            assert js.status == 200 and ico.status == 404  # a browser's favicon probe
+    assert 'hearthnet_auth_failures_total{reason="api_key"} 2.0' in node.metrics.render().decode()
 
 
 async def test_models_lists_coverage(served):
