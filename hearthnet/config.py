@@ -50,6 +50,9 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 Trust = Literal["guest", "member", "trusted", "steward"]
 WeightFormat = Literal["native", "fp32", "bf16", "fp16", "int8", "int4"]  # formats.FORMATS
 CallWeights = Literal["exact", "fp32", "bf16", "fp16", "int8", "int4"]  # formats.check_policy
+DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:[0-9]{1,3})?)$"
+DeviceSpec = Annotated[str, Field(pattern=DEVICE_PATTERN)]
+"""A device setting: auto | cpu | cuda | cuda:N | mps (issue 13 §1)."""
 DEFAULT_LAN_NETWORKS = ["127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"]
 _WILDCARDS = {"0.0.0.0", "::", ""}
 
@@ -135,6 +138,11 @@ class HostSection(_Section):
     # how hosted layers are held (issue 12 §2); unset: `compute_dtype`. Per shard:
     # `[[shards]] weights`.
     weights: WeightFormat | None = None
+    compute_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    # issue 13: where hosted layers run (auto = CUDA, then MPS, then CPU; a [[shards]]
+    # entry may override it) and whether CUDA decode steps replay a captured graph
+    device: DeviceSpec = "auto"
+    cuda_graphs: bool = True
 
 
 class AutoSection(_Section):
@@ -182,6 +190,8 @@ class DistributedInferenceSection(_Section):
     max_completion_tokens: Annotated[int, Field(ge=1, le=8192)] = 2048
     # a long prefill runs in chunks of this many positions (orchestrator and shards)
     prefill_chunk_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 256
+    # issue 13: the orchestrator's head (embeddings, norm, lm_head) and local fallback
+    head_device: DeviceSpec = "auto"
     host: HostSection = Field(default_factory=HostSection)
     auto: AutoSection = Field(default_factory=AutoSection)
 
@@ -211,6 +221,7 @@ class ShardSection(_Section):
     layers: tuple[int, int]  # inclusive
     max_concurrent_streams: Annotated[int, Field(ge=1, le=4096)] = 8
     weights: WeightFormat | None = None  # how the layers are held; unset: the host's
+    device: DeviceSpec | None = None  # default: [research.distributed_inference.host] device
 
     @field_validator("layers", mode="before")
     @classmethod

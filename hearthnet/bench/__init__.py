@@ -42,8 +42,9 @@ def median(xs: Sequence[float]) -> float:
     return float(s[mid]) if len(s) % 2 else float((s[mid - 1] + s[mid]) / 2)
 
 
-def machine() -> dict[str, Any]:
-    """Where and when a figure was measured (every result carries it)."""
+def machine(device: str = "cpu") -> dict[str, Any]:
+    """Where and when a figure was measured (every result carries it); with the GPU, its
+    driver and CUDA versions when `device` is not the CPU."""
     import torch
 
     try:
@@ -52,7 +53,20 @@ def machine() -> dict[str, Any]:
         load = []
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "host": platform.node(),
             "cpus": os.cpu_count(), "cpu": _cpu_model(), "python": platform.python_version(),
-            "torch": torch.__version__, "loadavg_at_start": [round(x, 2) for x in load]}
+            "torch": torch.__version__, "loadavg_at_start": [round(x, 2) for x in load],
+            **_accelerator(device)}
+
+
+def _accelerator(device: str) -> dict[str, Any]:
+    if device == "cpu":
+        return {}
+    import torch
+    import transformers
+
+    from hearthnet.distributed_inference.backends.device import device_info, resolve_device
+
+    info = device_info(resolve_device(device))
+    return {"device": info, "cuda": torch.version.cuda, "transformers": transformers.__version__}
 
 
 def _cpu_model() -> str:

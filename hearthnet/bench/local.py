@@ -44,6 +44,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="measured runs (median; default 3)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process")
     p.add_argument("--prompt", default=PROMPTS[0])
+    p.add_argument("--device", default="cpu",
+                   help="auto | cpu | cuda | cuda:N | mps (default cpu)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype (default fp32)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="decode steps eager on CUDA (to measure what the graphs give)")
     p.add_argument("--results-dir", default="bench-results",
                    help="folder for local.json (default bench-results)")
 
@@ -56,10 +62,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         raise HearthNetError("--runs must be ≥ 1 and --tokens ≥ 2")
     figures: dict[str, Any] = {
         "benchmark": "local", "model": args.model, "tokens": args.tokens, "runs": args.runs,
-        "settings": {"torch_threads_per_process": args.threads, "compute_dtype": "fp32",
+        "settings": {"torch_threads_per_process": args.threads, "compute_dtype": args.dtype,
+                     "device": args.device, "cuda_graphs": not args.no_cuda_graphs,
                      "sampling": "greedy", "prompt": args.prompt,
                      "memory": "peak RSS (VmHWM) of a fresh process per part"},
-        "machine": machine()}
+        "machine": machine(args.device)}
     full = _child(args, "full")
     parts = {"full": full}
     for part in ("lower", "upper", "head", "runtime"):
@@ -74,7 +81,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                                              "decode_tokens_per_s", "completion_tokens")},
         "memory_mb": {_label(p, parts[p]): parts[p]["memory"] for p in PARTS},
         "parts": parts})
-    figures["results_file"] = str(write_results("local", figures, Path(args.results_dir)))
+    figures["device_name"] = full.get("device_name", "cpu")
+    name = "local" if args.device == "cpu" else f"local-{args.device.replace(':', '')}"
+    figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
     return figures, report(figures)
 
 
@@ -90,7 +99,8 @@ def _child(args: argparse.Namespace, part: str, prompt_tokens: int = 0) -> dict[
     cmd = [sys.executable, "-m", "hearthnet.bench.local", "--part", part,
            "--model", args.model, "--tokens", str(args.tokens), "--runs", str(args.runs),
            "--threads", str(args.threads), "--prompt", args.prompt,
-           "--prompt-tokens", str(prompt_tokens)]
+           "--prompt-tokens", str(prompt_tokens), "--device", args.device,
+           "--dtype", args.dtype] + (["--no-cuda-graphs"] if args.no_cuda_graphs else [])
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or not lines:
@@ -115,9 +125,11 @@ def report(f: dict[str, Any]) -> str:
                  None, None])
     t = table(["part (own process)", "layers", "peak RSS MiB", "prefill ms", "decode tok/s",
                "step ms p50"], rows)
+    st = f["settings"]
     return (f"bench local: {f['model_id']}, {f['tokens']} tokens × {f['runs']} runs "
             f"(median), prompt {f['prompt_tokens']} tokens, "
-            f"{f['settings']['torch_threads_per_process']} torch threads, fp32\n{t}\n"
+            f"{st['torch_threads_per_process']} torch threads, {st['compute_dtype']} on "
+            f"{f.get('device_name', 'cpu')}\n{t}\n"
             f"first token {f['first_token_ms']:.1f} ms; written to {f['results_file']}")
 
 
@@ -126,11 +138,12 @@ def report(f: dict[str, Any]) -> str:
 
 
 def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
+    from hearthnet.distributed_inference.backends.device import device_info
     from hearthnet.distributed_inference.generation import SamplingParams
     from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
 
-    engine = LocalEngine(entry)
-    out: dict[str, Any] = {}
+    engine = LocalEngine(entry, a.dtype, device=a.device, cuda_graphs=not a.no_cuda_graphs)
+    out: dict[str, Any] = {"device_name": device_info(engine.stack.device)["name"]}
     msgs = [{"role": "user", "content": a.prompt}]
     list(engine.generate(msgs, SamplingParams(max_tokens=4)))  # warm-up
     keys = ("prefill_ms", "first_token_ms", "decode_tokens_per_s", "completion_tokens")
@@ -144,16 +157,29 @@ def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
         runs["completion_tokens"].append(n)
     out.update(runs)
     out["prompt_tokens"] = len(engine.head.chat_prompt_ids(msgs))
-    out["memory"] = proc_memory()  # while the model is alive
+    out["memory"] = _memory(engine.stack.device)  # while the model is alive
+    return out
+
+
+def _memory(device: Any) -> dict[str, float]:
+    """Peak RSS, and on a GPU the peak of this process's device allocations."""
+    import torch
+
+    out = proc_memory()
+    if device.type == "cuda":
+        out["cuda_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     return out
 
 
 def _measure_layers(entry: Any, lo: int, hi: int, a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from hearthnet.distributed_inference.backends.device import sync
     from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
 
-    stack = LayeredStack(entry, lo, hi)
+    stack = LayeredStack(entry, lo, hi, a.dtype, device=a.device,
+                         cuda_graphs=not a.no_cuda_graphs)
+    dev = stack.device
     out: dict[str, Any] = {"layers": [lo, hi],
                            "param_mb": round(stack.param_bytes() / 2**20, 1)}
     t_prompt = max(1, a.prompt_tokens)
@@ -161,29 +187,33 @@ def _measure_layers(entry: Any, lo: int, hi: int, a: argparse.Namespace) -> dict
     prefill, steps = [], []
     for _ in range(a.runs + 1):  # the first is the warm-up
         s = stack.open_session(lo, hi, t_prompt + a.tokens + 1)
-        x = torch.randn(1, t_prompt, stack.hidden_size, generator=gen)  # (1, T, H)
+        x = torch.randn(1, t_prompt, stack.hidden_size, generator=gen).to(dev)  # (1, T, H)
+        sync(dev)
         t0 = time.perf_counter()
         s.forward(x, 0)
+        sync(dev)
         prefill.append((time.perf_counter() - t0) * 1000)
         run_steps = []
         for pos in range(t_prompt, t_prompt + a.tokens - 1):
-            x = torch.randn(1, 1, stack.hidden_size, generator=gen)  # (1, 1, H)
+            x = torch.randn(1, 1, stack.hidden_size, generator=gen).to(dev)  # (1, 1, H)
+            sync(dev)
             t0 = time.perf_counter()
             s.forward(x, pos)
+            sync(dev)
             run_steps.append((time.perf_counter() - t0) * 1000)
         steps.append(run_steps)
         s.close()
     out["prefill_ms"] = [round(x, 2) for x in prefill[1:]]
     out["decode_step_ms_p50"] = [round(percentile(r, 0.5), 3) for r in steps[1:]]
     out["decode_step_ms_p95"] = [round(percentile(r, 0.95), 3) for r in steps[1:]]
-    out["memory"] = proc_memory()  # while the layers are alive
+    out["memory"] = _memory(dev)  # while the layers are alive
     return out
 
 
 def _measure_head(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
     from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
 
-    head = LayeredHead(entry)
+    head = LayeredHead(entry, a.dtype, a.device)
     out: dict[str, Any] = {}
     ids = head.chat_prompt_ids([{"role": "user", "content": a.prompt}])
     steps: list[list[float]] = []
@@ -197,7 +227,7 @@ def _measure_head(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
             run_steps.append((time.perf_counter() - t0) * 1000)
         steps.append(run_steps)
     out["decode_step_ms_p50"] = [round(percentile(r, 0.5), 3) for r in steps[1:]]
-    out["memory"] = proc_memory()  # while the head is alive
+    out["memory"] = _memory(head.device)  # while the head is alive
     return out
 
 
@@ -211,10 +241,14 @@ def child_main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", default=PROMPTS[0])
     p.add_argument("--prompt-tokens", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--no-cuda-graphs", action="store_true")
     a = p.parse_args(argv)
     import torch
 
     import hearthnet.distributed_inference.backends.small_model_layered  # noqa: F401
+    from hearthnet.distributed_inference.backends.device import resolve_device
     from hearthnet.models import ModelStore
 
     torch.set_num_threads(a.threads)
@@ -231,7 +265,7 @@ def child_main(argv: list[str] | None = None) -> int:
     else:
         import transformers  # noqa: F401  (the runtime every part pays for)
 
-        out = {"memory": proc_memory()}
+        out = {"memory": _memory(resolve_device(a.device))}
     out.update({"part": a.part, "model_id": entry.model_id,
                 "num_layers": n, "threads": torch.get_num_threads(), "pid": os.getpid()})
     print(json.dumps(out), flush=True)

@@ -26,6 +26,13 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device(s: dict[str, Any]) -> str:
+    """e.g. `cuda NVIDIA H100 80GB HBM3 (81559 MiB; shard 3120 MiB)` (issue 13 §1)."""
+    name = s.get("device_name") or ""
+    mem = f"{s.get('device_memory_mb', 0)} MiB; shard {s.get('vram_required_mb', 0)} MiB"
+    return f"{s.get('device', 'cpu')} {name} ({mem})".replace("cpu cpu", "cpu")
+
+
 def render(st: dict[str, Any]) -> str:
     """A table a person can read at a glance."""
     lines = [f"node {st['node_id']} at {st['endpoint']}"]
@@ -37,7 +44,7 @@ def render(st: dict[str, Any]) -> str:
         lines.append(f"api: {st['api']}/v1   status page: {st['api']}/")
     lines.append("")
     lines.append(f"{'SHARD':<34} {'LAYERS':<8} {'HOST':<10} {'STATE':<8} {'FORMAT':<6} "
-                 f"{'MEM MB':>7} {'SESS':>4} {'QUEUE':>5} {'P95 ms':>7} {'AGE s':>6}")
+                 f"{'MEM MB':>7} {'SESS':>4} {'QUEUE':>5} {'P95 ms':>7} {'AGE s':>6}  DEVICE")
     for s in st["shards"]:
         state = s.get("state") or ("suspect" if s["suspect"] else "online")
         lo, hi = s["layers"]
@@ -45,7 +52,7 @@ def render(st: dict[str, Any]) -> str:
         lines.append(f"{name:<34} {lo:>2}-{hi:<5} {s['host']:<10} {state:<8} "
                      f"{s.get('format') or '-':<6} {s.get('memory_mb') or 0:>7} "
                      f"{s['active_sessions'] or 0:>4} {s['queue_depth'] or 0:>5} "
-                     f"{(s['p95_latency_ms'] or 0):>7.1f} {s['age_s']:>6.1f}")
+                     f"{(s['p95_latency_ms'] or 0):>7.1f} {s['age_s']:>6.1f}  {_device(s)}")
         if s.get("reason"):
             lines.append(f"    {state}: {s['reason']}")
     if not st["shards"]:

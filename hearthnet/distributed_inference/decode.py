@@ -44,7 +44,7 @@ class DecodeLoop:
         """
         gen = call.gen
         loop = asyncio.get_running_loop()
-        x = head.embed(gen.prompt_ids)
+        x = head.embed_host(gen.prompt_ids)
         pos = 0
         while not gen.done:
             h = await self.relay_chunked(call, x, pos, checker)
@@ -59,7 +59,7 @@ class DecodeLoop:
             self.metrics.tokens_generated_total.inc()
             yield token_frame(ev)
             pos += x.shape[1]
-            x = head.embed([ev.token_id])
+            x = head.embed_host([ev.token_id])
 
     async def relay_chunked(self, call: CallState, x: torch.Tensor, pos: int,
                             checker: SanityChecker) -> torch.Tensor:

@@ -39,6 +39,8 @@ NodeID = str
 Endpoint = str
 
 NODE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+DEVICE_KINDS = ("cpu", "cuda", "mps")
+"""Device kinds a shard advertises (issue 13 §1)."""
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -89,12 +91,16 @@ class ShardDescriptor:
     advertised_at: datetime
     hop_weight: float = 1.0  # assigned by the receiving ShardStore (M26 §5.2)
     weights_format: str = "fp32"  # how the layers are held (issue 12 §2, formats.py)
+    device: str = "cpu"  # where the layers run: cpu | cuda | mps (issue 13 §1)
+    device_name: str = ""  # e.g. "NVIDIA H100 80GB HBM3"
+    device_memory_mb: int = 0  # the device's total memory
 
     @classmethod
     def create(cls, *, model_id: str, weights_sha256: str, layer_range: tuple[int, int],
                host: NodeID, endpoint: Endpoint, max_concurrent_streams: int,
                vram_required_mb: int = 0, advertised_at: datetime | None = None,
-               hop_weight: float = 1.0, weights_format: str = "fp32") -> ShardDescriptor:
+               hop_weight: float = 1.0, weights_format: str = "fp32", device: str = "cpu",
+               device_name: str = "", device_memory_mb: int = 0) -> ShardDescriptor:
         """Build a descriptor with its canonical shard id; validates like `from_dict`."""
         lo, hi = layer_range
         d = cls(shard_id=make_shard_id(model_id, lo, hi, host), model_id=model_id,
@@ -102,7 +108,8 @@ class ShardDescriptor:
                 vram_required_mb=vram_required_mb,
                 max_concurrent_streams=max_concurrent_streams, host=host, endpoint=endpoint,
                 advertised_at=advertised_at or datetime.now(UTC), hop_weight=hop_weight,
-                weights_format=weights_format)
+                weights_format=weights_format, device=device, device_name=device_name,
+                device_memory_mb=device_memory_mb)
         d.validate()
         return d
 
@@ -146,6 +153,11 @@ class ShardDescriptor:
                and self.hop_weight > 0, "hop_weight", "must be a positive number")
         _check(self.weights_format in HELD_FORMATS, "weights_format",
                f"must be one of {', '.join(HELD_FORMATS)}")
+        _check(self.device in DEVICE_KINDS, "device", f"must be one of {list(DEVICE_KINDS)}")
+        _check(isinstance(self.device_name, str) and len(self.device_name) <= 128,
+               "device_name", "must be a string of at most 128 characters")
+        _check(_is_int(self.device_memory_mb) and self.device_memory_mb >= 0,
+               "device_memory_mb", "must be an integer >= 0")
 
     def to_dict(self) -> dict[str, Any]:
         """A msgpack/JSON-safe dict (the `descriptor` of an advertisement payload)."""
@@ -161,6 +173,9 @@ class ShardDescriptor:
             "advertised_at": to_timestamp(self.advertised_at),
             "hop_weight": self.hop_weight,
             "weights_format": self.weights_format,
+            "device": self.device,
+            "device_name": self.device_name,
+            "device_memory_mb": self.device_memory_mb,
         }
 
     @classmethod
@@ -180,7 +195,9 @@ class ShardDescriptor:
                    host=_field(d, "host"), endpoint=_field(d, "endpoint"),
                    advertised_at=to_datetime(float(at)),
                    hop_weight=d.get("hop_weight", 1.0),
-                   weights_format=d.get("weights_format", "fp32"))
+                   weights_format=d.get("weights_format", "fp32"), device=d.get("device", "cpu"),
+                   device_name=d.get("device_name", ""),
+                   device_memory_mb=d.get("device_memory_mb", 0))
         desc.validate()
         return desc
 

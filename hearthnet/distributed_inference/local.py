@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hearthnet.distributed_inference.backends.device import sync
 from hearthnet.distributed_inference.backends.small_model_layered import (
     LayeredHead,
     LayeredStack,
@@ -48,12 +49,16 @@ class LocalEngine:
 
     def __init__(self, entry: ModelEntry, weights: str = "fp32",
                  head: LayeredHead | None = None, head_weights: str | None = None, *,
-                 limits: PromptLimits | None = None, prefill_chunk_tokens: int = 256) -> None:
+                 limits: PromptLimits | None = None, prefill_chunk_tokens: int = 256,
+                 device: str | torch.device | None = None, cuda_graphs: bool = True) -> None:
+        """`device`: where the layers run (default: the head's device, else the CPU)."""
         self.entry = entry
         self.limits = limits or PromptLimits()
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
-        self.head = head or LayeredHead(entry, head_weights or weights)
-        self.stack = LayeredStack(entry, 0, entry.num_layers - 1, weights)
+        where = device if device is not None else head.device if head is not None else "cpu"
+        self.head = head or LayeredHead(entry, head_weights or weights, where)
+        self.stack = LayeredStack(entry, 0, entry.num_layers - 1, weights, device=where,
+                                  cuda_graphs=cuda_graphs)
 
     def new_generation(self, messages: list[dict[str, str]],
                        params: SamplingParams) -> Generation:
@@ -90,6 +95,7 @@ class LocalEngine:
             raise BadRequest("nothing to generate: empty prompt or no tokens left")
         session = self.stack.open_session(0, self.entry.num_layers - 1, max_len)
         try:
+            sync(self.stack.device)
             t0 = time.perf_counter()
             n = self.prefill_chunk_tokens
             for at in range(0, len(ids) - n, n):  # every chunk but the last

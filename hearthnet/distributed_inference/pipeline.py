@@ -74,7 +74,7 @@ class PipelineOrchestrator:
                  defaults: DistributedChatParams | None = None, enabled: bool = True,
                  sign_open: OpenSigner | None = None, max_concurrent_pipelines: int = 4,
                  local_weights: str = "fp32", limits: PromptLimits | None = None,
-                 prefill_chunk_tokens: int = 256) -> None:
+                 prefill_chunk_tokens: int = 256, head_device: str = "cpu") -> None:
         self.models, self.router, self.health, self.metrics = models, router, health, metrics
         self.connect, self.executor = connect, executor
         self.defaults = defaults or DistributedChatParams()
@@ -86,6 +86,7 @@ class PipelineOrchestrator:
         self._head_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(max_concurrent_pipelines)
         self.local_weights = local_weights  # the head's and local engine's format
+        self.head_device = head_device  # issue 13 §1: where the head (and fallback) run
         self.limits = limits or PromptLimits()
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         self.failover = Failover(models=models, router=router, health=health,
@@ -191,9 +192,10 @@ class PipelineOrchestrator:
         what = "head"
         try:
             head = await loop.run_in_executor(self.executor, LayeredHead, entry,
-                                              self.local_weights)
+                                              self.local_weights, self.head_device)
             what = "calibration"
-            cal = await loop.run_in_executor(self.executor, calibrate, entry.path)
+            cal = await loop.run_in_executor(self.executor, calibrate, entry.path,
+                                             self.head_device)
         except HearthNetError:
             raise
         except Exception as e:  # a foreign failure of transformers/torch, named (issue 11 §3)

@@ -99,8 +99,12 @@ class Calibration:
 
 
 @torch.inference_mode()
-def calibrate(model_dir: Path, prompts: Sequence[str] = CALIBRATION_PROMPTS) -> Calibration:
-    """Per-boundary norm bounds and magnitudes; cached in `activation_bounds.json`."""
+def calibrate(model_dir: Path, device: str | torch.device = "cpu",
+              prompts: Sequence[str] = CALIBRATION_PROMPTS) -> Calibration:
+    """Per-boundary norm bounds and magnitudes; cached in `activation_bounds.json`.
+
+    Computed in fp32 on `device` (the orchestrator's head device: a GPU makes a 3B model's
+    calibration take a second, not minutes)."""
     cached = model_dir / BOUNDS_FILE
     if cached.is_file():
         data = json.loads(cached.read_text())
@@ -114,8 +118,8 @@ def calibrate(model_dir: Path, prompts: Sequence[str] = CALIBRATION_PROMPTS) -> 
     from hearthnet.models.store import ModelEntry
 
     entry = ModelEntry.load(model_dir)
-    head = LayeredHead(entry)
-    stack = LayeredStack(entry, 0, entry.num_layers - 1)
+    head = LayeredHead(entry, device=device)
+    stack = LayeredStack(entry, 0, entry.num_layers - 1, device=device)
     peaks, absmax, embed_absmax = [0.0] * entry.num_layers, [0.0] * entry.num_layers, 0.0
     for p in prompts:
         ids = head.chat_prompt_ids([{"role": "user", "content": p}])
@@ -124,9 +128,12 @@ def calibrate(model_dir: Path, prompts: Sequence[str] = CALIBRATION_PROMPTS) -> 
         for i in range(entry.num_layers):
             s = stack.open_session(i, i, len(ids))
             h = s.forward(h, 0)
-            peaks[i] = max(peaks[i], float(h.norm(dim=-1).max()))
+            peaks[i] = max(peaks[i], float(h.float().norm(dim=-1).max()))
             absmax[i] = max(absmax[i], float(h.abs().max()))
             s.close()
+    del stack, head
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # hand the model's memory back for the shards on this GPU
     cal = Calibration([x * MARGIN for x in peaks], absmax, embed_absmax)
     tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # nodes sharing a store may race here
     tmp.write_text(json.dumps({"version": _VERSION, "margin": MARGIN, "prompts": list(prompts),

@@ -11,6 +11,13 @@ Limits are checked before any work (DESIGN.md decision 5): a wrong hash is
 run on the node's compute executor so the event loop keeps serving heartbeats and other
 sessions (DESIGN.md decision 6). Weights unused for `shard_eviction_idle_seconds` are evicted
 and reloaded on the next open.
+
+Devices (issue 13): the layers run on `ShardSettings.device`; the weights and the sessions'
+preallocated KV caches are counted against `max_vram_mb` (`shard_max_vram_mb`, M26 §5.6): an
+open whose cache would not fit is refused `shard_unavailable`, and a device out-of-memory
+in a step ends that session alone with `shard_unavailable` (the orchestrator fails over)
+while the shard serves the others. Hidden states cross device ↔ host through each
+session's reused pinned buffers (`device.Staging`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,12 @@ from typing import Any
 
 import torch
 
+from hearthnet.distributed_inference.backends.device import (
+    Staging,
+    device_info,
+    is_out_of_memory,
+    resolve_device,
+)
 from hearthnet.distributed_inference.backends.memory import plan_shard
 from hearthnet.distributed_inference.backends.small_model_layered import (
     LayeredStack,
@@ -65,8 +78,12 @@ class ShardSettings:
     session_idle_timeout_s: float = 120.0
     max_session_tokens: int = 8192
     weights: str = "fp32"  # held format (formats.py); `native` = the stored dtype
-    max_vram_mb: int | None = None  # refuse at start above this (issue 12 §4); None: no cap
+    # refused at start above this (issue 12 §4), and opens whose cache would not fit the
+    # real allocation (weights + admitted sessions' caches, issue 13 §2); None: no cap
+    max_vram_mb: int | None = None
     prefill_chunk_tokens: int = 256  # a long step runs in chunks of this many positions
+    device: str = "cpu"  # auto | cpu | cuda | cuda:N | mps (issue 13 §1)
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)
@@ -97,14 +114,12 @@ class ShardServer:
         self.settings, self.executor, self.clock = settings, executor, clock
         self.metrics = metrics or Metrics()
         self.weights_format = resolve_format(settings.weights, entry.dtype)
+        self.device = resolve_device(settings.device)  # absent: ConfigError at start-up
+        self.device_info = device_info(self.device)
         self.memory = plan_shard(entry, lo, hi, self.weights_format,
                                  settings.max_concurrent_streams, settings.max_session_tokens)
         self._refuse_over_budget(make_shard_id(entry.model_id, lo, hi, node_id))
-        self.descriptor = ShardDescriptor.create(
-            model_id=entry.model_id, weights_sha256=entry.weights_sha256, layer_range=(lo, hi),
-            host=node_id, endpoint=endpoint,
-            max_concurrent_streams=settings.max_concurrent_streams,
-            vram_required_mb=self.memory.total_mb, weights_format=self.weights_format)
+        self.descriptor = self._describe(node_id, endpoint)
         self.shard_id = self.descriptor.shard_id
         self.stack: LayeredStack | None = None
         self._load_lock = asyncio.Lock()
@@ -140,14 +155,30 @@ class ShardServer:
             if self.stack is None:
                 t0 = time.perf_counter()
                 loop = asyncio.get_running_loop()
-                self.stack = await loop.run_in_executor(
-                    self.executor, LayeredStack, self.entry, self.lo, self.hi,
-                    self.weights_format)
+                self.stack = await loop.run_in_executor(self.executor, self._load)
                 mb = self.stack.param_bytes() / 2**20
                 log.info("shard_loaded", shard_id=self.shard_id, weights=self.weights_format,
                          weights_mb=round(mb, 1), required_mb=self.memory.total_mb,
-                         ms=round((time.perf_counter() - t0) * 1000))
+                         device=str(self.device), ms=round((time.perf_counter() - t0) * 1000))
             return self.stack
+
+    def _load(self) -> LayeredStack:
+        s = self.settings
+        return LayeredStack(self.entry, self.lo, self.hi, self.weights_format,
+                            device=self.device, budget_mb=s.max_vram_mb,
+                            cuda_graphs=s.cuda_graphs)
+
+    def _describe(self, node_id: str, endpoint: str) -> ShardDescriptor:
+        """The advertised descriptor, with the device kind and memory (issue 13 §1)."""
+        info = self.device_info
+        return ShardDescriptor.create(
+            model_id=self.entry.model_id, weights_sha256=self.entry.weights_sha256,
+            layer_range=(self.lo, self.hi), host=node_id, endpoint=endpoint,
+            max_concurrent_streams=self.settings.max_concurrent_streams,
+            vram_required_mb=self.memory.total_mb, weights_format=self.weights_format,
+            device=self.device.type,
+            device_name=str(info.get("name", ""))[:128],
+            device_memory_mb=int(info.get("total_mb", 0)))
 
     async def evict(self) -> None:
         """Free the weights (M26 §4.2); the next open reloads them."""
@@ -216,11 +247,12 @@ class ShardServer:
         session = None
         try:
             stack = await self._ensure_loaded()
-            session = stack.open_session(req.start, req.end, req.max_length)
+            session = stack.open_session(req.start, req.end, req.max_length)  # budget: M26 §5.6
             stream.limit_tensor_bytes(self.session_tensor_bytes(req))
             await stream.accept({"shard_id": self.shard_id, "hidden_size": stack.hidden_size,
                                  "weights_format": self.weights_format,
-                                 "compute_dtype": str(stack.dtype).removeprefix("torch.")})
+                                 "compute_dtype": str(stack.dtype).removeprefix("torch."),
+                                 "device": self.device.type})
             self.metrics.shard_sessions_total.labels(self.shard_id, "accepted", req.caller).inc()
             await self._step_loop(stream, session, compute_dtype(req.wire_dtype))
         except (ConnectionLost, StreamStalled) as e:
@@ -235,6 +267,7 @@ class ShardServer:
             self._gauge()
 
     async def _step_loop(self, stream: Any, session: Any, wire: torch.dtype) -> None:
+        staging = Staging(self.device)  # this session's reused pinned buffers (issue 13 §4)
         while True:
             inp = await stream.recv_step(deadline_s=self.settings.session_idle_timeout_s)
             if inp is None:
@@ -243,12 +276,20 @@ class ShardServer:
             self.metrics.shard_queue_depth.labels(self.shard_id).set(self.queue_depth)
             try:
                 t0 = time.perf_counter()
-                out = await self._forward_chunked(session, inp.tensor, inp.start_pos,
-                                                  inp.step)
+                out = await self._forward_chunked(session, staging, inp.tensor,
+                                                  inp.start_pos, inp.step, wire)
                 dt = time.perf_counter() - t0
             except BadRequest as e:  # a refused step leaves the session usable
                 await stream.send_error(e)
                 continue
+            except WireOverflow as e:  # a transport limit, reported as such (issue 11 §2)
+                log.info("wire_overflow", shard_id=self.shard_id, step=inp.step,
+                         wire_dtype=str(wire))
+                await stream.send_error(e)
+                continue
+            except ShardUnavailable as e:  # device out of memory: this session alone ends
+                await stream.send_error(e, step=inp.step)
+                return
             except CloseMidFrame:  # test-only fault: half a frame, then the socket drops
                 transport = stream.connection.transport
                 transport.write(b"\x82\x7e\x10\x00" + bytes(100))  # announces 4096 bytes
@@ -260,29 +301,24 @@ class ShardServer:
             self._latencies.append(dt * 1000)
             self.metrics.shard_forward_ms.labels(self.shard_id).observe(dt * 1000)
             self.last_used = self.clock()
-            try:
-                sent = cast_to_wire(out, wire)
-            except WireOverflow as e:  # a transport limit, reported as such (issue 11 §2)
-                log.info("wire_overflow", shard_id=self.shard_id, step=inp.step,
-                         wire_dtype=str(wire))
-                await stream.send_error(e)
-                continue
-            await stream.send_step(inp.step, inp.start_pos, sent, compute_us=int(dt * 1e6))
+            await stream.send_step(inp.step, inp.start_pos, out, compute_us=int(dt * 1e6))
 
-    async def _forward_chunked(self, session: Any, x: torch.Tensor, start_pos: int,
-                               step: int) -> torch.Tensor:
+    async def _forward_chunked(self, session: Any, staging: Staging, x: torch.Tensor,
+                               start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:
         """Run a step in chunks of `prefill_chunk_tokens` positions, each its own executor
         job, so a long prefill yields the compute thread to other sessions' steps between
-        chunks (issue 14 §1). Chunks are just successive positions of the same session."""
+        chunks (issue 14 §1). Chunks are just successive positions of the same session.
+        One chunk (every decode step) comes back through the session's pinned buffer."""
         loop = asyncio.get_running_loop()
         n = self.settings.prefill_chunk_tokens
         if x.dim() != 3 or x.shape[1] <= n:
-            return await loop.run_in_executor(self.executor, self._forward, session, x,
-                                              start_pos, step)
+            return await loop.run_in_executor(self.executor, self._forward, session, staging,
+                                              x, start_pos, step, wire)
         outs = []
         for at in range(0, int(x.shape[1]), n):
             outs.append(await loop.run_in_executor(self.executor, self._forward, session,
-                                                   x[:, at:at + n], start_pos + at, step))
+                                                   None, x[:, at:at + n], start_pos + at,
+                                                   step, wire))
         return torch.cat(outs, dim=1)
 
     def session_tensor_bytes(self, req: OpenRequest) -> int:
@@ -290,11 +326,26 @@ class ShardServer:
         the hidden width in its wire dtype (issue 14 §2)."""
         return req.max_length * self.entry.hidden_size * compute_dtype(req.wire_dtype).itemsize
 
-    def _forward(self, session: Any, x: torch.Tensor, start_pos: int, step: int) -> torch.Tensor:
-        out = session.forward(x, start_pos)
-        if self.step_hook is not None:
-            out = self.step_hook(step, out)
-        return out
+    def _forward(self, session: Any, staging: Staging | None, x: torch.Tensor,
+                 start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:
+        """One step on the device; the output comes back in the wire dtype on the host,
+        cast on the device first (`WireOverflow` if it does not fit, issue 11 §2), through
+        `staging`'s reused pinned buffer (or a fresh host tensor without one)."""
+        stack = session.stack
+        try:
+            x = staging.to_device(x, stack.dtype) if staging else x.to(stack.device, stack.dtype)
+            out = session.forward(x, start_pos)
+            if self.step_hook is not None:
+                out = self.step_hook(step, out)
+            out = cast_to_wire(out, wire)
+            return staging.to_host(out, wire) if staging else out.cpu()
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            if not is_out_of_memory(e):
+                raise
+            log.warning("session_out_of_memory", shard_id=self.shard_id, device=str(self.device))
+            raise ShardUnavailable(f"shard {self.shard_id} ran out of memory on {self.device} "
+                                   f"in this session's step; retry elsewhere",
+                                   reason="device_out_of_memory") from None
 
     def _gauge(self) -> None:
         self.metrics.shard_active_sessions.labels(self.shard_id).set(self.active)

@@ -43,6 +43,7 @@ from websockets.http11 import Request, Response
 
 from hearthnet.config import NodeConfig
 from hearthnet.distributed_inference.autohost import AutoHost
+from hearthnet.distributed_inference.backends.device import resolve_device
 from hearthnet.distributed_inference.community import (
     SERVED_MODELS,
     PlacementView,
@@ -179,7 +180,8 @@ class Node:
                                 max_prompt_tokens=cfg.di.max_prompt_tokens,
                                 max_completion_tokens=cfg.di.max_completion_tokens),
             prefill_chunk_tokens=cfg.di.prefill_chunk_tokens,
-            local_weights=cfg.di.head_weights)
+            local_weights=cfg.di.head_weights,
+            head_device=str(resolve_device(cfg.di.head_device)))  # absent: start-up error
         self.bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(SERVED_MODELS_CAPABILITY, self._served_capability)
@@ -225,13 +227,13 @@ class Node:
         for spec in self.cfg.hosted_shards():
             lo, hi = spec.layers
             await self._host_shard(self.models.get(spec.model), lo, hi,
-                                   spec.max_concurrent_streams, spec.weights)
+                                   spec.max_concurrent_streams, spec.weights, spec.device)
 
     async def _host_shard(self, entry: ModelEntry, lo: int, hi: int,
-                          max_concurrent_streams: int, weights: str | None = None
-                          ) -> ShardServer:
-        """Load layers `lo..hi` of `entry` held as `weights` (default: the host's), serve
-        and advertise them."""
+                          max_concurrent_streams: int, weights: str | None = None,
+                          device: str | None = None) -> ShardServer:
+        """Load layers `lo..hi` of `entry` held as `weights` (default: the host's) on
+        `device` (default: the host's), serve and advertise them."""
         host = self.cfg.di.host
         shard = ShardServer(
             entry, lo, hi, node_id=self.node_id, endpoint=self.endpoint,
@@ -242,7 +244,8 @@ class Node:
                 max_session_tokens=host.max_session_tokens,
                 weights=weights or host.weights or host.compute_dtype,
                 max_vram_mb=host.shard_max_vram_mb,
-                prefill_chunk_tokens=self.cfg.di.prefill_chunk_tokens),
+                prefill_chunk_tokens=self.cfg.di.prefill_chunk_tokens,
+                device=device or host.device, cuda_graphs=host.cuda_graphs),
             executor=self.executor, metrics=self.metrics)
         async with progress(log, "shard_load", model=entry.alias, layers=[lo, hi]):
             await shard.start()

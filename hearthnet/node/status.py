@@ -39,7 +39,8 @@ async def mesh_status(node: Any) -> dict[str, Any]:
             "max_concurrent_streams": d.max_concurrent_streams,
             # weight format (issue 12) and device (issue 13), when the advertisement has them
             "format": d.weights_format, "memory_mb": d.vram_required_mb,
-            "device": getattr(d, "device", None),
+            "device": d.device, "device_name": d.device_name,
+            "device_memory_mb": d.device_memory_mb, "vram_required_mb": d.vram_required_mb,
             "auto": node.placement.auto_shard(d.shard_id)})  # automatic placement (issue 17)
         nodes.setdefault(d.host, {"node_id": d.host, "self": False, "endpoint": d.endpoint})
     models = []

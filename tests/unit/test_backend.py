@@ -14,10 +14,10 @@ def test_range_holds_and_reads_only_its_own_layers(smollm2, monkeypatch):
     read: list[str] = []
     orig = sml._WeightsReader.read
 
-    def spy(self, keys):
+    def spy(self, keys, device=None):
         keys = list(keys)
         read.extend(keys)
-        return orig(self, keys)
+        return orig(self, keys, device)
 
     monkeypatch.setattr(sml._WeightsReader, "read", spy)
     stack = LayeredStack(smollm2, 15, 29)
@@ -42,7 +42,8 @@ def test_head_loads_only_embeddings_norm_and_head(smollm2, monkeypatch):
     read: list[str] = []
     orig = sml._WeightsReader.read
     monkeypatch.setattr(sml._WeightsReader, "read",
-                        lambda self, keys: (read.extend(keys := list(keys)), orig(self, keys))[1])
+                        lambda self, keys, device=None: (read.extend(keys := list(keys)),
+                                                         orig(self, keys, device))[1])
     head = LayeredHead(smollm2)
     assert sorted(read) == ["model.embed_tokens.weight", "model.norm.weight"]
     assert head.lm_head_weight.data_ptr() == head.embed_tokens.weight.data_ptr()  # tied

@@ -114,10 +114,10 @@ def test_loading_reads_one_tensor_at_a_time(fam_store, monkeypatch):
     sizes: list[int] = []
     orig = sml._WeightsReader.read
 
-    def spy(self, keys):
+    def spy(self, keys, device=None):
         keys = list(keys)
         sizes.append(len(keys))
-        return orig(self, keys)
+        return orig(self, keys, device)
 
     monkeypatch.setattr(sml._WeightsReader, "read", spy)
     LayeredStack(fam_store["qwen2"], 0, 3, "int8")

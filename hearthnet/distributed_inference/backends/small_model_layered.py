@@ -27,8 +27,12 @@ tests/helpers/tiny_models.py and tests/unit/test_families.py. Other families loa
 their decoder layers take the same call (hidden state, masks, position embeddings, cache);
 any tensor left unloaded is a `bad_request` naming the family and the tensor.
 
-KV caches are transformers `DynamicCache`s, one per session; a session over `[start, end]`
-only fills the cache layers of that sub-range.
+Layers, rotary tables and the head live on the configured device (`device.py`, issue 13):
+weights go from the safetensors file straight to that device, one tensor at a time, in
+their held format (float formats; the int8/int4 kernels are CPU-only and refused on a GPU).
+KV caches are preallocated per session (`kv_cache.KVSlot`, sized by `max_length`) and
+updated by index; a step is one small function (`LayeredSession.step`), replayed as a
+captured CUDA graph for decode steps on a CUDA device, eager elsewhere.
 """
 
 from __future__ import annotations
@@ -44,6 +48,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from hearthnet.distributed_inference.backends.device import (
+    MemoryBudget,
+    resolve_device,
+)
+from hearthnet.distributed_inference.backends.kv_cache import (
+    KVSlot,
+    attention_mask,
+    capacity_for,
+    slot_bytes,
+)
 from hearthnet.distributed_inference.backends.quant import (
     Int8Linear,
     compute_dtype_of,
@@ -51,8 +65,8 @@ from hearthnet.distributed_inference.backends.quant import (
     held_bytes,
     load_module,
 )
-from hearthnet.distributed_inference.formats import HEAD_FORMATS, resolve_format
-from hearthnet.errors import BadRequest, WeightsMismatch
+from hearthnet.distributed_inference.formats import HEAD_FORMATS, QUANTISED, resolve_format
+from hearthnet.errors import BadRequest, ShardUnavailable, WeightsMismatch
 from hearthnet.models.store import ModelEntry
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -119,19 +133,40 @@ class _WeightsReader:
         p = f"{self.layer_prefix}layers.{idx}."
         return [k for k in self.index if k.startswith(p)]
 
-    def tensors(self, keys: Iterable[str], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name relative to `prefix`, tensor) for `keys`, read one at a time (issue 12 §2)."""
+    def tensors(self, keys: Iterable[str], prefix: str, device: torch.device | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name relative to `prefix`, tensor) for `keys`, read one at a time (issue 12 §2)
+        straight onto `device` (issue 13 §1)."""
         for k in keys:
-            yield k[len(prefix):], self.read([k])[k]
+            yield k[len(prefix):], self.read([k], device)[k]
 
-    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    def nbytes(self, keys: Iterable[str], dtype: torch.dtype) -> int:
+        """Bytes `keys` take once held in `dtype` (from the headers; nothing is read)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for f, ks in self._by_file(keys).items():
+            with safe_open(str(f), framework="pt") as st:
+                for k in ks:
+                    n = 1
+                    for d in st.get_slice(k).get_shape():
+                        n *= int(d)
+                    total += n * itemsize
+        return total
+
+    def _by_file(self, keys: Iterable[str]) -> dict[Path, list[str]]:
         by_file: dict[Path, list[str]] = {}
         for k in keys:
             by_file.setdefault(self.index[k], []).append(k)
+        return by_file
+
+    def read(self, keys: Iterable[str],
+             device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """Tensors `keys`, each read from its file straight onto `device` (default CPU)."""
         out: dict[str, torch.Tensor] = {}
-        for f, ks in by_file.items():
+        where = str(device or "cpu")
+        for f, ks in self._by_file(keys).items():
             try:
-                with safe_open(str(f), framework="pt") as st:
+                with safe_open(str(f), framework="pt", device=where) as st:
                     for k in ks:
                         out[k] = st.get_tensor(k)
             except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -150,7 +185,7 @@ def _meta_base_model(config: Any) -> Any:
 
 
 def _fill(module: nn.Module, reader: _WeightsReader, keys: Iterable[str], prefix: str,
-          fmt: str, where: str, base: Any) -> None:
+          fmt: str, where: str, base: Any, device: torch.device | None = None) -> None:
     """Materialise a meta module from the tensors `keys` (under `prefix`), strictly, one
     tensor at a time converted to the held format `fmt` (`quant.load_module`).
 
@@ -164,8 +199,8 @@ def _fill(module: nn.Module, reader: _WeightsReader, keys: Iterable[str], prefix
     if missing:
         raise WeightsMismatch(f"{where}: weights do not match the model structure "
                               f"(missing {missing[:4]})")
-    load_module(module, reader.tensors(keys, prefix), fmt, where)
-    _materialise_buffers(module, base, where)
+    load_module(module, reader.tensors(keys, prefix, device), fmt, where)
+    _materialise_buffers(module, base, where, device or torch.device("cpu"))
 
 
 def _non_persistent(module: nn.Module) -> set[str]:
@@ -175,8 +210,9 @@ def _non_persistent(module: nn.Module) -> set[str]:
     return out
 
 
-def _materialise_buffers(module: nn.Module, base: Any, where: str) -> None:
-    """Re-create `module`'s meta buffers on CPU with the model class's own initialiser.
+def _materialise_buffers(module: nn.Module, base: Any, where: str,
+                         device: torch.device) -> None:
+    """Re-create `module`'s meta buffers on `device` with the model class's own initialiser.
 
     transformers' `from_pretrained` does the same: a CPU placeholder per non-persistent
     buffer, then `_init_weights`, which skips every tensor flagged `_is_hf_initialized`
@@ -187,7 +223,7 @@ def _materialise_buffers(module: nn.Module, base: Any, where: str) -> None:
         for name, buf in list(sub.named_buffers(recurse=False)):
             if buf is not None and buf.is_meta:
                 persistent = name not in sub._non_persistent_buffers_set
-                sub.register_buffer(name, torch.empty_like(buf, device="cpu"),
+                sub.register_buffer(name, torch.empty_like(buf, device=device),
                                     persistent=persistent)
                 owners.append(sub)
         for p in sub.parameters(recurse=False):
@@ -223,17 +259,24 @@ def _layer_types(config: Any) -> list[str]:
 
 
 class _Rotary:
-    """The base model's rotary embedding module (a CPU copy), called as the model does.
+    """The base model's rotary embedding module (a copy on the device), called as the model
+    does.
 
     Families with one rotary per layer type (Gemma-3: `rope_theta` differs between
     sliding and full layers) take a `layer_type`; the others give one pair for all.
     """
 
-    def __init__(self, config: Any, base: Any, where: str) -> None:
-        with torch.device("cpu"):
+    def __init__(self, config: Any, base: Any, where: str,
+                 device: torch.device | None = None) -> None:
+        with torch.device(device or "cpu"):
             self.module: nn.Module = type(base.rotary_emb)(config=config)
         _refuse_meta(self.module, config, where + " rotary embedding")
         self.per_type = "layer_type" in inspect.signature(self.module.forward).parameters
+        # rope types whose frequencies depend on the step's longest position (`dynamic`
+        # NTK, Phi-3's `longrope`): computed per step, as the model does, never tabled
+        kinds = getattr(self.module, "rope_type", "default")
+        kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+        self.dynamic = any("dynamic" in str(k) or k == "longrope" for k in kinds)
 
     def __call__(self, h: torch.Tensor, pos: torch.Tensor, types: Iterable[str]
                  ) -> dict[str, Any]:
@@ -245,54 +288,116 @@ class _Rotary:
         return {k: self.module(h, position_ids=pos, layer_type=k) for k in kinds}
 
 
+class _DecodeGraph:
+    """One captured decode step (T = 1) of a slot: static input, position and output.
+
+    Captured once per slot at position ``capacity - 1`` (a harmless write: any session
+    writes a position before a query can see it), then replayed by every session that
+    takes the slot — no capture on the hot path after the first (issue 13 item 3).
+    """
+
+    def __init__(self, session: LayeredSession) -> None:
+        stack, slot = session.stack, session.slot
+        self.x = torch.zeros(1, 1, stack.hidden_size, dtype=stack.dtype, device=stack.device)
+        self.pos = torch.full((1,), slot.capacity - 1, dtype=torch.long, device=stack.device)
+        before = torch.cuda.memory_allocated(stack.device)
+        side = torch.cuda.Stream(stack.device)
+        side.wait_stream(torch.cuda.current_stream(stack.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: kernels chosen, workspaces allocated
+                session.step(self.x, self.pos, None)
+        torch.cuda.current_stream(stack.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = session.step(self.x, self.pos, None)
+        self.nbytes = max(0, torch.cuda.memory_allocated(stack.device) - before)
+
+    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        self.x.copy_(x)
+        self.pos.fill_(pos)
+        self.graph.replay()
+        return self.out.clone()
+
+
 class LayeredSession:
-    """A sub-range `[start, end]` of a `LayeredStack` with its own KV cache (DESIGN.md 2)."""
+    """A sub-range `[start, end]` of a `LayeredStack` with its preallocated KV cache."""
 
     def __init__(self, stack: LayeredStack, start: int, end: int, max_length: int) -> None:
-        from transformers import DynamicCache
-
         self.stack, self.start, self.end, self.max_length = stack, start, end, max_length
         self.layers = stack.layers[start - stack.lo:end - stack.lo + 1]
-        self.cache: Any = DynamicCache(config=stack.config)
-        self._len = 0
         self._types = stack.layer_types[start:end + 1]
+        self.slot = stack.take_slot(start, end, capacity_for(max_length))
+        self._pe, self._kv_idx = stack.tables(self.slot.capacity)
+        self._len = 0
 
     @property
     def length(self) -> int:
         return self._len
 
-    def _masks(self, hidden: torch.Tensor, pos: torch.Tensor) -> dict[str, Any]:
-        from transformers.masking_utils import (
-            create_causal_mask,
-            create_sliding_window_causal_mask,
-        )
+    @property
+    def cache_bytes(self) -> int:
+        return self.slot.nbytes
 
+    def _masks(self, positions: torch.Tensor, kv_len: int | None,
+               eager_plain: bool) -> dict[str, Any]:
+        """One mask per layer kind; None where sdpa needs none (a plain causal step)."""
+        kv_idx = self._kv_idx if kv_len is None else self._kv_idx[:kv_len]
         masks: dict[str, Any] = {}
-        for kind, fn in (("full_attention", create_causal_mask),
-                         ("sliding_attention", create_sliding_window_causal_mask)):
-            if kind in self._types:
-                idx = self.start + self._types.index(kind)
-                masks[kind] = fn(config=self.stack.config, inputs_embeds=hidden,
-                                 attention_mask=None, past_key_values=self.cache,
-                                 position_ids=pos, layer_idx=idx)
+        for kind in set(self._types):
+            window = self.stack.sliding_window if kind == "sliding_attention" else None
+            if eager_plain and self.stack.additive_mask is None \
+                    and (window is None or int(kv_idx.shape[0]) <= window):
+                masks[kind] = None
+            else:
+                masks[kind] = attention_mask(positions, kv_idx, window, self.stack.additive_mask)
         return masks
+
+    def step(self, h: torch.Tensor, positions: torch.Tensor, kv_len: int | None,
+             plain: bool = False) -> torch.Tensor:
+        """The per-token work (gpt-fast's `decode_one_token`): `h` (1, T, H) at `positions`.
+
+        `kv_len` None attends over the whole slot (graph-captured decode); an int attends
+        over the first `kv_len` positions only (eager prefill, CPU). `plain`: a step sdpa
+        can run with no mask (one query, or a prefill from position 0).
+        """
+        self.slot.positions, self.slot.kv_len = positions, kv_len
+        masks = self._masks(positions, kv_len, plain)
+        if self.stack.rotary.dynamic:
+            pe = self.stack.rotary(h, positions.unsqueeze(0), self._types)
+        else:
+            pe = {kind: (cos[:, positions], sin[:, positions])
+                  for kind, (cos, sin) in self._pe.items()}
+        pos_ids = positions.unsqueeze(0)
+        for layer, kind in zip(self.layers, self._types, strict=True):
+            h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
+                      past_key_values=self.slot, use_cache=True, position_embeddings=pe[kind])
+        return h
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Run positions `start_pos..` through the sub-range; see `LayerSession.forward`."""
+        """Run positions `start_pos..` through the sub-range; see `LayerSession.forward`.
+
+        Returns the output on the stack's device.
+        """
         t = self._check(hidden, start_pos)
-        if start_pos < self._len:
-            self.cache.crop(start_pos - self._len)  # redo: cut the cache back
-            self._len = start_pos
-        h = hidden.to(self.stack.dtype)  # (1, T, H)
-        pos = torch.arange(start_pos, start_pos + t).unsqueeze(0)  # (1, T)
-        masks = self._masks(h, pos)
-        pe = self.stack.rotary(h, pos, self._types)
-        for layer, kind in zip(self.layers, self._types, strict=True):
-            h = layer(h, attention_mask=masks[kind], position_ids=pos,
-                      past_key_values=self.cache, use_cache=True, position_embeddings=pe[kind])
+        self._len = min(self._len, start_pos)  # redo: the cache is cut back (rewound)
+        h = hidden.to(self.stack.device, self.stack.dtype)  # (1, T, H)
+        if t == 1 and self.stack.graphs:
+            out = self._graph()(h, start_pos)
+        else:
+            positions = torch.arange(start_pos, start_pos + t, device=self.stack.device)
+            out = self.step(h, positions, start_pos + t, plain=t == 1 or start_pos == 0)
         self._len = start_pos + t
-        return h
+        return out
+
+    def _graph(self) -> _DecodeGraph:
+        graph: _DecodeGraph | None = getattr(self.slot, "graph", None)
+        if graph is None:
+            graph = _DecodeGraph(self)
+            self.slot.graph = graph  # type: ignore[attr-defined]
+            self.stack.budget.reserve(graph.nbytes, "a CUDA graph's workspace")
+            self.slot.nbytes += graph.nbytes
+        return graph
 
     def _check(self, hidden: torch.Tensor, start_pos: int) -> int:
         if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != self.stack.hidden_size:
@@ -310,36 +415,63 @@ class LayeredSession:
         return t
 
     def close(self) -> None:
-        self.cache = None
-        self.layers = nn.ModuleList()
+        """Give the cache slot back to the stack (kept for reuse while the budget allows)."""
+        if self.layers is not None:
+            self.stack.give_back(self.slot)
+        self.layers = None  # type: ignore[assignment]
 
 
 class LayeredStack:
-    """Decoder layers `[lo, hi]` of one stored model, and nothing else (DESIGN.md 4)."""
+    """Decoder layers `[lo, hi]` of one stored model, and nothing else (DESIGN.md 4).
 
-    def __init__(self, entry: ModelEntry, lo: int, hi: int, weights: str = "fp32"):
+    The layers live on `device` (issue 13 item 1); KV cache slots are preallocated there,
+    counted against `budget_mb` (`shard_max_vram_mb`, M26 §5.6) together with the weights,
+    and kept for reuse after a session closes (with their captured CUDA graph) until the
+    budget needs the room.
+    """
+
+    def __init__(self, entry: ModelEntry, lo: int, hi: int, weights: str = "fp32", *,
+                 device: str | torch.device = "cpu", budget_mb: int | None = None,
+                 cuda_graphs: bool = True) -> None:
         if not (0 <= lo <= hi < entry.num_layers):
             raise BadRequest(f"layer range [{lo}, {hi}] is outside {entry.alias}'s layers; "
                              f"valid range is [0, {entry.num_layers - 1}]")
         self.format = resolve_format(format_name(weights), entry.dtype)
+        self.device = resolve_device(device)
+        check_device_format(self.format, self.device)
         entry.check_files()
         self.entry, self.lo, self.hi = entry, lo, hi
         self.dtype = compute_dtype_of(self.format)
+        self.graphs = cuda_graphs and self.device.type == "cuda"
+        self.budget = MemoryBudget(budget_mb, self.device)
         self.config = load_config(entry)
         self.hidden_size = int(self.config.hidden_size)
+        self.sliding_window: int | None = getattr(self.config, "sliding_window", None)
         reader = _WeightsReader(entry.path)
+        what = f"layers [{lo}, {hi}] of {entry.alias} as {self.format}"
+        estimate = reader.nbytes(_layer_keys(reader, lo, hi), self.dtype)
+        self.budget.reserve(estimate, what)  # before any weight is read (M26 §5.6)
         base = _meta_base_model(self.config)
+        # sdpa takes boolean masks (None for a plain causal step); eager attention (the
+        # family's choice, e.g. Gemma-2's soft-capping) adds a float mask
+        self.additive_mask = None if base.config._attn_implementation == "sdpa" else self.dtype
         self.layers = nn.ModuleList()
         for i in range(lo, hi + 1):
             layer = base.layers[i]
             keys = reader.keys_for_layer(i)
             prefix = f"{reader.layer_prefix}layers.{i}."
-            _fill(layer, reader, keys, prefix, self.format, f"{entry.path} layer {i}", base)
+            _fill(layer, reader, keys, prefix, self.format, f"{entry.path} layer {i}", base,
+                  self.device)
             layer.eval()
             self.layers.append(layer)
-        self.rotary = _Rotary(self.config, base, str(entry.path))
+        self.rotary = _Rotary(self.config, base, str(entry.path), self.device)
+        self.graphs = self.graphs and not self.rotary.dynamic  # data-dependent rope: eager
         del base
         self.layer_types = _layer_types(self.config)
+        self._tables: dict[int, tuple[dict[str, Any], torch.Tensor]] = {}
+        self._idle: dict[tuple[int, int, int], list[KVSlot]] = {}
+        self.budget.release(estimate)  # the held bytes, once known (quantised: fewer)
+        self.budget.reserve(self.param_bytes(), what)
 
     def layer_indices(self) -> list[int]:
         return list(range(self.lo, self.hi + 1))
@@ -348,8 +480,54 @@ class LayeredStack:
         """Bytes of the hosted layers' weights in their held format."""
         return held_bytes(self.layers)
 
+    def held_bytes(self) -> int:
+        """Bytes held on the device: weights, cache slots (busy and idle), graph workspaces."""
+        return self.budget.used_bytes
+
+    def tables(self, capacity: int) -> tuple[dict[str, Any], torch.Tensor]:
+        """({layer type: (cos, sin)}, kv positions) for `capacity` positions, computed once
+        per capacity: a step only indexes them."""
+        if capacity not in self._tables:
+            pos = torch.arange(capacity, device=self.device)
+            probe = torch.zeros(1, 1, self.hidden_size, dtype=self.dtype, device=self.device)
+            with torch.inference_mode():
+                pe = self.rotary(probe, pos.unsqueeze(0), self.layer_types)
+            self._tables[capacity] = (pe, pos)
+        return self._tables[capacity]
+
+    def take_slot(self, start: int, end: int, capacity: int) -> KVSlot:
+        """An idle slot of that shape, or a new one within the budget (else refused)."""
+        idle = self._idle.get((start, end, capacity))
+        if idle:
+            return idle.pop()
+        need = slot_bytes(self.config, end - start + 1, capacity, self.dtype)
+        what = f"a KV cache of {capacity} positions × layers [{start}, {end}]"
+        try:
+            self.budget.reserve(need, what)
+        except ShardUnavailable:
+            if not self.drop_idle():
+                raise
+            self.budget.reserve(need, what)
+        return KVSlot(self.config, start, end, capacity, self.dtype, self.device)
+
+    def give_back(self, slot: KVSlot) -> None:
+        """Keep a closed session's slot (and its graph) for the next session."""
+        self._idle.setdefault((slot.start, slot.end, slot.capacity), []).append(slot)
+
+    def drop_idle(self) -> bool:
+        """Free every idle slot; whether anything was freed."""
+        slots = [s for ss in self._idle.values() for s in ss]
+        self._idle.clear()
+        for s in slots:
+            self.budget.release(s.nbytes)
+            s.release()
+        if slots and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return bool(slots)
+
     def open_session(self, start: int, end: int, max_length: int) -> LayeredSession:
-        """A new session over `[start, end]` ⊆ `[lo, hi]`; `BadRequest` outside it."""
+        """A new session over `[start, end]` ⊆ `[lo, hi]`; `BadRequest` outside it,
+        `ShardUnavailable` when its cache would exceed the memory budget."""
         if not (self.lo <= start <= end <= self.hi):
             raise BadRequest(f"sub-range [{start}, {end}] is outside the hosted layers "
                              f"[{self.lo}, {self.hi}]")
@@ -358,16 +536,31 @@ class LayeredStack:
         return LayeredSession(self, start, end, max_length)
 
 
+def check_device_format(fmt: str, device: torch.device) -> None:
+    """`BadRequest` for a held format with no kernel on `device` (int8/int4: CPU only)."""
+    if fmt in QUANTISED and device.type != "cpu":
+        raise BadRequest(f"weights held as {fmt} run on torch's CPU kernels only "
+                         f"(_weight_int8pack_mm / _weight_int4pack_mm_for_cpu); on {device} "
+                         f"use bf16 or fp16", format=fmt, device=str(device))
+
+
+def _layer_keys(reader: _WeightsReader, lo: int, hi: int) -> list[str]:
+    return [k for i in range(lo, hi + 1) for k in reader.keys_for_layer(i)]
+
+
 class LayeredHead:
     """The orchestrator's part of a model: tokenizer, embeddings, final norm, lm_head."""
 
-    def __init__(self, entry: ModelEntry, weights: str | torch.dtype = "fp32") -> None:
+    def __init__(self, entry: ModelEntry, weights: str | torch.dtype = "fp32",
+                 device: str | torch.device = "cpu") -> None:
         from transformers import AutoTokenizer
 
         self.format = resolve_format(format_name(weights), entry.dtype)
         if self.format not in HEAD_FORMATS:
             raise BadRequest(f"a head holds its weights as {', '.join(HEAD_FORMATS)} (or "
                              f"native); not {self.format}")
+        self.device = resolve_device(device)
+        check_device_format(self.format, self.device)
         entry.check_files()
         self.entry = entry
         self.dtype = compute_dtype_of(self.format)
@@ -382,7 +575,8 @@ class LayeredHead:
         self.norm: nn.Module = base.norm
         self._load_embeddings(reader, p + "embed_tokens.", base)
         norm_keys = [k for k in reader.index if k.startswith(p + "norm.")]
-        _fill(self.norm, reader, norm_keys, p + "norm.", self.format, f"{entry.path} norm", base)
+        _fill(self.norm, reader, norm_keys, p + "norm.", self.format, f"{entry.path} norm", base,
+              self.device)
         self.embed_tokens.eval()
         self.norm.eval()
         # Gemma-2's final-logit soft-capping, applied as its CausalLM head does
@@ -399,11 +593,11 @@ class LayeredHead:
         self.embed_q: Int8Linear | None = None
         if self.format != "int8":
             _fill(self.embed_tokens, reader, [prefix + "weight"], prefix, self.format, where,
-                  base)
+                  base, self.device)
             return
         self.embed_q = Int8Linear(reader.read([prefix + "weight"])[prefix + "weight"], None)
         self.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        _materialise_buffers(self.embed_tokens, base, where)
+        _materialise_buffers(self.embed_tokens, base, where, self.device)
 
     def _load_lm_head(self, reader: _WeightsReader) -> None:
         tied = "lm_head.weight" not in reader.index or bool(
@@ -416,8 +610,8 @@ class LayeredHead:
         elif tied:
             self.lm_head_weight = self.embed_tokens.weight  # type: ignore[assignment]
         else:
-            self.lm_head_weight = reader.read(["lm_head.weight"])["lm_head.weight"].to(
-                self.dtype)
+            self.lm_head_weight = reader.read(["lm_head.weight"], self.device)[
+                "lm_head.weight"].to(self.dtype)
 
     def param_bytes(self) -> int:
         """Bytes of the head's weights in their held format (a tied matrix counted once)."""
@@ -455,8 +649,8 @@ class LayeredHead:
 
     @torch.inference_mode()
     def embed(self, token_ids: list[int]) -> torch.Tensor:
-        """(1, T, H) input hidden state for `token_ids`."""
-        ids = torch.tensor([token_ids], dtype=torch.long)
+        """(1, T, H) input hidden state for `token_ids`, on the head's device."""
+        ids = torch.tensor([token_ids], dtype=torch.long).to(self.device, non_blocking=True)
         if self.embed_q is None:
             out: torch.Tensor = self.embed_tokens(ids)
             return out
@@ -464,10 +658,15 @@ class LayeredHead:
         scale = getattr(self.embed_tokens, "embed_scale", None)  # Gemma's scaled embedding
         return rows * scale.float() if scale is not None else rows
 
+    def embed_host(self, token_ids: list[int]) -> torch.Tensor:
+        """`embed` as a host tensor the caller owns (sent to a shard, kept for replay)."""
+        return self.embed(token_ids).cpu()
+
     @torch.inference_mode()
     def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
-        """(vocab,) fp32 logits of the last position of a (1, T, H) final hidden state."""
-        h = self.norm(hidden_last[:, -1:, :].to(self.dtype))
+        """(vocab,) fp32 host logits of the last position of a (1, T, H) final hidden state
+        (from any device): the sampler and its seeded generator stay on the host."""
+        h = self.norm(hidden_last[:, -1:, :].to(self.device, self.dtype))
         if self.lm_head_q is not None:
             logits = self.lm_head_q(h)[0, -1]
         else:
@@ -476,4 +675,4 @@ class LayeredHead:
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits.float().cpu()

@@ -1,0 +1,99 @@
+"""The preallocated KV cache of a session and its masks (issue 13 item 3, gpt-fast style).
+
+A `KVSlot` holds, for each layer of a sub-range `[start, end]`, key and value buffers of
+shape ``(1, kv_heads, capacity, head_dim)`` allocated once, and is updated by index at the
+step's positions (`index_copy_`): no concatenation, no growth, no per-step allocation.
+Sliding-window layers get the same full-length buffers (the window is applied in the
+mask), so a redo at an earlier position — failover replay, M26 §5.4 — is just a shorter
+length: later entries are overwritten before they are read, and the causal mask keeps a
+query from ever seeing an entry beyond its own position.
+
+Why not transformers' `StaticCache`: its sliding-window layers are rolling buffers that
+cannot be rewound to an earlier position, and its buffers always span the full capacity,
+while the eager (CPU, prefill) path here attends only over the positions written so far.
+
+The slot is the `past_key_values` object the family's own decoder layers receive: they call
+``update(key, value, layer_idx, ...)`` and get the keys/values to attend over. Masks are
+computed from a positions tensor with two tensor ops (no Python structures per step), so
+the same step function can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+CAPACITY_QUANTUM = 256
+"""Capacities are rounded up to a multiple of this, so slots (and their captured CUDA
+graphs) are reused across sessions of similar lengths."""
+
+
+def capacity_for(max_length: int) -> int:
+    """The slot capacity that holds `max_length` positions."""
+    return -(-max_length // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
+
+
+def kv_shape(config: Any) -> tuple[int, int]:
+    """(kv_heads, head_dim) of a transformers decoder config."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return kv_heads, head_dim
+
+
+def slot_bytes(config: Any, layers: int, capacity: int, dtype: torch.dtype) -> int:
+    """Bytes of the key and value buffers of `layers` layers at `capacity` positions."""
+    kv_heads, head_dim = kv_shape(config)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * layers * kv_heads * capacity * head_dim * itemsize
+
+
+class KVSlot:
+    """Preallocated keys/values of layers `[start, end]` (absolute layer indices)."""
+
+    def __init__(self, config: Any, start: int, end: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        kv_heads, head_dim = kv_shape(config)
+        self.start, self.end, self.capacity = start, end, capacity
+        self.keys = [torch.zeros(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+                     for _ in range(start, end + 1)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        # what the next `update` writes: positions (T,) and how many positions to return
+        self.positions = torch.zeros(1, dtype=torch.long, device=device)
+        self.kv_len: int | None = None  # None: the whole capacity (graph-captured steps)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys/values at `positions`; the keys/values to attend over."""
+        i = layer_idx - self.start
+        k, v = self.keys[i], self.values[i]
+        k.index_copy_(2, self.positions, key_states)
+        v.index_copy_(2, self.positions, value_states)
+        if self.kv_len is None:
+            return k, v
+        return k[:, :, :self.kv_len], v[:, :, :self.kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.capacity if self.kv_len is None else self.kv_len
+
+    def release(self) -> None:
+        self.keys, self.values = [], []
+
+
+def attention_mask(positions: torch.Tensor, kv_idx: torch.Tensor, window: int | None,
+                   additive_dtype: torch.dtype | None) -> torch.Tensor:
+    """(1, 1, T, K) mask of queries at `positions` over keys `kv_idx` (causal, windowed).
+
+    Boolean (True = attend) for sdpa; additive (0 / dtype min) for eager attention.
+    """
+    q = positions.unsqueeze(1)  # (T, 1)
+    allowed = kv_idx.unsqueeze(0) <= q  # (T, K)
+    if window is not None:
+        allowed = allowed & (kv_idx.unsqueeze(0) > q - window)  # transformers' overlay
+    allowed = allowed[None, None]
+    if additive_dtype is None:
+        return allowed
+    zero = torch.zeros((), dtype=additive_dtype, device=positions.device)
+    return torch.where(allowed, zero, torch.finfo(additive_dtype).min)

@@ -1,0 +1,182 @@
+"""The GPU path on a real CUDA device (issue 13): weights, caches, graphs, budget, OOM.
+
+Every test is marked `cuda` and skipped with a reason where torch sees no GPU
+(tests/cuda/conftest.py). Run on a GPU machine with:
+``HEARTHNET_TEST_TOKENIZER=<folder with SmolLM2's tokenizer.json> pytest -m cuda tests/cuda``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from hearthnet.distributed_inference.backends.device import Staging
+from hearthnet.distributed_inference.backends.small_model_layered import (
+    LayeredHead,
+    LayeredStack,
+)
+from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.local import LocalEngine
+from hearthnet.distributed_inference.shard import OpenRequest, ShardServer, ShardSettings
+from hearthnet.errors import ShardUnavailable
+
+pytestmark = pytest.mark.cuda
+
+MSGS = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+FAMILIES = ["llama", "qwen2", "mistral", "gemma2", "gemma3", "phi3"]
+
+
+def _tokens(engine: LocalEngine, n: int = 24) -> list[int]:
+    return [ev.token_id for ev in engine.generate(MSGS, SamplingParams(max_tokens=n))]
+
+
+def test_weights_and_caches_live_on_the_gpu_and_the_budget_is_the_real_allocation(tiny):
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    stack = LayeredStack(tiny("llama"), 0, 5, device="cuda")
+    assert all(p.device.type == "cuda" for p in stack.layers.parameters())
+    weights = torch.cuda.memory_allocated() - before
+    assert stack.held_bytes() == stack.param_bytes()
+    assert abs(weights - stack.held_bytes()) <= 64 * 1024 + stack.held_bytes() // 50
+    mid = torch.cuda.memory_allocated()
+    s = stack.open_session(0, 5, 1000)
+    cache = torch.cuda.memory_allocated() - mid
+    assert s.slot.keys[0].device.type == "cuda"
+    assert abs(cache - s.cache_bytes) <= 64 * 1024  # (rotary tables are the rest)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graph_decode_gives_the_eager_tokens(tiny, family):
+    """Sliding windows (qwen2, mistral, gemma), per-type rotary (gemma3), soft-capping with
+    eager attention (gemma2), longrope computed per step (phi3) — graphs or not."""
+    entry = tiny(family)
+    graphs = LocalEngine(entry, device="cuda")
+    eager = LocalEngine(entry, device="cuda", cuda_graphs=False)
+    cpu = LocalEngine(entry, device="cpu")
+    assert graphs.stack.graphs is (family != "phi3")
+    got = _tokens(graphs)
+    assert got == _tokens(eager) == _tokens(cpu)
+    assert _tokens(graphs) == got  # a second session replays the first one's graph
+
+
+def test_split_stacks_equal_the_local_engine_on_cuda(tiny):
+    entry = tiny("qwen2")
+    local = LocalEngine(entry, device="cuda")
+    want = _tokens(local, 32)
+    n = entry.num_layers
+    stacks = [LayeredStack(entry, 0, 2, device="cuda"), LayeredStack(entry, 3, n - 1,
+                                                                     device="cuda")]
+    gen = local.new_generation(MSGS, SamplingParams(max_tokens=32))
+    ml = len(gen.prompt_ids) + 33
+    sessions = [stacks[0].open_session(0, 2, ml), stacks[1].open_session(3, n - 1, ml)]
+    x, pos = local.head.embed_host(gen.prompt_ids), 0
+    while not gen.done:
+        h = x
+        for s in sessions:  # through the host, as over the wire (fp32 both ways)
+            h = Staging(s.stack.device).to_host(s.forward(h.cuda(), pos), torch.float32)
+        ev = gen.step(local.head.logits(h))
+        pos += x.shape[1]
+        x = local.head.embed_host([ev.token_id])
+    assert gen.tokens == want
+
+
+def test_redo_after_graph_decoding_rewinds_the_cache(tiny):
+    stack = LayeredStack(tiny("qwen2"), 0, 5, device="cuda")
+    torch.manual_seed(0)
+    xs, alt = torch.randn(1, 12, 64, device="cuda"), torch.randn(1, 1, 64, device="cuda")
+    s = stack.open_session(0, 5, 32)
+    s.forward(xs[:, :6], 0)
+    for i in range(6, 12):  # graph replays
+        s.forward(xs[:, i:i + 1], i)
+    redo = s.forward(alt, 7)  # one position again: a graph replay at an earlier position
+    nxt = s.forward(xs[:, 11:12], 8)
+    fresh = stack.open_session(0, 5, 32).forward(
+        torch.cat([xs[:, :7], alt, xs[:, 11:12]], dim=1), 0)
+    torch.testing.assert_close(torch.cat([redo, nxt], dim=1), fresh[:, 7:], rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_head_on_the_gpu_matches_the_cpu(tiny):
+    entry = tiny("gemma2")  # scaled embeddings and final-logit soft-capping
+    gpu, cpu = LayeredHead(entry, device="cuda"), LayeredHead(entry)
+    ids = gpu.chat_prompt_ids(MSGS)
+    h = gpu.embed(ids)
+    assert h.device.type == "cuda" and gpu.embed_host(ids).device.type == "cpu"
+    torch.testing.assert_close(h.cpu(), cpu.embed(ids), rtol=1e-5, atol=1e-5)
+    logits = gpu.logits(h)
+    assert logits.device.type == "cpu"
+    torch.testing.assert_close(logits, cpu.logits(h.cpu()), rtol=1e-4, atol=1e-4)
+
+
+def test_pinned_staging_buffers_are_reused():
+    s = Staging(torch.device("cuda"))
+    outs = []
+    for _ in range(3):
+        y = torch.randn(1, 1, 2048, device="cuda")
+        host = s.to_host(y, torch.bfloat16)
+        assert host.is_pinned() and torch.equal(host, y.bfloat16().cpu())
+        outs.append(host.data_ptr())
+        x = torch.randn(1, 2, 2048)
+        assert torch.equal(s.to_device(x, torch.float32).cpu(), x)
+    assert len(set(outs)) == 1  # one buffer, reused
+
+
+def test_an_open_larger_than_free_gpu_memory_is_refused(tiny):
+    stack = LayeredStack(tiny("llama"), 0, 5, device="cuda")  # no configured budget
+    with pytest.raises(ShardUnavailable, match="free") as e:
+        stack.open_session(0, 5, 10**8)  # 100 GB of cache: refused before allocating
+    assert e.value.details["reason"] == "device_memory"
+    stack.open_session(0, 5, 64)  # and the stack goes on serving
+
+
+class _Stream:
+    def __init__(self, steps: list[Any]) -> None:
+        self.steps, self.sent, self.errors = list(steps), [], []
+
+    async def accept(self, info: dict[str, Any]) -> None:
+        self.info = info
+
+    async def recv_step(self, deadline_s: float | None = None) -> Any:
+        return self.steps.pop(0) if self.steps else None
+
+    async def send_step(self, step: int, start_pos: int, tensor: torch.Tensor,
+                        compute_us: int = 0) -> None:
+        self.sent.append(tensor.clone())
+
+    async def send_error(self, err: Any, *, step: int | None = None) -> None:
+        self.errors.append(err)
+
+
+class _Step:
+    def __init__(self, step: int, start_pos: int, tensor: torch.Tensor) -> None:
+        self.step, self.start_pos, self.tensor = step, start_pos, tensor
+
+
+async def test_a_real_cuda_out_of_memory_ends_one_session_and_the_shard_serves_on(tiny):
+    entry = tiny("llama")
+    with ThreadPoolExecutor(1) as ex:
+        server = ShardServer(entry, 0, 5, node_id="n1", endpoint="ws://127.0.0.1:1",
+                             settings=ShardSettings(device="cuda", compute_dtype="bf16"),
+                             executor=ex)
+        await server.start()
+        assert server.descriptor.device == "cuda" and server.descriptor.device_memory_mb > 0
+        req = OpenRequest(server.shard_id, 0, 5, 32, "bf16", "test")
+        x = torch.randn(1, 4, 64)
+
+        def hog(step: int, out: torch.Tensor) -> torch.Tensor:
+            torch.empty(1 << 47, dtype=torch.uint8, device="cuda")  # 128 TiB: a real OOM
+            return out
+
+        server.step_hook = hog
+        hit = _Stream([_Step(0, 0, x)])
+        await server.serve_session(hit, req)
+        assert [e.details["reason"] for e in hit.errors] == ["device_out_of_memory"]
+        server.step_hook = None
+        ok = _Stream([_Step(0, 0, x), _Step(1, 4, x[:, :1])])
+        await asyncio.wait_for(server.serve_session(ok, req), 120)
+        assert len(ok.sent) == 2 and not ok.errors and ok.sent[0].dtype == torch.bfloat16
+        assert ok.info["device"] == "cuda" and server.active == 0
