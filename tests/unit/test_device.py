@@ -196,6 +196,9 @@ class _FakeStream:
     async def accept(self, info: dict[str, Any]) -> None:
         self.accepted = info
 
+    def limit_tensor_bytes(self, n: int) -> None:
+        self.limit = n
+
     async def recv_step(self, deadline_s: float | None = None) -> Any:
         return self.steps.pop(0) if self.steps else None
 
