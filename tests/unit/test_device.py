@@ -225,8 +225,9 @@ def _req(server: ShardServer, max_length: int = 16) -> OpenRequest:
 
 
 async def test_shard_refuses_an_open_over_budget_as_shard_unavailable(smollm2):
-    """Planned for one session of 16 tokens (issue 12's start check passes), the budget
-    has no room for the real cache an open allocates (256 positions): refused at open."""
+    """The budget is the start check's plan for one session of 16 tokens (a 256-position
+    cache); an open whose real cache would not fit beside the weights (here one longer
+    than planned, as `validate_open` would also refuse) is refused before it is accepted."""
     from hearthnet.distributed_inference.backends.memory import plan_shard
 
     limit = plan_shard(smollm2, 0, 3, "fp32", 1, 16).total_mb
@@ -237,8 +238,11 @@ async def test_shard_refuses_an_open_over_budget_as_shard_unavailable(smollm2):
         assert server.descriptor.device == "cpu" and server.descriptor.device_memory_mb > 0
         stream = _FakeStream([])
         with pytest.raises(ShardUnavailable, match="shard_max_vram_mb"):
-            await server.serve_session(stream, _req(server))
+            await server.serve_session(stream, _req(server, max_length=300))
         assert stream.accepted is None and server.active == 0  # refused before accept
+        ok = _FakeStream([_Step(0, 0, torch.randn(1, 4, H))])
+        await server.serve_session(ok, _req(server, max_length=16))  # the planned one fits
+        assert ok.accepted is not None and len(ok.sent) == 1
 
 
 async def test_out_of_memory_in_a_step_ends_that_session_only(smollm2, monkeypatch):

@@ -39,10 +39,9 @@ def test_kv_cache_is_measured_not_guessed(tiny):
     import torch
 
     s.forward(torch.randn(1, 12, stack.hidden_size), 0)
-    real = sum(t.numel() * t.element_size() for layer in s.cache.layers
-               for t in (layer.keys, layer.values) if t is not None)
-    assert plan_shard(entry, 0, 3, "fp32", sessions=1, tokens=12).kv_bytes == real
-    plan = plan_shard(entry, 0, 3, "fp32", sessions=8, tokens=12)
+    real = sum(t.numel() * t.element_size() for t in s.slot.keys + s.slot.values)
+    assert plan_shard(entry, 0, 3, "fp32", sessions=1, tokens=64).kv_bytes == real
+    plan = plan_shard(entry, 0, 3, "fp32", sessions=8, tokens=64)
     assert plan.kv_bytes == 8 * real
 
 
