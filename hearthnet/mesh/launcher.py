@@ -122,9 +122,9 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
     lines += ["[security]", f"insecure_plaintext = {_toml_value(insecure_plaintext)}", ""]
     if spec.api:
         lines += ["[api]"] + [f"{k} = {_toml_value(v)}" for k, v in spec.api.items()] + [""]
-    for m in members or []:
-        lines += ["[[community.members]]", f'node_id = "{m.node_id}"', 'public_key = ""',
-                  f'trust = "{m.trust}"', ""]
+    for member in members or []:
+        lines += ["[[community.members]]", f'node_id = "{member.node_id}"',
+                  'public_key = ""', f'trust = "{member.trust}"', ""]
     return "\n".join(lines)
 
 
