@@ -97,6 +97,13 @@ def test_only_a_steward_edits_the_served_list(mesh):
     r = _cli(mesh, "models", "serve", "smollm2", "--config", str(mesh.nodes["node-b"].config))
     assert r.returncode == 1 and "not a steward" in r.stderr, r.stderr
     assert mesh.status("node-b")["placement"]["served_models"] == []
+    steward = str(mesh.nodes["node-s"].config)
+    r = _cli(mesh, "models", "unserve", "smollm2", "--config", steward)
+    assert r.returncode == 1 and "not on the served-model list" in r.stderr, r.stderr
+    r = _cli(mesh, "models", "serve", "no-such-model", "--config", steward)
+    assert r.returncode == 1 and "bad_request" in r.stderr, r.stderr
+    r = _cli(mesh, "models", "served", "--config", steward)
+    assert r.returncode == 0 and "no models are served yet" in r.stdout, r.stdout
 
 
 def test_three_automatic_nodes_cover_the_model(mesh):
