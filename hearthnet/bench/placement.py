@@ -93,12 +93,12 @@ def _measure(args: argparse.Namespace, hosts: list[Any], *, serve: bool) -> dict
             _serve(mesh, args.model)
         split = _wait_split(mesh)
         speeds = {h: _speed(mesh, h) for h in HOSTS} if serve else None
-        rates = asyncio.run(_chats(mesh.nodes["node-o"].uri, args))
+        rates, failures = asyncio.run(_chats(mesh.nodes["node-o"].uri, args))
     finally:
         mesh.stop()
         shutil.rmtree(root, ignore_errors=True)
     return {"split": split, "measured_speed": speeds, "tokens_per_s": round(median(rates), 2),
-            "runs_tokens_per_s": [round(r, 2) for r in rates]}
+            "runs_tokens_per_s": [round(r, 2) for r in rates], "failed_chats": failures}
 
 
 def _speed(mesh: Any, host: str) -> float | None:
@@ -136,22 +136,29 @@ def _wait_split(mesh: Any, timeout: float = 180.0) -> dict[str, list[list[int]]]
     raise HearthNetError(f"the hosts did not cover {mesh.model} within {timeout:.0f} s")
 
 
-async def _chats(uri: str, a: argparse.Namespace) -> list[float]:
+async def _chats(uri: str, a: argparse.Namespace) -> tuple[list[float], list[str]]:
     from hearthnet.distributed_inference.generation import SamplingParams
     from hearthnet.mesh.bus import bus_call
     from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 
-    rates = []
+    rates: list[float] = []
+    failures: list[str] = []
     for i in range(a.runs + 1):  # the first is a warm-up
         args = chat_args(a.prompt, a.model, SamplingParams(max_tokens=a.tokens),
                          fallback_to_local=False)
-        frames = [f async for f in bus_call(uri, CHAT_CAPABILITY, args)]
+        try:
+            frames = [f async for f in bus_call(uri, CHAT_CAPABILITY, args)]
+        except HearthNetError as e:  # e.g. a keepalive lost on an overloaded machine
+            failures.append(f"{e.code}: {e.message}"[:200])
+            continue
         done = frames[-1]
         if done.get("type") != "done" or done.get("fallback"):
-            raise HearthNetError(f"a chat did not run through the mesh: {done}")
-        if i:
+            failures.append(str(done)[:200])
+        elif i:
             rates.append(float(done["timings"]["tokens_per_second"]))
-    return rates
+    if not rates:
+        raise HearthNetError(f"no chat ran through the mesh: {failures}")
+    return rates, failures
 
 
 def report(f: dict[str, Any]) -> str:
