@@ -23,6 +23,7 @@ are different classes (as h11's Local/Remote)::
     │   ├── ShardUnavailable            no cover / all at max concurrency       "shard_unavailable"
     │   ├── PipelineStalled             no progress within the deadline         "pipeline_stalled"
     │   ├── ShardCorrupted              NaN/Inf or out-of-bound activations     "shard_corrupted"
+    │   ├── StepFailed                  a shard's forward failed; session ended "step_failed"
     │   └── PipelineAborted             the pipeline gave up                    "pipeline_aborted"
     ├── TransportError                  the tensor transport                    "transport"
     │   ├── ProtocolError               malformed frame, bad version, limits    "protocol_error"
@@ -162,6 +163,12 @@ class ShardCorrupted(PeerError):
     code = "shard_corrupted"
 
 
+class StepFailed(PeerError):
+    """A shard could not compute a step (its forward raised); the session is over."""
+
+    code = "step_failed"
+
+
 class PipelineAborted(PeerError):
     code = "pipeline_aborted"
 
@@ -240,6 +247,7 @@ _BY_CODE: dict[str, type[HearthNetError]] = {
     "shard_unavailable": ShardUnavailable,
     "pipeline_stalled": PipelineStalled,
     "shard_corrupted": ShardCorrupted,
+    "step_failed": StepFailed,
     "pipeline_aborted": PipelineAborted,
     "transport": TransportError,
     "protocol_error": ProtocolError,

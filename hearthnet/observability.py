@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TextIO, cast
 
 import structlog
 from prometheus_client import (
@@ -146,6 +146,16 @@ def build_info() -> dict[str, str]:
 _CHATTY = ("websockets", "aiohttp.access", "aiohttp.server", "urllib3", "httpx", "asyncio")
 
 
+class _Stderr:
+    """Whatever `sys.stderr` is when a line is written (it is replaced under test runners)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info", *, json: bool = True, **context: Any) -> None:
     """Set up structlog (JSON lines on stderr) and bind `context` (e.g. node id) to every line.
 
@@ -158,11 +168,16 @@ def configure_logging(level: str = "info", *, json: bool = True, **context: Any)
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer = structlog.processors.JSONRenderer() if json \
-        else structlog.dev.ConsoleRenderer(colors=False)
-    handler = logging.StreamHandler(sys.stderr)
+    # tracebacks as plain text: never a renderer that prints local variables, which could
+    # hold activations (M26 §5.8: tensor contents are never logged)
+    renderer: Any = structlog.processors.JSONRenderer() if json \
+        else structlog.dev.ConsoleRenderer(colors=False,
+                                           exception_formatter=structlog.dev.plain_traceback)
+    exc: list[Any] = [structlog.processors.format_exc_info] if json else []
+    handler = logging.StreamHandler(cast(TextIO, _Stderr()))
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *exc,
+                    renderer],
         foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name,
                            structlog.stdlib.ExtraAdder()]))
     root = logging.getLogger()
@@ -171,11 +186,11 @@ def configure_logging(level: str = "info", *, json: bool = True, **context: Any)
     for name in _CHATTY:
         logging.getLogger(name).setLevel(lvl if lvl <= logging.DEBUG else logging.WARNING)
     logging.captureWarnings(True)
-    processors = [*shared, renderer]
+    processors = [*shared, *exc, renderer]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _Stderr())),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()
@@ -206,5 +221,11 @@ async def progress(logger: Any, event: str, every_s: float = 2.0, **fields: Any
 
 
 def get_logger(name: str) -> Any:
-    """A structlog logger tagged with the component name."""
+    """A structlog logger tagged with the component name.
+
+    Until `configure_logging` runs (library use, tests), the defaults are ours too (JSON
+    lines, plain tracebacks), never structlog's development renderer with its locals.
+    """
+    if not structlog.is_configured():
+        configure_logging()
     return structlog.get_logger(component=name)

@@ -43,6 +43,7 @@ from hearthnet.distributed_inference.wire import WirePlan
 from hearthnet.errors import (
     ExperimentalDisabled,
     HearthNetError,
+    InternalError,
     ModelUnusable,
     ShardUnavailable,
     WeightsMismatch,
@@ -162,6 +163,11 @@ class PipelineOrchestrator:
             yield self._done(call, t0, construct_ms, tps)
         except HearthNetError as e:
             yield error_frame(e.code, e.message)
+        except Exception:  # a bug: a typed ending for the caller, the traceback in our log
+            log.exception("chat_failed", model=entry.model_id, tokens=len(gen.tokens))
+            err = InternalError("internal error in the distributed chat on this node; "
+                                "see its log")
+            yield error_frame(err.code, err.message)
         finally:
             self.metrics.chats_total.labels(outcome).inc()
             if call is not None:

@@ -49,13 +49,13 @@ from hearthnet.distributed_inference.descriptors import (
     make_shard_id,
     to_datetime,
 )
-from hearthnet.distributed_inference.faults import CloseMidFrame
 from hearthnet.distributed_inference.formats import resolve_format
 from hearthnet.errors import (
     BadRequest,
     ConnectionLost,
     HearthNetError,
     ShardUnavailable,
+    StepFailed,
     StreamStalled,
     WeightsMismatch,
     WireOverflow,
@@ -98,7 +98,6 @@ class OpenRequest:
     caller: str
 
 
-StepHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class ShardServer:
@@ -128,7 +127,6 @@ class ShardServer:
         self.last_used = clock()
         self._latencies: deque[float] = deque(maxlen=256)
         self._streams: set[Any] = set()
-        self.step_hook: StepHook | None = None  # test-only fault injection (issue 6 §5)
 
     def _refuse_over_budget(self, shard_id: str) -> None:
         """A shard over `shard_max_vram_mb` is refused before loading (issue 12 §4)."""
@@ -258,6 +256,8 @@ class ShardServer:
         except (ConnectionLost, StreamStalled) as e:
             log.info("session_ended", shard_id=self.shard_id, caller=req.caller,
                      reason=e.code)
+        except StepFailed as e:  # the caller gets the typed step error; the session ends
+            await stream.refuse(e, step=e.details.get("step"))
         finally:
             if session is not None:
                 session.close()  # frees the KV cache also when the caller vanished (issue 6 §4)
@@ -290,11 +290,10 @@ class ShardServer:
             except ShardUnavailable as e:  # device out of memory: this session alone ends
                 await stream.send_error(e, step=inp.step)
                 return
-            except CloseMidFrame:  # test-only fault: half a frame, then the socket drops
-                transport = stream.connection.transport
-                transport.write(b"\x82\x7e\x10\x00" + bytes(100))  # announces 4096 bytes
-                transport.abort()
-                return
+            except HearthNetError:
+                raise
+            except Exception as e:  # torch failed: a typed step error, the session ends
+                raise self._forward_failed(inp.step, e) from e
             finally:
                 self.queue_depth -= 1
                 self.metrics.shard_queue_depth.labels(self.shard_id).set(self.queue_depth)
@@ -335,8 +334,6 @@ class ShardServer:
         try:
             x = staging.to_device(x, stack.dtype) if staging else x.to(stack.device, stack.dtype)
             out = session.forward(x, start_pos)
-            if self.step_hook is not None:
-                out = self.step_hook(step, out)
             out = cast_to_wire(out, wire)
             return staging.to_host(out, wire) if staging else out.cpu()
         except (RuntimeError, torch.OutOfMemoryError) as e:
@@ -346,6 +343,13 @@ class ShardServer:
             raise ShardUnavailable(f"shard {self.shard_id} ran out of memory on {self.device} "
                                    f"in this session's step; retry elsewhere",
                                    reason="device_out_of_memory") from None
+
+    def _forward_failed(self, step: int, exc: Exception) -> StepFailed:
+        # the traceback names the failing op and shapes, never tensor values (M26 §5.8)
+        log.error("shard_forward_failed", shard_id=self.shard_id, step=step,
+                  exc_info=exc)
+        return StepFailed(f"shard {self.shard_id} failed to compute step {step} "
+                          f"({type(exc).__name__}); see its log", step=step)
 
     def _gauge(self) -> None:
         self.metrics.shard_active_sessions.labels(self.shard_id).set(self.active)

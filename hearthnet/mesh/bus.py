@@ -3,8 +3,12 @@
 A capability is an async-iterator function `handler(args: dict) -> AsyncIterator[dict]`.
 Over WebSocket the caller sends one msgpack map ``{"capability": name, "args": {...}}``
 and receives one msgpack map per frame, then ``{"type": "end"}``. A `HearthNetError` becomes
-an ``{"type": "error", "code", "message"}`` frame. A caller that disconnects cancels the
-call (the handler's `finally` blocks run, so shard sessions are closed).
+an ``{"type": "error", "code", "message"}`` frame; any other exception becomes an
+``internal`` error frame (its traceback goes to this node's log, never to the caller), so
+every call ends with an error or its last frame, then ``end``. A caller that disconnects
+cancels the call (the handler's `finally` blocks run, so shard sessions are closed). At the
+caller, `bus_call` raises `ConnectionLost` for a call that ends without its ``end`` frame:
+a truncated answer never looks like a complete one.
 """
 
 from __future__ import annotations
@@ -17,7 +21,14 @@ import msgpack
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from hearthnet.errors import BadRequest, ConnectionLost, HearthNetError, error_from_code
+from hearthnet.errors import (
+    BadRequest,
+    ConnectionLost,
+    HearthNetError,
+    InternalError,
+    ProtocolError,
+    error_from_code,
+)
 from hearthnet.observability import get_logger
 
 log = get_logger("bus")
@@ -47,13 +58,15 @@ class CapabilityBus:
 
     async def serve_connection(self, ws: Any) -> None:
         """Serve one `/bus` WebSocket connection (one call); never raises."""
+        capability = None
         try:
             raw = await ws.recv()
             req = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else None
             if not isinstance(req, dict) or not isinstance(req.get("capability"), str) \
                     or not isinstance(req.get("args", {}), dict):
                 raise BadRequest("a bus call is a msgpack map {capability, args}")
-            it = self.call(req["capability"], req.get("args", {}))
+            capability = req["capability"]
+            it = self.call(capability, req.get("args", {}))
             try:
                 async for frame in it:
                     await ws.send(msgpack.packb(frame, use_bin_type=True))
@@ -62,16 +75,15 @@ class CapabilityBus:
                     await it.aclose()  # type: ignore[attr-defined]
             await ws.send(msgpack.packb({"type": "end"}))
         except HearthNetError as e:
-            with contextlib.suppress(ConnectionClosed):
-                await ws.send(msgpack.packb({"type": "error", "code": e.code,
-                                             "message": e.message}))
-                await ws.send(msgpack.packb({"type": "end"}))
+            await _send_error(ws, e)
         except ConnectionClosed:
             log.info("bus_caller_gone")
         except (ValueError, msgpack.UnpackException) as e:
-            with contextlib.suppress(ConnectionClosed):
-                await ws.send(msgpack.packb({"type": "error", "code": "bad_request",
-                                             "message": f"malformed bus call: {e}"}))
+            await _send_error(ws, BadRequest(f"malformed bus call: {e}"))
+        except Exception:  # a bug: the caller gets a typed ending, the log the traceback
+            log.exception("bus_call_failed", capability=capability)
+            await _send_error(ws, InternalError(
+                f"internal error in {capability!r} on this node; see its log"))
         finally:
             with contextlib.suppress(Exception):
                 await ws.close()
@@ -91,14 +103,34 @@ async def bus_call(uri: str, capability: str, args: dict[str, Any], *,
             await ws.send(msgpack.packb({"capability": capability, "args": args},
                                         use_bin_type=True))
             async for raw in ws:
-                frame = msgpack.unpackb(raw, raw=False)
+                frame = _frame(raw)
                 if frame.get("type") == "end":
                     return
                 yield frame
+        raise ConnectionLost(f"the node at {uri} ended the call without its end frame")
     except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as e:
         raise ConnectionLost(f"cannot reach the node at {uri}: {e}") from e
     except ConnectionClosed as e:
         raise ConnectionLost(f"the node at {uri} closed the call: {e}") from e
+
+
+def _frame(raw: bytes | str) -> dict[str, Any]:
+    """One frame of a bus reply; `ProtocolError` unless it is a msgpack map."""
+    try:
+        frame = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else None
+    except (ValueError, msgpack.UnpackException) as e:
+        raise ProtocolError(f"malformed bus frame: {e}") from None
+    if not isinstance(frame, dict):
+        raise ProtocolError("a bus frame is a msgpack map")
+    return frame
+
+
+async def _send_error(ws: Any, err: HearthNetError) -> None:
+    """The call's last frames: the typed error, then ``end``."""
+    with contextlib.suppress(ConnectionClosed):
+        await ws.send(msgpack.packb({"type": "error", "code": err.code,
+                                     "message": err.message}))
+        await ws.send(msgpack.packb({"type": "end"}))
 
 
 def raise_for_error(frame: dict[str, Any]) -> None:

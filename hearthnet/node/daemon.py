@@ -68,6 +68,7 @@ from hearthnet.errors import (
     AuthError,
     BadRequest,
     HearthNetError,
+    InternalError,
     ListenFailed,
     ModelUnusable,
     PortInUse,
@@ -481,6 +482,11 @@ class Node:
         except HearthNetError as e:
             if not stream.closed:
                 await stream.refuse(e)
+        except Exception:  # a bug: the caller gets `internal`, the log the traceback
+            log.exception("shard_session_failed", shard_id=shard.shard_id, caller=caller)
+            if not stream.closed:
+                await stream.refuse(InternalError("internal error on the shard host; "
+                                                  "see its log"))
         finally:
             await stream.close()
 

@@ -579,10 +579,11 @@ class ServerStream(_Session):
         """Lower this session's largest accepted tensor before `accept` (issue 14 §2)."""
         self._proto.limit_tensor_bytes(limit)
 
-    async def refuse(self, err: HearthNetError) -> None:
-        """Send ``err`` as a fatal ERROR and close: refuses an OPEN or ends a session."""
+    async def refuse(self, err: HearthNetError, *, step: int | None = None) -> None:
+        """Send ``err`` as a fatal ERROR and close: refuses an OPEN or ends a session
+        (naming the failed ``step`` when there is one)."""
         if self._failure is None and not self._peer_closed:
-            self._proto.send_error(err, fatal=True)
+            self._proto.send_error(err, fatal=True, step=step)
             self._terminate(err, CloseCode.NORMAL, err.code)
         else:
             self._start_shutdown(CloseCode.NORMAL, err.code)

@@ -40,6 +40,7 @@ from hearthnet.transport.websocket import (
     run,
     serve,
 )
+from tests.helpers.waiting import wait_until
 
 torch.set_num_threads(1)
 
@@ -60,13 +61,6 @@ async def echo(stream: ServerStream) -> None:
     await stream.accept({"shard_id": "echo"})
     while (inp := await stream.recv_step()) is not None:
         await stream.send_step(inp.step, inp.start_pos, inp.tensor, compute_us=123)
-
-
-async def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll ``cond`` (state, not timing: the timeout only bounds a broken run)."""
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.01)
 
 
 def hidden(tokens: int, size: int) -> torch.Tensor:
