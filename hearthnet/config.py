@@ -2,12 +2,11 @@
 
 `load_config(path)` reads one node's file and returns a `NodeConfig`, or raises
 `ConfigError` whose message names the file, the dotted key and the reason (the CLI turns
-it into exit code 2). Unknown keys are errors everywhere except the free-form
-``[testing.faults]`` table.
+it into exit code 2). Unknown keys are errors everywhere.
 
 Sections: ``[node]`` (identity, addresses, folders, peers), ``[research]`` with the M26 §7
 ``[research.distributed_inference]`` and ``[...host]`` tables, ``[[shards]]`` (the shards
-this node hosts), ``[community]``, ``[security]``, ``[api]`` and ``[testing]``. See
+this node hosts), ``[community]``, ``[security]`` and ``[api]``. See
 ``config/mesh3/*.toml`` for complete examples.
 
 Decisions:
@@ -329,12 +328,6 @@ class ApiSection(_Section):
             return False
 
 
-class TestingSection(_Section):
-    """``[testing]``: test-only fault injection (issue 6); free-form, off by default."""
-
-    faults: dict[str, Any] = Field(default_factory=dict)
-
-
 class NodeConfig(_Section):
     """A whole node configuration file."""
 
@@ -345,7 +338,6 @@ class NodeConfig(_Section):
     community: CommunitySection = Field(default_factory=CommunitySection)
     security: SecuritySection = Field(default_factory=SecuritySection)
     api: ApiSection = Field(default_factory=ApiSection)
-    testing: TestingSection = Field(default_factory=TestingSection)
 
     _source: Path | None = PrivateAttr(default=None)
 
@@ -419,8 +411,6 @@ class NodeConfig(_Section):
             out.append(f"{len(self.declared_shards())} [[shards]] declared but not served: {why}")
         if self._serving and not self.shards:
             out.append("serve_shards is true but no [[shards]] are declared")
-        if self.testing.faults:
-            out.append("testing.faults is set: fault injection is active")
         return out
 
     def _resolve(self, value: str) -> Path:

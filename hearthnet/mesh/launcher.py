@@ -8,17 +8,22 @@ it started — on exit, on error and on Ctrl-C.
 Secure by default (issue 7): `LocalMesh` gives every node a key and every config the
 full member list (`security.provision`), so the nodes talk ``wss://`` with mutual TLS and
 sign their events and session opens. Clients in this process reach a node through its
-loopback admin listener (`NodeProc.uri`), or as a member with `client_ssl` / `sign_open`.
-Pass ``insecure_plaintext=True`` for plain ``ws://`` links.
+loopback admin listener (`NodeProc.uri`). Pass ``insecure_plaintext=True`` for plain
+``ws://`` links.
+
+On Linux every node process gets SIGTERM when the launching thread dies
+(``PR_SET_PDEATHSIG``): a demo killed with SIGKILL leaves no orphan nodes behind.
+Subclasses choose how a node process starts (`node_argv`, `node_env`); the test suite's
+`tests.helpers.mesh.TestMesh` starts its own entry point with injected faults that way.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -29,11 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hearthnet.config import load_config
 from hearthnet.errors import HearthNetError
 from hearthnet.paths import models_dir
-from hearthnet.security import MemberDirectory, NodeKey, client_context, sign_open
-from hearthnet.security.keys import KEY_FILE_NAME
 from hearthnet.security.provision import provision
 
 
@@ -49,7 +51,6 @@ class NodeSpec:
 
     node_id: str
     shards: list[tuple[int, int]] = field(default_factory=list)
-    faults: dict[str, Any] = field(default_factory=dict)
     extra_di: dict[str, Any] = field(default_factory=dict)
     trust: str = "trusted"  # this node's trust in every member list
     extra_host: dict[str, Any] = field(default_factory=dict)  # [...distributed_inference.host]
@@ -79,6 +80,17 @@ class NodeProc:
     def listen_uri(self) -> str:
         """The node's main listener (``/shard``, ``/gossip``; TLS unless plaintext)."""
         return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}"
+
+
+# resolved here, in the parent: the child between fork and exec only calls it
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launching thread dies (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _toml_value(v: Any) -> str:
@@ -116,9 +128,6 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
     for m, lo, hi in [(model, lo, hi) for lo, hi in spec.shards] + spec.model_shards:
         lines += ["[[shards]]", f'model = "{m}"', f"layers = [{lo}, {hi}]",
                   "max_concurrent_streams = 8", ""]
-    if spec.faults:
-        lines += ["[testing.faults]"] + [f"{k} = {_toml_value(v)}"
-                                         for k, v in spec.faults.items()] + [""]
     lines += ["[security]", f"insecure_plaintext = {_toml_value(insecure_plaintext)}", ""]
     if spec.api:
         lines += ["[api]"] + [f"{k} = {_toml_value(v)}" for k, v in spec.api.items()] + [""]
@@ -196,15 +205,21 @@ class LocalMesh:
         if wait_cover:
             self.wait_covered(next(iter(self.nodes)), timeout=timeout)
 
+    def node_argv(self, n: NodeProc) -> list[str]:
+        """The command line that runs node `n`."""
+        return [sys.executable, "-m", "hearthnet.cli", "node", "--config", str(n.config)]
+
+    def node_env(self, n: NodeProc) -> dict[str, str]:
+        """The environment of node `n`'s process."""
+        return dict(os.environ, OMP_NUM_THREADS=str(n.spec.threads or self.threads),
+                    TOKENIZERS_PARALLELISM="false")
+
     def start_node(self, node_id: str, wait: bool = True, timeout: float = 120.0) -> NodeProc:
         n = self.nodes[node_id]
-        env = dict(os.environ, OMP_NUM_THREADS=str(n.spec.threads or self.threads),
-                   TOKENIZERS_PARALLELISM="false",
-                   HEARTHNET_EXIT_WITH_PARENT=str(os.getpid()))
-        log = (self.root / f"{node_id}.log").open("a")
-        n.proc = subprocess.Popen(
-            [sys.executable, "-m", "hearthnet.cli", "node", "--config", str(n.config)],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
+        with (self.root / f"{node_id}.log").open("a") as log:
+            n.proc = subprocess.Popen(
+                self.node_argv(n), stdout=subprocess.PIPE, stderr=log, text=True,
+                env=self.node_env(n), start_new_session=True, preexec_fn=_die_with_parent)
         if wait:
             self._wait_ready(n, timeout)
         return n
@@ -226,27 +241,6 @@ class LocalMesh:
         with urllib.request.urlopen(self.nodes[node_id].uri.replace("ws://", "http://")
                                     + "/metrics", timeout=5) as r:
             return str(r.read().decode())
-
-    # ---- acting as a member (tests) ----
-
-    def key(self, node_id: str) -> NodeKey:
-        """The node key `provision` made for `node_id`."""
-        return NodeKey.load(self.root / node_id / KEY_FILE_NAME)
-
-    def directory(self, node_id: str) -> MemberDirectory:
-        """The member list in `node_id`'s config file, as it is now."""
-        cfg = load_config(self.nodes[node_id].config)
-        return MemberDirectory.from_dicts([m.model_dump() for m in cfg.community.members])
-
-    def client_ssl(self, as_node: str, expect: str | None = None) -> ssl.SSLContext:
-        """A TLS context presenting `as_node`'s certificate, pinned to `expect` (or any)."""
-        return client_context(self.key(as_node), as_node, self.directory(as_node),
-                              expect=expect)
-
-    def sign_open(self, as_node: str, params: dict[str, Any],
-                  now: float | None = None) -> dict[str, Any]:
-        """Session OPEN fields signed by `as_node`."""
-        return sign_open(self.key(as_node), as_node, params, now)
 
     def wait_covered(self, node_id: str, timeout: float = 60.0, shards: int | None = None
                      ) -> dict[str, Any]:

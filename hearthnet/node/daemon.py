@@ -251,9 +251,6 @@ class Node:
         async with progress(log, "shard_load", model=entry.alias, layers=[lo, hi]):
             await shard.start()
         self.shards[shard.shard_id] = shard
-        from hearthnet.distributed_inference.faults import install_faults
-
-        install_faults(shard, self.cfg.testing.faults)
         await self._advertise(shard)
         return shard
 
@@ -367,12 +364,9 @@ class Node:
         with contextlib.suppress(NotImplementedError, AttributeError):
             loop.add_signal_handler(signal.SIGHUP, self.reload)
         await self.start()
-        watch = _watch_parent(self._stopping)
         try:
             await self._stopping.wait()
         finally:
-            if watch is not None:
-                watch.cancel()
             await self.stop()
 
     def reload(self) -> bool:
@@ -598,29 +592,6 @@ def binding(what: str, key: str, host: str, port: int) -> Iterator[None]:
                             f"{key}") from None
         raise ListenFailed(f"{what} cannot listen on {host}:{port}: {e.strerror or e}; "
                            f"check {key}") from None
-
-
-def _watch_parent(stopping: asyncio.Event) -> asyncio.Task[None] | None:
-    """With `HEARTHNET_EXIT_WITH_PARENT=<pid>` (set by `LocalMesh`), stop when that process
-    is gone — a demo or test killed with SIGKILL leaves no orphan nodes behind."""
-    raw = os.environ.get("HEARTHNET_EXIT_WITH_PARENT", "")
-    if not raw.isdigit():
-        return None
-    pid = int(raw)
-
-    async def watch() -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                log.warning("parent_gone", parent_pid=pid)
-                stopping.set()
-                return
-            except PermissionError:
-                continue
-
-    return asyncio.create_task(watch(), name="watch-parent")
 
 
 def _response(status: HTTPStatus, body: bytes, ctype: str) -> Response:

@@ -28,6 +28,7 @@ from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 from hearthnet.node.guard import NodeGuard
 from hearthnet.observability import Metrics
 from hearthnet.security.provision import provision
+from tests.helpers.mesh import TestMesh
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -437,15 +438,16 @@ def test_failover_fallback_and_corruption_reach_metrics(smollm2):
     returns NaN (corruption → failover to node-d), then node-d's does too (second failure
     → the answer continues on node-a's local engine)."""
     specs = [NodeSpec("node-a"), NodeSpec("node-b", [(0, 14)]),
-             NodeSpec("node-c", [(15, 29)], faults={"mode": "nan", "after_steps": 3}),
-             NodeSpec("node-d", [(15, 29)], faults={"mode": "nan", "after_steps": 2})]
+             NodeSpec("node-c", [(15, 29)]), NodeSpec("node-d", [(15, 29)])]
+    faults = {"node-c": {"mode": "nan", "after_steps": 3},
+              "node-d": {"mode": "nan", "after_steps": 2}}
 
     async def chat(uri: str) -> list[dict[str, Any]]:
         args = chat_args("What is the capital of France?", "smollm2",
                          SamplingParams(max_tokens=8))
         return [f async for f in bus_call(uri, CHAT_CAPABILITY, args)]
 
-    with LocalMesh(specs, insecure_plaintext=True) as mesh:
+    with TestMesh(specs, faults=faults, insecure_plaintext=True) as mesh:
         frames = asyncio.run(chat(mesh.nodes["node-a"].uri))
         declared, samples = parse_exposition(_scrape(mesh.nodes["node-a"].port))
     kinds = [f["type"] for f in frames]

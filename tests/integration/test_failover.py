@@ -2,7 +2,7 @@
 
 One mesh serves the whole module. `node-a` orchestrates (it hosts nothing); `node-b` hosts
 layers 0-14; `node-c` and `node-d` both host 15-29, each the other's spare. A fault test
-starts one extra node hosting the whole model (0-29) with one `[testing.faults]` mode: the
+starts one extra node hosting the whole model (0-29) with one injected fault mode: the
 router prefers it (healthy, and it covers everything in one hop), it misbehaves after a few
 steps, and the call must fail over to b + c|d and finish.
 
@@ -28,11 +28,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hearthnet.distributed_inference.faults import MODES
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.mesh.bus import bus_call
-from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+from hearthnet.mesh.launcher import NodeSpec
 from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from tests.helpers.faults import MODES
+from tests.helpers.mesh import TestMesh
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +48,11 @@ BASE = ["node-a", "node-b", "node-c", "node-d"]
 SPARES = ("node-c", "node-d")
 
 
-def _fault_spec(mode: str) -> NodeSpec:
+def _fault(mode: str) -> dict[str, Any]:
     faults: dict[str, Any] = {"mode": mode, "after_steps": FAULT_AFTER}
     if mode == "slow":
         faults["delay_s"] = SLOW_DELAY_S
-    return NodeSpec(_fault_node(mode), [(0, 29)], faults=faults)
+    return faults
 
 
 def _fault_node(mode: str) -> str:
@@ -66,9 +67,10 @@ def reference(local_answer) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def mesh(smollm2):
     # health timeout 10 s: dead shards' advertisements expire after 40 s (4 × timeout)
-    m = LocalMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 14)]),
-                   NodeSpec("node-c", [(15, 29)]), NodeSpec("node-d", [(15, 29)]),
-                   *(_fault_spec(mode) for mode in MODES)], timeout_s=10.0)
+    m = TestMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 14)]),
+                  NodeSpec("node-c", [(15, 29)]), NodeSpec("node-d", [(15, 29)]),
+                  *(NodeSpec(_fault_node(mode), [(0, 29)]) for mode in MODES)],
+                 faults={_fault_node(mode): _fault(mode) for mode in MODES}, timeout_s=10.0)
     try:
         _start(m, BASE)
         m.wait_covered("node-a", shards=3)
@@ -79,7 +81,7 @@ def mesh(smollm2):
 
 # ---- helpers ----
 
-def _start(m: LocalMesh, ids: list[str]) -> None:
+def _start(m: TestMesh, ids: list[str]) -> None:
     """Start nodes in parallel; return once each printed `node_ready`."""
     for i in ids:
         m.start_node(i, wait=False)
@@ -87,7 +89,7 @@ def _start(m: LocalMesh, ids: list[str]) -> None:
         m._wait_ready(m.nodes[i], 120.0)
 
 
-def _retire(m: LocalMesh, node_id: str) -> None:
+def _retire(m: TestMesh, node_id: str) -> None:
     """Stop a node with SIGTERM (it withdraws its shards), SIGKILL if it hangs."""
     p = m.nodes[node_id].proc
     if p is None or p.poll() is not None:
@@ -99,12 +101,12 @@ def _retire(m: LocalMesh, node_id: str) -> None:
         m.kill(node_id)
 
 
-def _alive(m: LocalMesh, node_id: str) -> bool:
+def _alive(m: TestMesh, node_id: str) -> bool:
     p = m.nodes[node_id].proc
     return p is not None and p.poll() is None
 
 
-def _shard_id(m: LocalMesh, node_id: str) -> str:
+def _shard_id(m: TestMesh, node_id: str) -> str:
     lo, hi = m.nodes[node_id].spec.shards[0]
     entry = next(s for s in m.status("node-a")["shards"] if s["host"] == node_id)
     assert entry["layers"] == [lo, hi]
@@ -120,21 +122,21 @@ def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> Non
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _seen_since(m: LocalMesh, node_id: str, t: float, healthy: bool = False) -> bool:
+def _seen_since(m: TestMesh, node_id: str, t: float, healthy: bool = False) -> bool:
     """node-a holds an advertisement of `node_id` made after `t` (and not suspect)."""
     st = m.status("node-a")
     return any(s["host"] == node_id and st["time"] - s["age_s"] >= t - 0.5
                and not (healthy and s["suspect"]) for s in st["shards"])
 
 
-def _restart(m: LocalMesh, ids: list[str]) -> None:
+def _restart(m: TestMesh, ids: list[str]) -> None:
     t = time.time()
     _start(m, ids)
     for i in ids:
         _wait_for(functools.partial(_seen_since, m, i, t), f"node-a to see {i} again")
 
 
-def _metric(m: LocalMesh, node_id: str, name: str, **labels: str) -> float:
+def _metric(m: TestMesh, node_id: str, name: str, **labels: str) -> float:
     for fam in text_string_to_metric_families(m.metrics(node_id)):
         for s in fam.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
@@ -158,7 +160,7 @@ def _host_of_layer(frames: list[dict[str, Any]], layer: int) -> str:
     return str(st["shard_id"]).rsplit("@", 1)[1]
 
 
-async def _chat(m: LocalMesh, prompt: str,
+async def _chat(m: TestMesh, prompt: str,
                 on_token: Callable[[int, list[dict[str, Any]]], None] | None = None,
                 **params: Any) -> list[dict[str, Any]]:
     """One chat through node-a; `on_token(n, frames_so_far)` runs after the n-th token."""
@@ -301,7 +303,7 @@ async def test_two_failures_in_one_call_fall_back_to_local(mesh, reference):
 
 # ---- no spare ----
 
-def _only_b_covers_layer_0(m: LocalMesh) -> bool:
+def _only_b_covers_layer_0(m: TestMesh) -> bool:
     """No stale advertisement (a dead whole-model fault node) can stand in for node-b."""
     return {s["host"] for s in m.status("node-a")["shards"] if s["layers"][0] == 0} \
         == {"node-b"}

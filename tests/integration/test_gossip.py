@@ -1,6 +1,6 @@
 """Gossip across processes: three nodes chained A–B–C on 127.0.0.1 (issue 4 item 3).
 
-Each node is a real process (`python -m hearthnet.mesh.gossip_testnode`) with its own
+Each node is a real process (`python -m tests.helpers.gossip_testnode`) with its own
 SQLite log; A and C dial B, so A's events reach C only through B.
 """
 
@@ -41,7 +41,7 @@ class NodeProc:
         self.port = 0
 
     async def start(self, *, port: int = 0, peers: tuple[int, ...] = ()) -> Line:
-        args = [sys.executable, "-m", "hearthnet.mesh.gossip_testnode", "--node-id",
+        args = [sys.executable, "-m", "tests.helpers.gossip_testnode", "--node-id",
                 self.node_id, "--db", str(self.db), "--port", str(port),
                 "--max-backoff", "0.3"]
         for p in peers:

@@ -1,6 +1,6 @@
 """Issue 14: the attack run's defects, reproduced against real node processes.
 
-One module mesh (`LocalMesh`, mutual TLS): node-a orchestrates with small call limits,
+One module mesh (`TestMesh`, mutual TLS): node-a orchestrates with small call limits,
 node-c hosts every SmolLM2 layer and, from its third step on, returns hidden states one
 unit too narrow (fault injection), node-o is an orchestrator the last test kills
 mid-answer. Tests wait on states (frames, metrics, process exit), not on sleeps.
@@ -23,10 +23,11 @@ import torch
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.bus import bus_call
-from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+from hearthnet.mesh.launcher import NodeSpec
 from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 from hearthnet.transport.codec import OP_INPUT, EncodedTensor
 from hearthnet.transport.websocket import TensorChannel
+from tests.helpers.mesh import TestMesh
 
 LIMITS = {"max_prompt_bytes": 12000, "max_prompt_tokens": 1500, "max_completion_tokens": 16,
           "prefill_chunk_tokens": 64}
@@ -36,14 +37,13 @@ SHARD = "node-c"
 @pytest.fixture(scope="module")
 def mesh(smollm2):
     specs = [NodeSpec("node-a", extra_di=LIMITS),
-             NodeSpec(SHARD, [(0, 29)], faults={"mode": "wrong_shape", "after_steps": 2},
-                      extra_di={"prefill_chunk_tokens": 64}),
+             NodeSpec(SHARD, [(0, 29)], extra_di={"prefill_chunk_tokens": 64}),
              NodeSpec("node-o")]
-    with LocalMesh(specs) as m:
+    with TestMesh(specs, faults={SHARD: {"mode": "wrong_shape", "after_steps": 2}}) as m:
         yield m
 
 
-async def _chat(m: LocalMesh, node: str, prompt: str, **kw: Any) -> list[dict[str, Any]]:
+async def _chat(m: TestMesh, node: str, prompt: str, **kw: Any) -> list[dict[str, Any]]:
     sampling = kw.pop("sampling", None) or SamplingParams(max_tokens=kw.pop("max_tokens", 4))
     args = chat_args(prompt, "smollm2", sampling, **kw)
     if "raw_sampling" in kw:
@@ -51,7 +51,7 @@ async def _chat(m: LocalMesh, node: str, prompt: str, **kw: Any) -> list[dict[st
     return [f async for f in bus_call(m.nodes[node].uri, CHAT_CAPABILITY, args)]
 
 
-def _metric(m: LocalMesh, node: str, name: str, **labels: str) -> float:
+def _metric(m: TestMesh, node: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in m.metrics(node).splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -146,7 +146,7 @@ async def test_a_long_shard_prefill_yields_to_another_session(mesh, smollm2):
     assert order == ["short", "long"]
 
 
-async def _open(m: LocalMesh, smollm2: Any, *, max_length: int, wire: str = "fp16"
+async def _open(m: TestMesh, smollm2: Any, *, max_length: int, wire: str = "fp16"
                 ) -> TensorChannel:
     params = {"shard_id": f"{smollm2.model_id}:0-29@{SHARD}", "model_id": smollm2.model_id,
               "weights_sha256": smollm2.weights_sha256, "start": 0, "end": 29,
@@ -166,7 +166,7 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-async def _one_chunk_then_vanish(m: LocalMesh, smollm2: Any, shape: tuple[int, ...]) -> None:
+async def _one_chunk_then_vanish(m: TestMesh, smollm2: Any, shape: tuple[int, ...]) -> None:
     ch = await _open(m, smollm2, max_length=8192, wire="fp32")
     # a real header declaring `shape`, but only the first 1 MiB chunk of it
     frame = EncodedTensor(torch.zeros(shape), opcode=OP_INPUT, stream_id=ch.stream_id,
@@ -198,7 +198,7 @@ async def test_a_declared_tensor_costs_only_what_was_received(mesh, smollm2):
 
 # ---- §3/§9 the CLI: exit codes, --json error frames, the orchestrator's loss ----
 
-def _cli(m: LocalMesh, node: str, *args: str) -> subprocess.Popen[str]:
+def _cli(m: TestMesh, node: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "hearthnet.cli", "chat", "--json", "--config",
          str(m.nodes[node].config), "--threads", "1", *args],
@@ -235,8 +235,8 @@ def test_orchestrator_death_mid_answer_is_connection_lost_with_tokens_so_far(mes
 # ---- §1 shutdown within seconds whatever the compute thread does ----
 
 def test_sigterm_stops_a_node_whose_compute_thread_is_busy(tmp_path, smollm2):
-    spec = NodeSpec("node-s", [(0, 0)], faults={"mode": "slow", "delay_s": 600})
-    m = LocalMesh([spec], root=tmp_path)
+    m = TestMesh([NodeSpec("node-s", [(0, 0)])], root=tmp_path,
+                 faults={"node-s": {"mode": "slow", "delay_s": 600}})
     try:
         m.start(wait_cover=False)  # one layer: the model is never covered, and need not be
 

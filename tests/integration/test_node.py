@@ -14,8 +14,9 @@ import torch
 
 from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead, LayeredStack
 from hearthnet.errors import BadRequest, ShardUnavailable, WeightsMismatch
-from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+from hearthnet.mesh.launcher import NodeSpec
 from hearthnet.transport.websocket import TensorChannel
+from tests.helpers.mesh import TestMesh
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def mesh(smollm2):
     for s in specs:
         s.extra_di = {"shard_health_timeout_seconds": 1.5}
     specs[1].extra_di["fallback_to_local"] = True
-    with LocalMesh(specs) as m:
+    with TestMesh(specs) as m:
         yield m
 
 
@@ -151,7 +152,7 @@ def test_bad_config_exits_2_naming_file_and_key(tmp_path):
 
 
 def test_research_disabled_emits_nothing(smollm2):
-    m = LocalMesh([NodeSpec("node-q", [(0, 29)])])
+    m = TestMesh([NodeSpec("node-q", [(0, 29)])])
     cfg = m.nodes["node-q"].config
     cfg.write_text(cfg.read_text().replace("[research]\nenable = true",
                                            "[research]\nenable = false"))
@@ -167,7 +168,7 @@ def test_research_disabled_emits_nothing(smollm2):
 async def test_idle_shard_evicts_and_reloads_on_next_open(smollm2):
     spec = NodeSpec("node-e", [(0, 14)], extra_di={"shard_health_timeout_seconds": 1.0},
                     extra_host={"shard_eviction_idle_seconds": 1.0})
-    m = LocalMesh([spec])
+    m = TestMesh([spec])
     m.start(wait_cover=False)  # one node with half the model: never fully covered
     try:
         deadline = time.monotonic() + 30
@@ -193,7 +194,7 @@ def test_metrics_port_serves_plain_http_metrics(smollm2):
     from hearthnet.mesh.launcher import free_port
 
     port = free_port()
-    m = LocalMesh([NodeSpec("node-m")])
+    m = TestMesh([NodeSpec("node-m")])
     cfg = m.nodes["node-m"].config
     cfg.write_text(cfg.read_text().replace("[node]\n", f"[node]\nmetrics_port = {port}\n", 1))
     m.start(wait_cover=False)
@@ -233,7 +234,7 @@ def test_port_flag_overrides_the_configured_port(tmp_path):
     """`hearthnet node --port N` listens on N (it crashed on the frozen settings before)."""
     from hearthnet.mesh.launcher import free_port, wait_node_ready
 
-    m = LocalMesh([NodeSpec("node-p")], root=tmp_path)
+    m = TestMesh([NodeSpec("node-p")], root=tmp_path)
     port = free_port()
     log = tmp_path / "node-p.stderr"
     with log.open("w") as err:

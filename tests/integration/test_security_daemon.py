@@ -33,10 +33,11 @@ from hearthnet.distributed_inference.descriptors import (
 from hearthnet.errors import AuthError, ConnectionLost, HearthNetError
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.mesh.gossip import decode_message, encode_events, encode_hello
-from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+from hearthnet.mesh.launcher import NodeSpec
 from hearthnet.security import MemberDirectory, NodeKey, client_context, sign_open
 from hearthnet.security.provision import replace_member_tables
 from hearthnet.transport.websocket import TensorChannel
+from tests.helpers.mesh import TestMesh
 
 HOST = "node-b"
 
@@ -45,7 +46,7 @@ HOST = "node-b"
 def mesh(smollm2):
     specs = [NodeSpec(HOST, [(0, 3)], extra_host={"shard_eviction_idle_seconds": 1.0}),
              NodeSpec("node-a"), NodeSpec("node-g", trust="guest")]
-    m = LocalMesh(specs)
+    m = TestMesh(specs)
     try:
         m.start_node(HOST)  # node-a and node-g are members whose keys we hold; not started
         yield m
@@ -61,20 +62,20 @@ def _params(smollm2: Any, **kw: Any) -> dict[str, Any]:
     return p
 
 
-async def _open(m: LocalMesh, fields: dict[str, Any], *, as_node: str = "node-a",
+async def _open(m: TestMesh, fields: dict[str, Any], *, as_node: str = "node-a",
                 ssl: Any = None) -> TensorChannel:
     return await TensorChannel.connect(m.nodes[HOST].listen_uri + "/shard", fields,
                                        ssl=ssl or m.client_ssl(as_node, HOST), deadline_s=20)
 
 
-async def _refused(m: LocalMesh, fields: dict[str, Any], reason: str, **kw: Any) -> None:
+async def _refused(m: TestMesh, fields: dict[str, Any], reason: str, **kw: Any) -> None:
     with pytest.raises(AuthError) as e:
         ch = await _open(m, fields, **kw)
         await ch.close()
     assert e.value.details.get("reason") == reason, e.value.details
 
 
-def _count(m: LocalMesh, metric: str, **labels: str) -> float:
+def _count(m: TestMesh, metric: str, **labels: str) -> float:
     """The value of `metric` with `labels` in the node's /metrics (0 if absent)."""
     for line in m.metrics(HOST).splitlines():
         if line.startswith(metric + "{") and all(f'{k}="{v}"' in line
@@ -83,7 +84,7 @@ def _count(m: LocalMesh, metric: str, **labels: str) -> float:
     return 0.0
 
 
-def _loads(m: LocalMesh) -> int:
+def _loads(m: TestMesh) -> int:
     return m.log_text(HOST).count('"shard_loaded"')
 
 
@@ -178,7 +179,7 @@ def _scratch_event(tmp: Path, origin: str, sign: Any, type: str = "experimental.
         log.close()
 
 
-async def _gossip(m: LocalMesh, as_node: str, events: list[Event]) -> list[Event]:
+async def _gossip(m: TestMesh, as_node: str, events: list[Event]) -> list[Event]:
     """Send `events` one message each as `as_node`; return what the node then holds."""
     ctx = m.client_ssl(as_node, HOST)
     async with connect(m.nodes[HOST].listen_uri + "/gossip", ssl=ctx, open_timeout=10) as ws:

@@ -29,9 +29,10 @@ from websockets.asyncio.client import connect as ws_connect
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.bus import bus_call
-from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+from hearthnet.mesh.launcher import NodeSpec
 from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 from hearthnet.transport.websocket import TensorChannel
+from tests.helpers.mesh import TestMesh
 
 pytestmark = pytest.mark.slow
 
@@ -47,14 +48,14 @@ def reference(local_answer) -> list[int]:
 
 @pytest.fixture(scope="module")
 def mesh(smollm2):
-    with LocalMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 14)]),
+    with TestMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 14)]),
                     NodeSpec("node-c", [(15, 29)])]) as m:
         yield m
 
 
 # ---- helpers ----
 
-def _gauge(m: LocalMesh, node_id: str) -> float:
+def _gauge(m: TestMesh, node_id: str) -> float:
     """Open sessions over every shard the node hosts, from its /metrics."""
     total = 0.0
     for fam in text_string_to_metric_families(m.metrics(node_id)):
@@ -72,14 +73,14 @@ async def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) 
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _open_params(m: LocalMesh, entry: Any, **over: Any) -> dict[str, Any]:
+def _open_params(m: TestMesh, entry: Any, **over: Any) -> dict[str, Any]:
     p = {"shard_id": f"{entry.model_id}:0-14@node-b", "model_id": entry.model_id,
          "weights_sha256": entry.weights_sha256, "start": 0, "end": 14, "max_length": 64,
          "wire_dtype": "fp32", **over}
     return m.sign_open("node-a", p)
 
 
-async def _session(m: LocalMesh, entry: Any, *, signed: bool = True,
+async def _session(m: TestMesh, entry: Any, *, signed: bool = True,
                    **over: Any) -> TensorChannel:
     params = _open_params(m, entry, **over) if signed else \
         {k: v for k, v in _open_params(m, entry, **over).items() if k != "auth"}
@@ -88,7 +89,7 @@ async def _session(m: LocalMesh, entry: Any, *, signed: bool = True,
                                        deadline_s=10.0)
 
 
-async def _chat(m: LocalMesh, started: asyncio.Event | None = None) -> list[dict[str, Any]]:
+async def _chat(m: TestMesh, started: asyncio.Event | None = None) -> list[dict[str, Any]]:
     args = chat_args(PROMPT, "smollm2", SamplingParams(max_tokens=N), wire_dtype="fp32",
                      timeout_s=10.0)
     frames = []
@@ -101,7 +102,7 @@ async def _chat(m: LocalMesh, started: asyncio.Event | None = None) -> list[dict
 
 # ---- the attacks: each must be refused on its own connection ----
 
-async def _garbage_tcp(m: LocalMesh) -> None:
+async def _garbage_tcp(m: TestMesh) -> None:
     """Random bytes where a TLS handshake should be."""
     _, w = await asyncio.open_connection("127.0.0.1", m.nodes["node-b"].port)
     w.write(os.urandom(4096))
@@ -109,7 +110,7 @@ async def _garbage_tcp(m: LocalMesh) -> None:
     w.close()
 
 
-async def _garbage_http(m: LocalMesh, ctx: ssl.SSLContext) -> None:
+async def _garbage_http(m: TestMesh, ctx: ssl.SSLContext) -> None:
     """A member's TLS connection, then nonsense instead of an HTTP upgrade."""
     r, w = await asyncio.open_connection("127.0.0.1", m.nodes["node-b"].port, ssl=ctx,
                                          server_hostname="node-b")
@@ -119,7 +120,7 @@ async def _garbage_http(m: LocalMesh, ctx: ssl.SSLContext) -> None:
     w.close()
 
 
-async def _garbage_frames(m: LocalMesh, ctx: ssl.SSLContext) -> None:
+async def _garbage_frames(m: TestMesh, ctx: ssl.SSLContext) -> None:
     """A WebSocket on /shard whose first message is random bytes, not an OPEN."""
     async with ws_connect(m.nodes["node-b"].listen_uri + "/shard", ssl=ctx,
                           server_hostname="node-b", open_timeout=10) as ws:
@@ -129,14 +130,14 @@ async def _garbage_frames(m: LocalMesh, ctx: ssl.SSLContext) -> None:
                 await asyncio.wait_for(ws.recv(), 10)
 
 
-async def _refused_open(m: LocalMesh, entry: Any, code: str, **kw: Any) -> None:
+async def _refused_open(m: TestMesh, entry: Any, code: str, **kw: Any) -> None:
     with pytest.raises(HearthNetError) as ei:
         ch = await _session(m, entry, **kw)
         await ch.close()
     assert ei.value.code == code, ei.value
 
 
-async def _bad_steps(m: LocalMesh, entry: Any) -> None:
+async def _bad_steps(m: TestMesh, entry: Any) -> None:
     """A session whose bad steps are refused, and which still works afterwards."""
     ch = await _session(m, entry)
     try:
@@ -154,7 +155,7 @@ async def _bad_steps(m: LocalMesh, entry: Any) -> None:
         await ch.close()
 
 
-async def _attack_round(m: LocalMesh, entry: Any) -> None:
+async def _attack_round(m: TestMesh, entry: Any) -> None:
     ctx = m.client_ssl("node-a", expect="node-b")
     await _garbage_tcp(m)
     await _garbage_http(m, ctx)

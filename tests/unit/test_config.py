@@ -57,7 +57,7 @@ def test_defaults_are_the_spec_section_7_values() -> None:
             di.host.shard_max_vram_mb) == (False, 600, 20000)
     assert di.advertisement_expiry_s == 120 and di.heartbeat_interval_s == 15
     assert cfg.research.enable is False and not cfg.distributed_enabled
-    assert not cfg.security.insecure_plaintext and cfg.testing.faults == {}
+    assert not cfg.security.insecure_plaintext
     assert cfg.community.min_trust == "trusted"
 
 
@@ -116,7 +116,9 @@ BAD = [
      "community.members[0].trust", "steward"),
     (MINIMAL + "[security]\ninsecure_plaintext = 'yes'\n", "security.insecure_plaintext",
      "boolean"),
-    (MINIMAL + "[testing]\nfault = 1\n", "testing.fault", "unknown key"),
+    (MINIMAL + "[testing]\nfault = 1\n", "testing", "unknown key"),
+    # fault injection lives under tests/ now: the old test-only table is an unknown key
+    (MINIMAL + "[testing.faults]\nmode = 'nan'\n", "testing", "unknown key"),
     ("node = 3\n", "node", "must be a table"),
 ]
 
@@ -150,13 +152,6 @@ def test_missing_file(tmp_path: Path) -> None:
     assert ei.value.file == str(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path)  # a directory
-
-
-def test_free_form_faults_table() -> None:
-    cfg = parse_config(MINIMAL + "[testing.faults]\nstall_after_tokens = 3\n"
-                       "[testing.faults.nan]\nshard = 'x'\n")
-    assert cfg.testing.faults == {"stall_after_tokens": 3, "nan": {"shard": "x"}}
-    assert any("fault" in w for w in cfg.warnings())
 
 
 def test_declared_shards_are_inert_unless_every_switch_is_on() -> None:

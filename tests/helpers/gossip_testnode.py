@@ -1,4 +1,4 @@
-"""A minimal gossiping node for tests: ``python -m hearthnet.mesh.gossip_testnode``.
+"""A minimal gossiping node for tests: ``python -m tests.helpers.gossip_testnode``.
 
 It runs an `EventLog` (SQLite at ``--db``), serves ``/gossip`` on ``--host:--port``, dials
 each ``--peer``, and folds a `ShardStore` (rebuilt from the log at start, then live) — the
@@ -117,7 +117,7 @@ def _command(line: bytes, log: EventLog, store: ShardStore) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hearthnet.mesh.gossip_testnode")
+    ap = argparse.ArgumentParser(prog="python -m tests.helpers.gossip_testnode")
     ap.add_argument("--node-id", required=True)
     ap.add_argument("--db", required=True)
     ap.add_argument("--host", default="127.0.0.1")
