@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hearthnet.distributed_inference import shard as shard_module
+from hearthnet.distributed_inference.backends.memory import MemoryPlan
 from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
 from hearthnet.errors import ConnectionLost, HearthNetError, StepFailed
 from hearthnet.models.store import ModelEntry
@@ -41,6 +43,8 @@ class Session:
 
 class Stack:
     hidden_size = HIDDEN
+    dtype = torch.float32
+    format = "fp32"
 
     def __init__(self, fail_at: int) -> None:
         self.sessions: list[Session] = []
@@ -52,7 +56,10 @@ class Stack:
 
 
 @pytest.fixture
-async def shard(tmp_path: Path) -> AsyncIterator[tuple[ShardServer, Stack, str]]:
+async def shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                ) -> AsyncIterator[tuple[ShardServer, Stack, str]]:
+    # no weights on disk: the memory plan is the stand-in's, not read from safetensors
+    monkeypatch.setattr(shard_module, "plan_shard", lambda *a: MemoryPlan(0, 0, 0))
     entry = ModelEntry(model_id="org/m", alias="m", weights_sha256="ab" * 32, num_layers=4,
                        hidden_size=HIDDEN, model_type="llama", dtype="float32", source="test",
                        path=tmp_path)
