@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hearthnet.node.daemon import Node
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -47,16 +51,22 @@ def _run(args: argparse.Namespace) -> int:
     from hearthnet.config import load_config
     from hearthnet.node.daemon import Node
     from hearthnet.observability import configure_logging
-    from hearthnet.transport.websocket import run
 
     cfg = load_config(args.config)  # ConfigError → exit 2 naming file, key, reason
     if args.port is not None:  # the settings are frozen: a copy with the port replaced
         cfg = cfg.model_copy(update={"node": cfg.node.model_copy(
             update={"listen_port": args.port})})
     configure_logging(cfg.node.log_level, node=cfg.node.id)
-    run(Node(cfg).run())
-    exit_promptly()
+    run_node(Node(cfg))
     return 0
+
+
+def run_node(node: Node) -> None:
+    """Serve `node` until it is told to stop, then end the process promptly."""
+    from hearthnet.transport.websocket import run
+
+    run(node.run())
+    exit_promptly()
 
 
 def exit_promptly(grace_s: float = 2.0) -> None:

@@ -11,12 +11,11 @@ import argparse
 import json
 from typing import Any
 
+from hearthnet.commands.node import run_node
 from hearthnet.config import load_config
 from hearthnet.distributed_inference.shard import ShardServer
-from hearthnet.models.store import ModelEntry
 from hearthnet.node.daemon import Node
 from hearthnet.observability import configure_logging
-from hearthnet.transport.websocket import run
 from tests.helpers.faults import install_faults
 
 
@@ -27,9 +26,8 @@ class FaultyNode(Node):
         super().__init__(*args, **kw)
         self.faults = faults
 
-    async def _host_shard(self, entry: ModelEntry, lo: int, hi: int,
-                          max_concurrent_streams: int) -> ShardServer:
-        shard = await super()._host_shard(entry, lo, hi, max_concurrent_streams)
+    async def _host_shard(self, *args: Any, **kw: Any) -> ShardServer:
+        shard = await super()._host_shard(*args, **kw)
         install_faults(shard, self.faults)  # before any session: no await since the ad
         return shard
 
@@ -41,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
     configure_logging(cfg.node.log_level, node=cfg.node.id)
-    run(FaultyNode(cfg, faults=json.loads(args.faults)).run())
+    run_node(FaultyNode(cfg, faults=json.loads(args.faults)))
 
 
 if __name__ == "__main__":
