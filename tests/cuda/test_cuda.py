@@ -23,6 +23,7 @@ from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.distributed_inference.local import LocalEngine
 from hearthnet.distributed_inference.shard import OpenRequest, ShardServer, ShardSettings
 from hearthnet.errors import ShardUnavailable
+from tests.helpers.faults import FaultyStack
 
 pytestmark = pytest.mark.cuda
 
@@ -170,15 +171,16 @@ async def test_a_real_cuda_out_of_memory_ends_one_session_and_the_shard_serves_o
         req = OpenRequest(server.shard_id, 0, 5, 32, "bf16", "test")
         x = torch.randn(1, 4, 64)
 
-        def hog(step: int, out: torch.Tensor) -> torch.Tensor:
+        def hog(out: torch.Tensor) -> torch.Tensor:
             torch.empty(1 << 47, dtype=torch.uint8, device="cuda")  # 128 TiB: a real OOM
             return out
 
-        server.step_hook = hog
+        real = server.stack
+        server.stack = FaultyStack(real, hog)
         hit = _Stream([_Step(0, 0, x)])
         await server.serve_session(hit, req)
         assert [e.details["reason"] for e in hit.errors] == ["device_out_of_memory"]
-        server.step_hook = None
+        server.stack = real
         ok = _Stream([_Step(0, 0, x), _Step(1, 4, x[:, :1])])
         await asyncio.wait_for(server.serve_session(ok, req), 120)
         assert len(ok.sent) == 2 and not ok.errors and ok.sent[0].dtype == torch.bfloat16

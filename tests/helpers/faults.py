@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,28 +63,31 @@ class Fault:
         return out
 
 
-class FaultySession:
-    """A KV-cache session whose forward misbehaves once the fault is due."""
+OutputHook = Callable[[torch.Tensor], torch.Tensor]
 
-    def __init__(self, inner: Any, fault: Fault) -> None:
-        self.inner, self.fault = inner, fault
+
+class FaultySession:
+    """A KV-cache session whose every forward output goes through `hook`."""
+
+    def __init__(self, inner: Any, hook: OutputHook) -> None:
+        self.inner, self.hook = inner, hook
 
     def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
-        out = self.inner.forward(x, start_pos)
-        return self.fault.corrupt(out) if self.fault.tick() else out
+        return self.hook(self.inner.forward(x, start_pos))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
 class FaultyStack:
-    """The shard's weight stack, handing out `FaultySession`s."""
+    """A shard's weight stack handing out `FaultySession`s: ``shard.stack =
+    FaultyStack(shard.stack, hook)`` (put the inner one back to undo)."""
 
-    def __init__(self, inner: Any, fault: Fault) -> None:
-        self.inner, self.fault = inner, fault
+    def __init__(self, inner: Any, hook: OutputHook) -> None:
+        self.inner, self.hook = inner, hook
 
     def open_session(self, start: int, end: int, max_length: int) -> FaultySession:
-        return FaultySession(self.inner.open_session(start, end, max_length), self.fault)
+        return FaultySession(self.inner.open_session(start, end, max_length), self.hook)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -125,4 +129,5 @@ def install_faults(shard: ShardServer, spec: dict[str, Any]) -> None:
         shard.serve_session = serve_session  # type: ignore[method-assign]
     else:
         assert shard.stack is not None, "install faults on a started shard"
-        shard.stack = FaultyStack(shard.stack, fault)  # type: ignore[assignment]
+        shard.stack = FaultyStack(  # type: ignore[assignment]
+            shard.stack, lambda out: fault.corrupt(out) if fault.tick() else out)

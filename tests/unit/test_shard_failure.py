@@ -28,8 +28,8 @@ SECRET = 0.123456789  # a value no log line may ever contain
 
 
 class Session:
-    def __init__(self, fail_at: int) -> None:
-        self.calls, self.fail_at, self.closed = 0, fail_at, False
+    def __init__(self, stack: Stack, fail_at: int) -> None:
+        self.stack, self.calls, self.fail_at, self.closed = stack, 0, fail_at, False
 
     def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
         self.calls += 1
@@ -44,6 +44,7 @@ class Session:
 class Stack:
     hidden_size = HIDDEN
     dtype = torch.float32
+    device = torch.device("cpu")
     format = "fp32"
 
     def __init__(self, fail_at: int) -> None:
@@ -51,7 +52,7 @@ class Stack:
         self.fail_at = fail_at
 
     def open_session(self, start: int, end: int, max_length: int) -> Session:
-        self.sessions.append(Session(self.fail_at))
+        self.sessions.append(Session(self, self.fail_at))
         return self.sessions[-1]
 
 
