@@ -50,7 +50,7 @@ test: install browser
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hearthnet tests scripts
-	$(VENV)/bin/mypy hearthnet
+	$(VENV)/bin/mypy --strict hearthnet
 
 bench: install
 	$(HN) bench local --model smollm2 --tokens 64 --json

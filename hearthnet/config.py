@@ -137,7 +137,6 @@ class HostSection(_Section):
     # how hosted layers are held (issue 12 §2); unset: `compute_dtype`. Per shard:
     # `[[shards]] weights`.
     weights: WeightFormat | None = None
-    compute_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     # issue 13: where hosted layers run (auto = CUDA, then MPS, then CPU; a [[shards]]
     # entry may override it) and whether CUDA decode steps replay a captured graph
     device: DeviceSpec = "auto"

@@ -114,7 +114,7 @@ class IncrementalDetokenizer:
         now = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=False)
         if len(now) > len(before) and not now.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
-            return now[len(before):]
+            return str(now[len(before):])
         return ""
 
     def flush(self) -> str:
@@ -122,7 +122,7 @@ class IncrementalDetokenizer:
         before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=False)
         now = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=False)
         self.prefix = self.read = len(self.ids)
-        return now[len(before):]
+        return str(now[len(before):])
 
 
 @dataclass

@@ -33,7 +33,7 @@ from hearthnet.distributed_inference.descriptors import PipelineStage
 from hearthnet.distributed_inference.failover import Failover
 from hearthnet.distributed_inference.formats import accepted_formats, resolve_format
 from hearthnet.distributed_inference.frames import done_frame, error_frame, token_frame
-from hearthnet.distributed_inference.generation import Generation, PromptLimits
+from hearthnet.distributed_inference.generation import Generation, PromptLimits, TokenEvent
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
 from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
@@ -297,7 +297,7 @@ class PipelineOrchestrator:
                 ev = await loop.run_in_executor(self.executor, next, it, end)
                 if ev is end:
                     break
-                if ev is None:
+                if not isinstance(ev, TokenEvent):  # None: a prefill chunk, no token yet
                     continue
                 if first_ms is None:
                     first_ms = (time.perf_counter() - t0) * 1000

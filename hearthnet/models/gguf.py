@@ -57,7 +57,8 @@ class GgufPlan:
                                   f"de-quantised by gguf-py; convert the model to Q8_0, Q4_0, "
                                   f"Q4_K … or import its Hugging Face folder instead")
         try:
-            parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+            load: Callable[..., Any] = load_gguf_checkpoint  # untyped in transformers
+            parsed = load(str(gguf), return_tensors=False)
         except (ValueError, KeyError, RuntimeError) as e:
             raise ModelStoreError(f"{gguf}: unreadable GGUF metadata ({e})") from e
         cfg_dict = dict(parsed["config"])

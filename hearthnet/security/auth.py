@@ -112,7 +112,9 @@ def canonical(obj: Any) -> bytes:
         TypeError: a value is not None/bool/int/float/str/bytes/list/tuple/dict with
             str keys, or nesting is deeper than 16.
     """
-    return msgpack.packb(_normalise(obj, 0), use_bin_type=True)
+    out = msgpack.packb(_normalise(obj, 0), use_bin_type=True)
+    assert isinstance(out, bytes)
+    return out
 
 
 def _normalise(obj: Any, depth: int) -> Any:

@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from hearthnet import paths
+from hearthnet.config import MEMBERS_FILE
 from hearthnet.errors import ConfigError
 from hearthnet.security.keys import KEY_FILE_NAME, NodeKey, check_node_id
 from hearthnet.security.members import Trust
-from hearthnet.security.provision import MEMBERS_FILE, member_block, read_node_config
+from hearthnet.security.provision import member_block, read_node_config
 
 NODE_ID_FILE = "node.id"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("keys", help="this node's identity key")
     ksub = p.add_subparsers(dest="keys_command", required=True)
     init = ksub.add_parser("init", help="create the node key (if missing) and print it")

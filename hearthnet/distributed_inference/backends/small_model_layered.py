@@ -40,7 +40,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,8 +179,9 @@ def _meta_base_model(config: Any) -> Any:
     """The family's base model (e.g. LlamaModel) on the meta device: structure, no memory."""
     from transformers import AutoModel
 
+    from_config: Callable[..., Any] = AutoModel.from_config  # untyped in transformers
     with torch.device("meta"):
-        model = AutoModel.from_config(config)
+        model = from_config(config)
     return model.get_decoder() if hasattr(model, "get_decoder") else model
 
 
@@ -301,7 +302,8 @@ class _DecodeGraph:
         self.x = torch.zeros(1, 1, stack.hidden_size, dtype=stack.dtype, device=stack.device)
         self.pos = torch.full((1,), slot.capacity - 1, dtype=torch.long, device=stack.device)
         before = torch.cuda.memory_allocated(stack.device)
-        side = torch.cuda.Stream(stack.device)
+        new_stream: Callable[..., Any] = torch.cuda.Stream  # untyped in torch
+        side = new_stream(stack.device)
         side.wait_stream(torch.cuda.current_stream(stack.device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: kernels chosen, workspaces allocated
