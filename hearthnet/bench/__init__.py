@@ -108,11 +108,16 @@ def proc_memory() -> dict[str, float]:
 
     Falls back to ``getrusage`` (peak only) where /proc is missing.
     """
+    return pid_memory("self")
+
+
+def pid_memory(pid: int | str) -> dict[str, float]:
+    """Memory of process `pid` ("self": this one) in MiB, as `proc_memory`."""
     out: dict[str, float] = {}
     keys = {"VmHWM": "peak_rss_mb", "VmRSS": "rss_mb", "RssAnon": "rss_anon_mb",
             "RssFile": "rss_file_mb"}
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             k, _, v = line.partition(":")
             if k in keys:
                 out[keys[k]] = round(int(v.split()[0]) / 1024, 1)  # kB
@@ -121,3 +126,12 @@ def proc_memory() -> dict[str, float]:
 
         out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return out
+
+
+def single_model_dir(entry: Any, root: Path) -> Path:
+    """A models folder under `root` holding only `entry` (a symlink): the mesh's nodes then
+    prepare only the benchmarked model, not every model of the store."""
+    d = root / "models"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / entry.alias).symlink_to(entry.path, target_is_directory=True)
+    return d

@@ -32,6 +32,7 @@ from hearthnet.bench import (
     table,
     write_results,
 )
+from hearthnet.distributed_inference.formats import FORMATS, head_format
 from hearthnet.errors import HearthNetError
 
 PARTS = ("runtime", "head", "lower", "upper", "full")
@@ -39,7 +40,12 @@ PARTS = ("runtime", "head", "lower", "upper", "full")
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """Options of `hearthnet bench local`."""
-    p.add_argument("--model", default="smollm2", help="model alias in the store")
+    p.add_argument("--model", default="smollm2", help="model alias in the store (any stored "
+                   "or synthetic model)")
+    p.add_argument("--weights", default="fp32", choices=FORMATS,
+                   help="held format of layers and head (default fp32; int4: head int8)")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="which parts to measure (default all; `full` is always measured)")
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
     p.add_argument("--runs", type=int, default=3, help="measured runs (median; default 3)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process")
@@ -60,9 +66,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
     if args.runs < 1 or args.tokens < 2:
         raise HearthNetError("--runs must be ≥ 1 and --tokens ≥ 2")
+    args.weights = weights_of(args)
     figures: dict[str, Any] = {
         "benchmark": "local", "model": args.model, "tokens": args.tokens, "runs": args.runs,
-        "settings": {"torch_threads_per_process": args.threads, "compute_dtype": args.dtype,
+        "weights": args.weights,
+        "settings": {"torch_threads_per_process": args.threads, "weights": args.weights,
                      "device": args.device, "cuda_graphs": not args.no_cuda_graphs,
                      "sampling": "greedy", "prompt": args.prompt,
                      "memory": "peak RSS (VmHWM) of a fresh process per part"},
@@ -70,7 +78,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     full = _child(args, "full")
     parts = {"full": full}
     for part in ("lower", "upper", "head", "runtime"):
-        parts[part] = _child(args, part, prompt_tokens=full["prompt_tokens"])
+        if part in args.parts:
+            parts[part] = _child(args, part, prompt_tokens=full["prompt_tokens"])
     figures.update({
         "model_id": full["model_id"], "num_layers": full["num_layers"],
         "prompt_tokens": full["prompt_tokens"],
@@ -79,12 +88,17 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "decode_tokens_per_s": round(median(full["decode_tokens_per_s"]), 2),
         "runs_detail": {k: full[k] for k in ("prefill_ms", "first_token_ms",
                                              "decode_tokens_per_s", "completion_tokens")},
-        "memory_mb": {_label(p, parts[p]): parts[p]["memory"] for p in PARTS},
+        "memory_mb": {_label(p, parts[p]): parts[p]["memory"] for p in PARTS if p in parts},
         "parts": parts})
     figures["device_name"] = full.get("device_name", "cpu")
     name = "local" if args.device == "cpu" else f"local-{args.device.replace(':', '')}"
     figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
     return figures, report(figures)
+
+
+def weights_of(args: argparse.Namespace) -> str:
+    """The held format: `--weights`, or (left at fp32) the compute `--dtype`."""
+    return str(args.weights if args.weights != "fp32" else getattr(args, "dtype", "fp32"))
 
 
 def _label(part: str, res: dict[str, Any]) -> str:
@@ -97,7 +111,8 @@ def _label(part: str, res: dict[str, Any]) -> str:
 def _child(args: argparse.Namespace, part: str, prompt_tokens: int = 0) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "hearthnet.bench.local", "--part", part,
-           "--model", args.model, "--tokens", str(args.tokens), "--runs", str(args.runs),
+           "--model", args.model, "--weights", weights_of(args),
+           "--tokens", str(args.tokens), "--runs", str(args.runs),
            "--threads", str(args.threads), "--prompt", args.prompt,
            "--prompt-tokens", str(prompt_tokens), "--device", args.device,
            "--dtype", args.dtype] + (["--no-cuda-graphs"] if args.no_cuda_graphs else [])
@@ -115,20 +130,25 @@ def report(f: dict[str, Any]) -> str:
              ["peak_rss_mb"], f["prefill_ms"], f["decode_tokens_per_s"],
              round(1000 / f["decode_tokens_per_s"], 2) if f["decode_tokens_per_s"] else None]]
     for part, name in (("lower", "first half"), ("upper", "second half")):
+        if part not in f["parts"]:
+            continue
         r = f["parts"][part]
         rows.append([name, f"{r['layers'][0]}-{r['layers'][1]}", r["memory"]["peak_rss_mb"],
                      median(r["prefill_ms"]), None, median(r["decode_step_ms_p50"])])
-    h = f["parts"]["head"]
-    rows.append(["head only", "-", h["memory"]["peak_rss_mb"], None, None,
-                 median(h["decode_step_ms_p50"])])
-    rows.append(["runtime only", "-", f["parts"]["runtime"]["memory"]["peak_rss_mb"], None,
-                 None, None])
+    if "head" in f["parts"]:
+        h = f["parts"]["head"]
+        rows.append(["head only", "-", h["memory"]["peak_rss_mb"], None, None,
+                     median(h["decode_step_ms_p50"])])
+    if "runtime" in f["parts"]:
+        rows.append(["runtime only", "-", f["parts"]["runtime"]["memory"]["peak_rss_mb"],
+                     None, None, None])
     t = table(["part (own process)", "layers", "peak RSS MiB", "prefill ms", "decode tok/s",
                "step ms p50"], rows)
     st = f["settings"]
     return (f"bench local: {f['model_id']}, {f['tokens']} tokens × {f['runs']} runs "
             f"(median), prompt {f['prompt_tokens']} tokens, "
-            f"{st['torch_threads_per_process']} torch threads, {st['compute_dtype']} on "
+            f"{st['torch_threads_per_process']} torch threads, weights {f['weights']} "
+            f"({f['parts']['full']['param_mb']} MB held) on "
             f"{f.get('device_name', 'cpu')}\n{t}\n"
             f"first token {f['first_token_ms']:.1f} ms; written to {f['results_file']}")
 
@@ -142,15 +162,21 @@ def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
     from hearthnet.distributed_inference.generation import SamplingParams
     from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
 
-    engine = LocalEngine(entry, a.dtype, device=a.device, cuda_graphs=not a.no_cuda_graphs)
-    out: dict[str, Any] = {"device_name": device_info(engine.stack.device)["name"]}
+    engine = LocalEngine(entry, a.weights, head_weights=head_format(a.weights),
+                         device=a.device, cuda_graphs=not a.no_cuda_graphs)
+    out: dict[str, Any] = {"device_name": device_info(engine.stack.device)["name"],
+                           "param_mb": round((engine.stack.param_bytes()
+                                              + engine.head.param_bytes()) / 2**20, 1)}
     msgs = [{"role": "user", "content": a.prompt}]
     list(engine.generate(msgs, SamplingParams(max_tokens=4)))  # warm-up
     keys = ("prefill_ms", "first_token_ms", "decode_tokens_per_s", "completion_tokens")
     runs: dict[str, list[Any]] = {k: [] for k in keys}
     for _ in range(a.runs):
         t = LocalTimings()
-        n = sum(1 for _ in engine.generate(msgs, SamplingParams(max_tokens=a.tokens), t))
+        ids = [ev.token_id for ev in engine.generate(msgs, SamplingParams(max_tokens=a.tokens),
+                                                      t)]
+        n = len(ids)
+        out["token_ids"] = ids  # the last run's answer (bench reach compares it)
         runs["prefill_ms"].append(round(t.prefill_ms, 2))
         runs["first_token_ms"].append(round(t.first_token_ms, 2))
         runs["decode_tokens_per_s"].append(round(t.decode_tokens_per_s, 2))
@@ -177,7 +203,7 @@ def _measure_layers(entry: Any, lo: int, hi: int, a: argparse.Namespace) -> dict
     from hearthnet.distributed_inference.backends.device import sync
     from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
 
-    stack = LayeredStack(entry, lo, hi, a.dtype, device=a.device,
+    stack = LayeredStack(entry, lo, hi, a.weights, device=a.device,
                          cuda_graphs=not a.no_cuda_graphs)
     dev = stack.device
     out: dict[str, Any] = {"layers": [lo, hi],
@@ -213,8 +239,8 @@ def _measure_layers(entry: Any, lo: int, hi: int, a: argparse.Namespace) -> dict
 def _measure_head(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
     from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
 
-    head = LayeredHead(entry, a.dtype, a.device)
-    out: dict[str, Any] = {}
+    head = LayeredHead(entry, head_format(a.weights), a.device)
+    out: dict[str, Any] = {"param_mb": round(head.param_bytes() / 2**20, 1)}
     ids = head.chat_prompt_ids([{"role": "user", "content": a.prompt}])
     steps: list[list[float]] = []
     for _ in range(a.runs + 1):
@@ -236,6 +262,7 @@ def child_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hearthnet.bench.local")
     p.add_argument("--part", choices=PARTS, required=True)
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--weights", default="fp32", choices=FORMATS)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)

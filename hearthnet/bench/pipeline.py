@@ -29,7 +29,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hearthnet.bench import PROMPTS, machine, median, table, write_results
+from hearthnet.bench import (
+    PROMPTS,
+    machine,
+    median,
+    pid_memory,
+    proc_memory,
+    single_model_dir,
+    table,
+    write_results,
+)
+from hearthnet.bench.local import weights_of
+from hearthnet.distributed_inference.formats import FORMATS, head_format
 from hearthnet.errors import HearthNetError
 
 GOALS = {"ratio_min": 0.85, "first_token_ms_max": 300.0, "construction_ms_max": 100.0,
@@ -41,7 +52,11 @@ GPU_GOALS = {"ratio_min": 0.7, "first_token_ms_max": 100.0, "construction_ms_max
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """Options of `hearthnet bench pipeline`."""
-    p.add_argument("--model", default="smollm2", help="model alias in the store")
+    p.add_argument("--model", default="smollm2", help="model alias in the store (any stored "
+                   "or synthetic model)")
+    p.add_argument("--weights", default="fp32", choices=FORMATS,
+                   help="held format of the shards, the orchestrator's head and the local "
+                        "baseline (default fp32)")
     p.add_argument("--shards", type=int, default=2, help="shard nodes (even layer split)")
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per chat")
     p.add_argument("--runs", type=int, default=3, help="measured runs (median; default 3)")
@@ -88,6 +103,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.runs < 1 or args.tokens < 2 or min(args.concurrency) < 1:
         raise HearthNetError("--runs, --concurrency must be ≥ 1 and --tokens ≥ 2")
     entry = ModelStore().get(args.model)
+    args.weights = weights_of(args)
     ranges = split_layers(entry.num_layers, args.shards)
     figures: dict[str, Any] = {
         "benchmark": "pipeline", "model": args.model, "model_id": entry.model_id,
@@ -97,22 +113,31 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                      "node_torch_threads": args.node_threads,
                      "processes": f"1 orchestrator node + {args.shards} shard nodes, "
                                   "each its own process on 127.0.0.1",
-                     "wire_dtype": args.wire, "compute_dtype": args.dtype,
+                     "wire_dtype": args.wire, "weights": args.weights,
                      "device": args.device,
                      "sampling": "greedy", "prompt": args.prompt, "warmup_calls": 1}}
     torch.set_num_threads(args.local_threads)
-    engine = LocalEngine(entry, args.dtype, device=args.device)
-    on_device = {"extra_host": {"device": args.device, "compute_dtype": args.dtype},
-                 "extra_di": {"head_device": args.device, "head_weights": args.dtype}}
+    head = head_format(args.weights)
+    engine = LocalEngine(entry, args.weights, head_weights=head, device=args.device)
+    figures["local_memory"] = proc_memory()  # this process: the local baseline's model
+    on_device = {"extra_host": {"device": args.device, "weights": args.weights},
+                 "extra_di": {"head_device": args.device, "head_weights": head}}
     specs = [NodeSpec("node-a", **on_device)] + [  # type: ignore[arg-type]
         NodeSpec(f"node-{chr(ord('b') + i)}", [r], **on_device)  # type: ignore[arg-type]
         for i, r in enumerate(ranges)]
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="hearthnet-bench-"))
     try:
-        with LocalMesh(specs, root=root, model=args.model, threads=args.node_threads) as mesh:
+        mesh = LocalMesh(specs, root=root, model=args.model, threads=args.node_threads,
+                         models=single_model_dir(entry, root))
+        try:
+            mesh.start(timeout=1800.0)  # multi-GB shards take minutes to load
             figures["mesh_start_s"] = round(time.perf_counter() - t0, 1)
             figures.update(asyncio.run(_measure(mesh.nodes["node-a"].uri, engine, args)))
+            figures["node_memory"] = {n: pid_memory(p.proc.pid) for n, p in mesh.nodes.items()
+                                      if p.proc is not None}
+        finally:
+            mesh.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gpu = args.goals == "gpu" if args.goals else args.device != "cpu"
@@ -177,7 +202,7 @@ async def _measure(uri: str, engine: Any, a: argparse.Namespace) -> dict[str, An
             frames, wall = await chat_frames(uri, a.prompt, a.model, a.tokens, wire_dtype=w)
             done = frames[-1]
             dist[w].append({**done["timings"], "wall_ms": wall * 1000,
-                            "pipeline": done["pipeline"],
+                            "pipeline": done["pipeline"], "formats": done.get("formats"),
                             "completion_tokens": done["usage"]["completion_tokens"]})
             match[w] = match[w] and token_ids(frames) == local_ids
     out: dict[str, Any] = _summarise(local, dist, a.wire, local_1t)
@@ -211,7 +236,8 @@ def _summarise(local: list[dict[str, float]], dist: dict[str, list[dict[str, Any
             "first_token_ms": round(median([r["first_token_ms"] for r in runs]), 1),
             "construction_ms": round(median([r["construction_ms"] for r in runs]), 1),
             "wall_ms": round(median([r["wall_ms"] for r in runs]), 1),
-            "pipeline": runs[-1]["pipeline"], "hops": _hops(runs, tps)}
+            "pipeline": runs[-1]["pipeline"], "formats": runs[-1]["formats"],
+            "hops": _hops(runs, tps)}
     out["distributed"] = out[f"distributed_{wire}"]
     return out
 
@@ -297,8 +323,11 @@ def report(f: dict[str, Any]) -> str:
                  c["per_call_decode_tokens_per_second"]] for c in f["concurrency"]])
     goals = ", ".join(f"{k} {g['measured']} ({'met' if g['met'] else 'MISSED'}, goal "
                       f"{g['goal']})" for k, g in f["goals"].items())
+    mem = ", ".join(f"{n} {m['peak_rss_mb']} MiB" for n, m in f["node_memory"].items())
     return (f"bench pipeline: {f['model_id']}, {f['shards']} shards {f['layer_split']}, "
+            f"weights {f['settings']['weights']} (done frame: {d['formats']}), "
             f"{f['tokens']} tokens, median of {f['runs']} runs\n{t1}\n\n{t2}\n"
+            f"peak RSS: local baseline {f['local_memory']['peak_rss_mb']} MiB; nodes {mem}\n"
             f"decode step {d['hops']['step_ms']} ms = stages {d['hops']['stages_rtt_p50_ms_sum']}"
             f" ms + orchestrator ≈{d['hops']['orchestrator_ms_per_step_est']} ms\n\n{t3}\n\n"
             f"tokens identical to local: {f['tokens_match_local']}\ngoals: {goals}\n"

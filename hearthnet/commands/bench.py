@@ -72,6 +72,9 @@ BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
               "and the head (each in a fresh process)", *_lazy("local")),
     "pipeline": ("distributed vs local tokens/s, per-hop overhead, first token, concurrency "
                  "(shards in separate processes on 127.0.0.1)", *_lazy("pipeline")),
+    "reach": ("the mission's headline: a model split over shard processes that each hold "
+              "under half of it; peak RSS per process, tok/s, tokens vs local (issue 12)",
+              *_lazy("reach")),
     "api": ("the OpenAI-compatible HTTP API against the capability bus: first token, "
             "tokens/s, gap between token chunks (shards in separate processes)",
             *_lazy("api")),

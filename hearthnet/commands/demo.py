@@ -29,6 +29,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from hearthnet.distributed_inference.formats import FORMATS, head_format
+
 DEFAULT_PROMPT = "In two sentences, why is it useful to share one computer's work across several?"
 MODEL = "smollm2"
 
@@ -39,6 +41,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                    "through it, print per-shard latencies, stop the mesh.")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--weights", default="fp32", choices=FORMATS,
+                   help="how the shards (and node A's head) hold their weights (issue 12)")
     p.add_argument("--json", action="store_true", help="one JSON object per frame on stdout")
     p.add_argument("--serve", action="store_true",
                    help="after the answer keep the mesh running until Ctrl-C, with node A's "
@@ -67,8 +71,10 @@ def _run(args: argparse.Namespace) -> int:
     entry = ModelStore().get(MODEL)  # a clear error now if the model is not imported
     half = entry.num_layers // 2
     api = {"listen_port": args.api_port} if args.serve else {}
-    specs = [NodeSpec("node-a", api=api), NodeSpec("node-b", [(0, half - 1)]),
-             NodeSpec("node-c", [(half, entry.num_layers - 1)])]
+    host = {"weights": args.weights}
+    specs = [NodeSpec("node-a", api=api, extra_di={"head_weights": head_format(args.weights)}),
+             NodeSpec("node-b", [(0, half - 1)], extra_host=host),
+             NodeSpec("node-c", [(half, entry.num_layers - 1)], extra_host=host)]
     root = Path(tempfile.mkdtemp(prefix="hearthnet-demo-"))
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     mesh: LocalMesh | None = None

@@ -66,3 +66,9 @@ def accepts(policy: str, fmt: str, own: str) -> bool:
 def accepted_formats(policy: str, own: str) -> list[str]:
     """The held formats a policy accepts (for messages)."""
     return [f for f in HELD_FORMATS if accepts(policy, f, own)]
+
+
+def head_format(weights: str) -> str:
+    """The head's format that goes with a layers format: the same, int8 for int4 (a head
+    holds no int4)."""
+    return weights if weights in HEAD_FORMATS or weights == "native" else "int8"
