@@ -43,8 +43,9 @@ from pydantic import (
 
 from hearthnet import paths
 from hearthnet.errors import ConfigError
+from hearthnet.ids import NODE_ID_PATTERN
 
-NodeId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
 Port = Annotated[int, Field(ge=0, le=65535)]
 Trust = Literal["guest", "member", "trusted", "steward"]
 WeightFormat = Literal["native", "fp32", "bf16", "fp16", "int8", "int4"]  # formats.FORMATS

@@ -32,13 +32,13 @@ from typing import Any
 
 from hearthnet.distributed_inference.formats import HELD_FORMATS
 from hearthnet.errors import BadRequest, PeerDataError
+from hearthnet.ids import NODE_ID_RE
 from hearthnet.mesh.eventlog import EVENT_TYPES, EventType
 
 ShardID = str
 NodeID = str
 Endpoint = str
 
-NODE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 DEVICE_KINDS = ("cpu", "cuda", "mps")
 """Device kinds a shard advertises (issue 13 §1)."""
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")

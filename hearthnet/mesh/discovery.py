@@ -21,7 +21,7 @@ from typing import Any
 from zeroconf import ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from hearthnet.distributed_inference.descriptors import NODE_ID_RE
+from hearthnet.ids import NODE_ID_RE
 from hearthnet.observability import get_logger
 
 SERVICE_TYPE = "_hearthnet._tcp.local."

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import re
 import sqlite3
 import threading
 import time
@@ -52,13 +51,13 @@ from typing import Any
 import msgpack
 
 from hearthnet.errors import BadRequest, PeerDataError, StorageError
+from hearthnet.ids import valid_node_id
 from hearthnet.observability import Metrics, get_logger
 
 MAX_PAYLOAD_BYTES = 64 * 1024
 MAX_TYPE_LEN = 128
 DEFAULT_COMPACT_EVERY = 256
 
-_ORIGIN_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 Signer = Callable[[bytes], bytes]
 Verifier = Callable[[str, bytes, bytes], bool]
@@ -168,7 +167,7 @@ class Event:
             raise PeerDataError(e.message) from None
 
     def _validate(self) -> None:
-        if not isinstance(self.origin, str) or not _ORIGIN_RE.match(self.origin):
+        if not valid_node_id(self.origin):
             raise BadRequest("event origin is not a node id")
         if not isinstance(self.seq, int) or isinstance(self.seq, bool) or self.seq < 1 \
                 or self.seq >= 2**63:
@@ -234,7 +233,7 @@ class EventLog:
                  compact_retain_s: float | None = None,
                  compact_every: int = DEFAULT_COMPACT_EVERY,
                  types: EventTypes = EVENT_TYPES) -> None:
-        if not _ORIGIN_RE.match(node_id):
+        if not valid_node_id(node_id):
             raise BadRequest(f"node id {node_id!r} is not [a-z0-9-]+")
         self.path = Path(path)
         self.node_id = node_id

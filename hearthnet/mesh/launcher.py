@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -169,6 +170,7 @@ class LocalMesh:
                  model: str = "smollm2", timeout_s: float = 30.0, threads: int = 1,
                  quiet: bool = True, insecure_plaintext: bool = False,
                  models: Path | None = None) -> None:
+        self._own_root = root is None  # a folder we made is removed again by `stop`
         self.root = Path(root or tempfile.mkdtemp(prefix="hearthnet-mesh-"))
         self.tls = not insecure_plaintext
         self.model, self.timeout_s, self.threads, self.quiet = model, timeout_s, threads, quiet
@@ -281,6 +283,8 @@ class LocalMesh:
                     n.proc.wait()
                 if n.proc.stdout:
                     n.proc.stdout.close()
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def log_text(self, node_id: str) -> str:
         return (self.root / f"{node_id}.log").read_text()

@@ -12,6 +12,7 @@
 See SECURITY.md for the model: what is protected and what is not.
 """
 
+from hearthnet.ids import valid_node_id
 from hearthnet.security.auth import (
     AuthReason,
     ConnectionLimiter,
@@ -25,7 +26,7 @@ from hearthnet.security.auth import (
     sign_open,
     split_open,
 )
-from hearthnet.security.keys import NodeKey, fingerprint, valid_node_id
+from hearthnet.security.keys import NodeKey, fingerprint
 from hearthnet.security.members import Member, MemberDirectory, Trust
 from hearthnet.security.tls import (
     client_context,

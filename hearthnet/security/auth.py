@@ -36,8 +36,9 @@ from typing import Any
 import msgpack
 
 from hearthnet.errors import AuthError, LimitExceeded, Refused
+from hearthnet.ids import valid_node_id
 from hearthnet.observability import get_logger
-from hearthnet.security.keys import SIGNATURE_BYTES, NodeKey, valid_node_id, verify_signature
+from hearthnet.security.keys import SIGNATURE_BYTES, NodeKey, verify_signature
 from hearthnet.security.members import MemberDirectory, Trust
 
 _log = get_logger("security.auth")

@@ -13,7 +13,6 @@ import binascii
 import contextlib
 import hashlib
 import os
-import re
 import stat
 import tempfile
 from dataclasses import dataclass, field
@@ -27,27 +26,19 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from hearthnet.errors import ConfigError
+from hearthnet.ids import NODE_ID_RULE, valid_node_id
 
 KEY_FILE_NAME = "node.key"
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
-_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-
-
-def valid_node_id(node_id: object) -> bool:
-    """Whether `node_id` is a legal node id: 1–63 of ``[A-Za-z0-9._-]``, alphanumeric first.
-
-    The limit keeps ids safe in file names, TOML, certificate names and metric labels.
-    """
-    return isinstance(node_id, str) and _NODE_ID_RE.fullmatch(node_id) is not None
 
 
 def check_node_id(node_id: object) -> str:
     """Return `node_id` if legal, else raise `ConfigError` saying what a node id may be."""
     if not valid_node_id(node_id):
         raise ConfigError(
-            f"invalid node id {node_id!r}: use 1-63 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit", key="node.id", reason="invalid node id")
+            f"invalid node id {node_id!r}: use {NODE_ID_RULE}", key="node.id",
+            reason="invalid node id")
     assert isinstance(node_id, str)
     return node_id
 
