@@ -257,6 +257,9 @@ class CommunitySection(_Section):
 
     min_trust: Trust = "trusted"
     route_min_trust: Trust = "trusted"
+    # issue 14 §4: lowest trust of a member calling a capability over /bus, per capability
+    # name; a capability not listed needs `min_trust`
+    bus_min_trust: dict[str, Trust] = Field(default_factory=dict)
     members: list[MemberSection] = Field(default_factory=list)
 
     @field_validator("members")

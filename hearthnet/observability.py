@@ -109,6 +109,12 @@ class Metrics:
         self.api_requests_total = Counter(
             "hearthnet_api_requests_total", "HTTP API requests by route and status",
             ["path", "status"], registry=r)
+        self.task_failures_total = Counter(
+            "hearthnet_task_failures_total", "Failures of the node's supervised tasks",
+            ["task"], registry=r)
+        self.bus_calls_total = Counter(
+            "hearthnet_bus_calls_total", "Capability calls over /bus by caller and result",
+            ["capability", "caller", "result"], registry=r)
         self.auth_failures_total = Counter(
             "hearthnet_auth_failures_total", "Refused connections and session opens",
             ["reason"], registry=r)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from hearthnet.background import detach
 from hearthnet.distributed_inference.backends.device import (
     Staging,
     device_info,
@@ -126,7 +127,7 @@ class ShardServer:
         self.queue_depth = 0
         self.last_used = clock()
         self._latencies: deque[float] = deque(maxlen=256)
-        self._streams: set[Any] = set()
+        self._streams: dict[Any, str] = {}  # open session streams -> their caller
 
     def _refuse_over_budget(self, shard_id: str) -> None:
         """A shard over `shard_max_vram_mb` is refused before loading (issue 12 §4)."""
@@ -190,6 +191,15 @@ class ShardServer:
         return (self.stack is not None and self.active == 0
                 and self.clock() - self.last_used > self.settings.eviction_idle_s)
 
+    def close_callers(self, drop: Callable[[str], bool]) -> None:
+        """Close the sessions of callers for which `drop(caller)` is true (a member removed
+        by a reload, issue 14 §7); their step loops end at once."""
+        for stream, caller in list(self._streams.items()):
+            if drop(caller):
+                log.info("session_closed_member_removed", shard_id=self.shard_id,
+                         caller=caller)
+                detach(stream.close("member removed"))
+
     async def close_all(self) -> None:
         """Close every open session (node shutdown)."""
         for s in list(self._streams):
@@ -240,7 +250,7 @@ class ShardServer:
     async def serve_session(self, stream: Any, req: OpenRequest) -> None:
         """Run one accepted-to-be session on `stream` until the caller closes it."""
         self.active += 1  # counted before any await: a concurrent open sees it (M26 §5.6)
-        self._streams.add(stream)
+        self._streams[stream] = req.caller
         self._gauge()
         session = None
         try:
@@ -261,7 +271,7 @@ class ShardServer:
         finally:
             if session is not None:
                 session.close()  # frees the KV cache also when the caller vanished (issue 6 §4)
-            self._streams.discard(stream)
+            self._streams.pop(stream, None)
             self.active -= 1
             self.last_used = self.clock()
             self._gauge()

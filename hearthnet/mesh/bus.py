@@ -21,7 +21,9 @@ import msgpack
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
+from hearthnet import safe_msgpack
 from hearthnet.errors import (
+    AuthError,
     BadRequest,
     ConnectionLost,
     HearthNetError,
@@ -35,13 +37,16 @@ log = get_logger("bus")
 
 Handler = Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]]
 MAX_REQUEST_BYTES = 1 << 20
+# (capability, caller or None) -> None; raises AuthError to refuse a call before any work
+Authorizer = Callable[[str, "str | None"], None]
 
 
 class CapabilityBus:
     """The capabilities one node offers."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Any = None) -> None:
         self._handlers: dict[str, Handler] = {}
+        self.metrics = metrics  # `Metrics`: calls by capability, caller and result
 
     def register(self, name: str, handler: Handler) -> None:
         self._handlers[name] = handler
@@ -56,16 +61,30 @@ class CapabilityBus:
             raise BadRequest(f"unknown capability {name!r}; this node offers {self.names()}")
         return h(args)
 
-    async def serve_connection(self, ws: Any) -> None:
-        """Serve one `/bus` WebSocket connection (one call); never raises."""
+    async def serve_connection(self, ws: Any, *, caller: str | None = None,
+                               authorize: Authorizer | None = None) -> None:
+        """Serve one `/bus` WebSocket connection (one call); never raises.
+
+        `caller` is the authenticated member at the other end (None: the local CLI or a
+        plaintext mesh); `authorize(capability, caller)` raises `AuthError` to refuse the
+        call before any work (issue 14 §4).
+        """
         capability = None
+        label, result = "malformed", "error"
         try:
             raw = await ws.recv()
-            req = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else None
+            req = safe_msgpack.unpackb(raw) if isinstance(raw, bytes) else None
             if not isinstance(req, dict) or not isinstance(req.get("capability"), str) \
                     or not isinstance(req.get("args", {}), dict):
                 raise BadRequest("a bus call is a msgpack map {capability, args}")
             capability = req["capability"]
+            label = capability if capability in self._handlers else "unknown"
+            if authorize is not None:
+                try:
+                    authorize(capability, caller)
+                except AuthError:
+                    result = "refused"
+                    raise
             it = self.call(capability, req.get("args", {}))
             try:
                 async for frame in it:
@@ -74,6 +93,7 @@ class CapabilityBus:
                 with contextlib.suppress(Exception):
                     await it.aclose()  # type: ignore[attr-defined]
             await ws.send(msgpack.packb({"type": "end"}))
+            result = "ok"
         except HearthNetError as e:
             await _send_error(ws, e)
         except ConnectionClosed:
@@ -85,6 +105,8 @@ class CapabilityBus:
             await _send_error(ws, InternalError(
                 f"internal error in {capability!r} on this node; see its log"))
         finally:
+            if self.metrics is not None:  # the caller's identity is a metric label (§4)
+                self.metrics.bus_calls_total.labels(label, caller or "local", result).inc()
             with contextlib.suppress(Exception):
                 await ws.close()
 
@@ -98,8 +120,10 @@ async def bus_call(uri: str, capability: str, args: dict[str, Any], *,
     `ConnectionLost`.
     """
     try:
+        # a node busy loading a model may answer pings late: only a dead one is lost
         async with connect(uri.rstrip("/") + "/bus", open_timeout=open_timeout, ssl=ssl,
-                           max_size=MAX_REQUEST_BYTES, compression=None) as ws:
+                           max_size=MAX_REQUEST_BYTES, compression=None,
+                           ping_timeout=60) as ws:
             await ws.send(msgpack.packb({"capability": capability, "args": args},
                                         use_bin_type=True))
             async for raw in ws:
@@ -117,7 +141,7 @@ async def bus_call(uri: str, capability: str, args: dict[str, Any], *,
 def _frame(raw: bytes | str) -> dict[str, Any]:
     """One frame of a bus reply; `ProtocolError` unless it is a msgpack map."""
     try:
-        frame = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else None
+        frame = safe_msgpack.unpackb(raw) if isinstance(raw, bytes) else None
     except (ValueError, msgpack.UnpackException) as e:
         raise ProtocolError(f"malformed bus frame: {e}") from None
     if not isinstance(frame, dict):

@@ -57,6 +57,7 @@ from hearthnet.observability import Metrics, get_logger
 MAX_PAYLOAD_BYTES = 64 * 1024
 MAX_TYPE_LEN = 128
 DEFAULT_COMPACT_EVERY = 256
+CATCH_UP_PAGE = 256  # events read per page of a catch-up
 
 
 Signer = Callable[[bytes], bytes]
@@ -79,10 +80,20 @@ class EventType:
         subject: ``subject(payload) -> str | None``, what an event is about; a later event
             of the same origin with the same subject supersedes it (compaction). None:
             events of this type are never superseded.
+        max_payload_bytes: the largest canonical payload of this type (issue 14 §5).
+        min_trust: the lowest trust of a member that may originate it (guest, member,
+            trusted, steward); the daemon's admission policy enforces it.
+        max_per_origin: how many events of this type one origin may have stored at once.
+        retain_s: events older than this are deleted by compaction (None: kept while
+            not superseded; every type is bounded by `max_per_origin` either way).
     """
 
     name: str
     subject: Subject | None = None
+    max_payload_bytes: int = 16 * 1024
+    min_trust: str = "member"
+    max_per_origin: int = 1024
+    retain_s: float | None = None
 
 
 class EventTypes:
@@ -99,6 +110,10 @@ class EventTypes:
         if known != event_type:
             raise ValueError(f"event type {event_type.name!r} is already registered")
         return event_type.name
+
+    def names(self) -> list[str]:
+        """Every registered type (the gossip allow-list)."""
+        return sorted(self._types)
 
     def get(self, name: str) -> EventType | None:
         """The registered type `name`, or None."""
@@ -247,6 +262,8 @@ class EventLog:
         self._types = types
         self._since_compact = 0
         self._subscribers: list[Subscriber] = []
+        # which origins' events catch-up serves (the daemon: current members only)
+        self.serve_filter: Callable[[str], bool] | None = None
         self._lock = threading.RLock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._sql("open"):
@@ -416,13 +433,35 @@ class EventLog:
         with self._lock:
             return dict(self._vector)
 
+    def since_pages(self, vector: Mapping[str, int], upto: Mapping[str, int], *,
+                    page: int = CATCH_UP_PAGE) -> Iterator[list[Event]]:
+        """Events a peer with `vector` lacks up to `upto` (a `vector()` snapshot), each
+        origin in increasing seq order, read `page` rows at a time: a catch-up holds one
+        page in memory, not the log (issue 14 §5). Origins `serve_filter` refuses (members
+        removed by a reload) are skipped."""
+        for origin, high in upto.items():
+            have = vector.get(origin, 0)
+            while have < high and self._serves(origin):
+                with self._lock, self._sql("read"):
+                    rows = self._db.execute(
+                        _SELECT + " WHERE origin = ? AND seq > ? AND seq <= ? ORDER BY seq"
+                        " LIMIT ?", (origin, have, high, page)).fetchall()
+                if not rows:
+                    break
+                events = [_row_event(r) for r in rows]
+                have = events[-1].seq
+                yield events
+
+    def _serves(self, origin: str) -> bool:
+        return self.serve_filter is None or bool(self.serve_filter(origin))
+
     def since(self, vector: Mapping[str, int], *, limit: int | None = None) -> list[Event]:
         """Events a peer with `vector` lacks, each origin in increasing seq order."""
         out: list[Event] = []
         with self._lock, self._sql("read"):
             for origin, high in self._vector.items():
                 have = vector.get(origin, 0)
-                if have >= high:
+                if have >= high or not self._serves(origin):
                     continue
                 rows = self._db.execute(_SELECT + " WHERE origin = ? AND seq > ? ORDER BY seq",
                                         (origin, have)).fetchall()
@@ -436,6 +475,12 @@ class EventLog:
         with self._lock, self._sql("read"):
             rows = self._db.execute(_SELECT + " ORDER BY rowid").fetchall()
         return [_row_event(r) for r in rows]
+
+    def count_of(self, origin: str, type: str) -> int:
+        """How many events of `type` from `origin` this node holds (per-origin quotas)."""
+        with self._lock, self._sql("read"):
+            return int(self._db.execute("SELECT count(*) FROM events WHERE origin = ? AND "
+                                        "type = ?", (origin, type)).fetchone()[0])
 
     def count(self) -> int:
         with self._lock, self._sql("read"):
@@ -471,8 +516,28 @@ class EventLog:
                 " AND later.subject = events.subject AND later.seq > events.seq)",
                 (cutoff,))
             n = cur.rowcount
+            n += self._expire_by_type()
         if n:
             _log.debug("event_log_compacted", node=self.node_id, deleted=n)
+        return int(n)
+
+    def _expire_by_type(self) -> int:
+        """Retention per type (issue 14 §5): delete events older than their type's
+        `retain_s`, and a type's oldest events of one origin over its `max_per_origin`."""
+        now = float(self._clock())
+        n = 0
+        for name in self._types.names():
+            t = self._types.get(name)
+            if t is None:
+                continue
+            if t.retain_s is not None:
+                n += self._db.execute("DELETE FROM events WHERE type = ? AND ts < ?",
+                                      (name, now - t.retain_s)).rowcount
+            n += self._db.execute(
+                "DELETE FROM events WHERE type = ? AND rowid IN (SELECT rowid FROM ("
+                " SELECT rowid, row_number() OVER (PARTITION BY origin ORDER BY seq DESC)"
+                " AS k FROM events WHERE type = ?) WHERE k > ?)",
+                (name, name, t.max_per_origin)).rowcount
         return int(n)
 
     def close(self) -> None:
@@ -528,6 +593,11 @@ def _event_id(origin: str, seq: int, type: str, packed_payload: bytes, ts: float
 def _check_type(type: object) -> None:
     if not isinstance(type, str) or not 0 < len(type) <= MAX_TYPE_LEN:
         raise BadRequest(f"event type must be a string of 1..{MAX_TYPE_LEN} characters")
+
+
+def canonical_bytes(payload: Mapping[str, Any]) -> bytes:
+    """The canonical msgpack encoding of a payload (what size limits measure)."""
+    return _pack(canonical(payload))
 
 
 def _check_payload(payload: object) -> bytes:

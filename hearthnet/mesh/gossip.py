@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,6 +42,8 @@ import msgpack
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
+from hearthnet import safe_msgpack
+from hearthnet.background import detach
 from hearthnet.errors import HearthNetError, PeerDataError, ProtocolError, Refused
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.observability import get_logger
@@ -124,7 +127,7 @@ def decode_message(data: bytes | str) -> GossipMessage:
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"gossip message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        msg = msgpack.unpackb(data, raw=False)
+        msg = safe_msgpack.unpackb(data)
     except Exception as e:  # msgpack raises several unrelated types
         raise ProtocolError(f"gossip message is not msgpack: {type(e).__name__}") from None
     if not isinstance(msg, dict):
@@ -188,7 +191,8 @@ class _Closing(Exception):
 
 
 async def run_gossip_session(log: EventLog, ws: GossipConnection, *,
-                             on_hello: Callable[[str], None] | None = None) -> str:
+                             on_hello: Callable[[str], None] | None = None,
+                             expect_peer: str | None = None) -> str:
     """Run one gossip connection until it ends; returns the peer's node id.
 
     Raises whatever ends the connection (`ConnectionClosed`, `OSError`,
@@ -209,6 +213,9 @@ async def run_gossip_session(log: EventLog, ws: GossipConnection, *,
         raise _Closing(CLOSE_PROTOCOL_ERROR, "first message must be hello")
     if hello.node == log.node_id:
         raise _Closing(CLOSE_POLICY, "connected to self")
+    if expect_peer is not None and hello.node != expect_peer:  # issue 14 §7
+        _count(log, "hello_not_peer")
+        raise _Closing(CLOSE_POLICY, "hello node id is not the TLS peer")
     if on_hello is not None:
         on_hello(hello.node)
 
@@ -223,7 +230,8 @@ async def run_gossip_session(log: EventLog, ws: GossipConnection, *,
             overflow.set()
 
     unsubscribe = log.subscribe(on_event)
-    backlog = log.since(peer_known)  # same synchronous step as subscribe: no gap
+    # same synchronous step as subscribe: no gap. Paged: one page in memory (issue 14 §5)
+    backlog = log.since_pages(dict(peer_known), log.vector())
     sender = asyncio.create_task(_send_loop(ws, backlog, queue, peer_known))
     overflowed = asyncio.create_task(overflow.wait())
     receiver = asyncio.create_task(_recv_loop(log, ws, peer_known))
@@ -242,9 +250,10 @@ async def run_gossip_session(log: EventLog, ws: GossipConnection, *,
     return hello.node
 
 
-async def _send_loop(ws: GossipConnection, backlog: list[Event],
+async def _send_loop(ws: GossipConnection, backlog: Iterable[list[Event]],
                      queue: asyncio.Queue[Event], peer_known: dict[str, int]) -> None:
-    await _send_events(ws, backlog, peer_known)
+    for page in backlog:
+        await _send_events(ws, page, peer_known)
     while True:
         batch = [await queue.get()]
         while not queue.empty() and len(batch) < MAX_BATCH_EVENTS:
@@ -293,7 +302,8 @@ def _count(log: EventLog, reason: str) -> None:
 
 
 async def handle_gossip_connection(log: EventLog, ws: GossipConnection, *,
-                                   on_peer: PeerCallback | None = None) -> None:
+                                   on_peer: PeerCallback | None = None,
+                                   expect_peer: str | None = None) -> None:
     """Serve one incoming `/gossip` WebSocket connection until it ends (never raises).
 
     Args:
@@ -312,7 +322,7 @@ async def handle_gossip_connection(log: EventLog, ws: GossipConnection, *,
             on_peer(node, True)
 
     try:
-        await run_gossip_session(log, ws, on_hello=hello)
+        await run_gossip_session(log, ws, on_hello=hello, expect_peer=expect_peer)
     except Exception as e:  # a server handler must never raise
         await _close_for(ws, e, log, peer[0] if peer else None)
     finally:
@@ -345,7 +355,9 @@ class GossipPeerLink:
 
     Dials, runs the session (catch-up both ways, then live push), and on any failure
     waits and dials again with exponential backoff from `min_backoff` to `max_backoff`
-    seconds (±20 % jitter), reset after each connection that got as far as the hello.
+    seconds (±20 % jitter), reset only after a connection that got past the hello and
+    then held for `stable_after_s` seconds: a peer that answers the hello and fails at once
+    cannot make the link redial in a tight loop (issue 14 §6).
 
     Args:
         log: this node's event log.
@@ -361,6 +373,7 @@ class GossipPeerLink:
 
     def __init__(self, log: EventLog, uri: str, *, min_backoff: float = 0.2,
                  max_backoff: float = 10.0, open_timeout: float = 5.0,
+                 stable_after_s: float = 5.0,
                  connect_kwargs: Mapping[str, Any] | None = None,
                  on_peer: PeerCallback | None = None,
                  ssl_factory: Callable[[], Any] | None = None,
@@ -368,12 +381,14 @@ class GossipPeerLink:
         self.log = log
         self.uri = uri.rstrip("/")
         self.min_backoff, self.max_backoff = min_backoff, max(min_backoff, max_backoff)
+        self.stable_after_s = stable_after_s
         self.open_timeout = open_timeout
         self._connect_kwargs = dict(connect_kwargs or {})
         self._on_peer = on_peer
         self._ssl_factory = ssl_factory
         self._check_peer = check_peer
         self._task: asyncio.Task[None] | None = None
+        self._ws: Any = None  # the open connection, if any
         self._connected = asyncio.Event()
         self.peer_id: str | None = None
         self.failures = 0
@@ -396,6 +411,12 @@ class GossipPeerLink:
             self._task = None
         self._connected.clear()
 
+    def drop_connection(self) -> None:
+        """Close the current connection (its member was removed); the link redials with
+        backoff and the member check refuses it while it is not a member."""
+        if self._ws is not None:
+            detach(self._ws.close(CLOSE_POLICY, "member removed"))
+
     async def wait_connected(self, timeout: float | None = None) -> bool:
         """Wait until the hello exchange succeeded; False on timeout."""
         try:
@@ -412,12 +433,17 @@ class GossipPeerLink:
         kwargs.update(self._connect_kwargs)
         while True:
             reached_hello = False
+            lasted = 0.0
+            hello_at = time.monotonic()
             try:
                 if self._ssl_factory is not None:
                     kwargs["ssl"] = self._ssl_factory()
                 async with connect(self.uri + GOSSIP_PATH, **kwargs) as ws:
+                    expect = None
                     if self._check_peer is not None:
-                        self._check_peer(ws)
+                        who = self._check_peer(ws)
+                        expect = who if isinstance(who, str) else None
+                    self._ws = ws
                     def hello(node: str) -> None:
                         nonlocal reached_hello
                         reached_hello = True
@@ -428,9 +454,14 @@ class GossipPeerLink:
                         if self._on_peer is not None:
                             self._on_peer(node, True)
                     try:
-                        await run_gossip_session(self.log, ws, on_hello=hello)
+                        hello_at = time.monotonic()
+                        await run_gossip_session(self.log, ws, on_hello=hello,
+                                                 expect_peer=expect)
                     except Exception as e:
                         await _close_for(ws, e, self.log, self.peer_id)
+                    finally:
+                        self._ws = None
+                        lasted = time.monotonic() - hello_at
             except asyncio.CancelledError:
                 self._disconnected(reached_hello)
                 raise
@@ -446,8 +477,8 @@ class GossipPeerLink:
                 self.failures += 1
                 _log.exception("gossip_link_failed", node=self.log.node_id, uri=self.uri)
             self._disconnected(reached_hello)
-            if reached_hello:
-                delay = self.min_backoff
+            if reached_hello and lasted >= self.stable_after_s:
+                delay = self.min_backoff  # only a link that held resets the backoff (§6)
             await asyncio.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(self.max_backoff, delay * 2)
 

@@ -41,6 +41,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from hearthnet.background import detach
 from hearthnet.config import NodeConfig
 from hearthnet.distributed_inference.autohost import AutoHost
 from hearthnet.distributed_inference.backends.device import resolve_device
@@ -81,6 +82,7 @@ from hearthnet.mesh.eventlog import EventLog
 from hearthnet.mesh.gossip import MAX_MESSAGE_BYTES, GossipPeerLink, handle_gossip_connection
 from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.node.guard import NodeGuard, remove_state, write_state
+from hearthnet.node.supervise import Supervisor
 from hearthnet.observability import Metrics, get_logger, progress
 from hearthnet.security import note_refusal, split_open
 from hearthnet.transport.codec import max_frame_bytes
@@ -100,8 +102,8 @@ class Node:
         self.node_id = cfg.node.id
         self.metrics = Metrics()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-        self.bus = CapabilityBus()
-        self.admin_bus = CapabilityBus()  # the local CLI's: the chat plus admin calls
+        self.bus = CapabilityBus(self.metrics)
+        self.admin_bus = CapabilityBus(self.metrics)  # the local CLI's: the chat plus admin calls
         self.shards: dict[str, ShardServer] = {}
         self.auto: AutoHost | None = None
         self._placement: dict[str, dict[str, Any]] = {}  # shard_id -> advertised placement
@@ -111,6 +113,10 @@ class Node:
         self.admin_uri = ""
         self.port = cfg.node.listen_port
         self._tasks: list[asyncio.Task[Any]] = []
+        # a task that failed within three heartbeats is unhealthy (issue 14 §6)
+        self.supervisor = Supervisor(
+            self.metrics, failing_window_s=max(5.0, 3 * cfg.di.heartbeat_interval_s))
+        self._gossip_ws: dict[str, set[Any]] = {}  # incoming gossip connections by member
         self._stopping = asyncio.Event()
         self.started_at = time.time()
         self.api: Any = None  # hearthnet.api.server.ApiServer once started
@@ -131,6 +137,10 @@ class Node:
         self.log = EventLog(cfg.event_log_path(), self.node_id, metrics=self.metrics,
                             compact_retain_s=cfg.di.advertisement_expiry_s,
                             signer=self.guard.key.sign, admit=self.guard.admit_event)
+        # catch-up serves members' events only: a removed member's are dropped (§7)
+        self.log.serve_filter = lambda origin: origin in self.guard.directory
+        self.guard.on_reload.append(self._drop_removed_members)
+        self.guard.stored_count = self.log.count_of  # per-origin event quotas (§5)
         self.health = ShardHealthTracker(
             offline_after_s=cfg.di.shard_health_timeout_seconds)
         self.store = ShardStore(cfg.di.advertisement_expiry_s,
@@ -196,7 +206,7 @@ class Node:
                 allowed=lambda nid: nid in self.guard.directory,
                 on_found=lambda _nid, uri: self._link(uri))
             await self.discovery.start()
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        self.supervisor.spawn("heartbeat", self._heartbeat_loop)  # issue 14 §6
         self._metrics_server: Any = None
         if cfg.node.metrics_port:  # a plain-HTTP /metrics for a LAN Prometheus (TLS-free)
             from prometheus_client import start_http_server
@@ -207,7 +217,7 @@ class Node:
                     cfg.node.metrics_port, addr=cfg.node.listen_host,
                     registry=self.metrics.registry)
         if cfg.distributed_enabled:  # load heads + sanity bounds now, not in the first call
-            self._tasks.append(asyncio.create_task(self._prepare_models(), name="prepare"))
+            self.supervisor.spawn("prepare", self._prepare_models, restart=False)
         await self._start_api()
         for w in cfg.warnings():
             log.warning("config_warning", warning=w)
@@ -373,6 +383,21 @@ class Node:
         """Re-read the config's member list and trust minimums (SIGHUP, issue 7 item 7)."""
         return self.guard.reload() if hasattr(self, "guard") else False
 
+    def _drop_removed_members(self) -> None:
+        """After a reload (issue 14 §7): close the gossip links and shard sessions of
+        members no longer in the list; their events are no longer served (`serve_filter`)."""
+        gone = [p for p in self._gossip_ws if p and p not in self.guard.directory]
+        for peer in gone:
+            for ws in list(self._gossip_ws.pop(peer, ())):
+                detach(ws.close(1008, "member removed"))
+        for link in self.links:
+            if link.peer_id is not None and link.peer_id not in self.guard.directory:
+                link.drop_connection()
+        for shard in self.shards.values():
+            shard.close_callers(lambda c: c not in self.guard.directory)
+        if gone:
+            log.info("members_dropped", peers=gone)
+
     async def stop(self) -> None:
         """Withdraw advertisements, close sessions and links, flush the log."""
         log.info("node_stopping")
@@ -382,6 +407,7 @@ class Node:
             remove_state(self.cfg.effective_data_dir())
         for t in self._tasks:
             t.cancel()
+        await self.supervisor.stop()
         for sid in self.shards:
             if self.cfg.research.enable:
                 self.log.append(WITHDRAWN, withdrawal_payload(sid, "shutdown"))
@@ -418,12 +444,17 @@ class Node:
                 if path == "/shard":
                     await self._serve_shard(ws, peer)
                 elif path == "/gossip":
-                    await handle_gossip_connection(
-                        self.log, self.guard.rate_limited(ws, peer or str(addr[0] if addr
-                                                                          else "?")),
-                        on_peer=self._on_peer)
-                elif path == "/bus":
-                    await self.bus.serve_connection(ws)
+                    self._gossip_ws.setdefault(peer or "", set()).add(ws)
+                    try:  # the hello must name the TLS peer (issue 14 §7)
+                        await handle_gossip_connection(
+                            self.log, self.guard.rate_limited(ws, peer or str(
+                                addr[0] if addr else "?")),
+                            on_peer=self._on_peer, expect_peer=peer)
+                    finally:
+                        self._gossip_ws.get(peer or "", set()).discard(ws)
+                elif path == "/bus":  # a member's call, under the bus's own trust (§4)
+                    await self.bus.serve_connection(ws, caller=peer,
+                                                    authorize=self.guard.authorize_bus)
                 else:
                     await ws.close(1008, "unknown path")
         except Refused as e:  # not a member, over a connection or rate limit
@@ -565,9 +596,12 @@ class Node:
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.metrics.render(),
                              "text/plain; version=0.0.4; charset=utf-8")
-        if path == "/health":
-            return _json(HTTPStatus.OK, {"node_id": self.node_id, "online": True,
-                                         "uptime_s": round(time.time() - self.started_at, 1)})
+        if path == "/health":  # a failing or dead task makes the node unhealthy (§6)
+            ok = self.supervisor.healthy()
+            return _json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE,
+                         {"node_id": self.node_id, "online": True, "healthy": ok,
+                          "tasks": self.supervisor.health(),
+                          "uptime_s": round(time.time() - self.started_at, 1)})
         if path == "/status":
             return _json(HTTPStatus.OK, await self.status())
         return _json(HTTPStatus.NOT_FOUND, {"error": "not found",

@@ -37,7 +37,7 @@ from hearthnet.distributed_inference.descriptors import (
     parse_withdrawal,
 )
 from hearthnet.errors import AuthError, ConfigError, PeerDataError, Refused
-from hearthnet.mesh.eventlog import Event
+from hearthnet.mesh.eventlog import EVENT_TYPES, Event, canonical_bytes
 from hearthnet.observability import Metrics, get_logger
 from hearthnet.security import (
     ConnectionLimiter,
@@ -106,6 +106,10 @@ class NodeGuard:
         self.directory = MemberDirectory.from_dicts(member_rows(cfg, self.key))
         self.tls = not cfg.security.insecure_plaintext
         self.route_min_trust = Trust.parse(cfg.community.route_min_trust)
+        self.bus_min_trust = {k: Trust.parse(v) for k, v in cfg.community.bus_min_trust.items()}
+        self.on_reload: list[Callable[[], object]] = []  # live effects of a member change
+        # (origin, type) -> events held: the event log's count, for per-origin quotas
+        self.stored_count: Callable[[str, str], int] | None = None
         self.opens = OpenAuthVerifier(self.directory, Trust.parse(cfg.community.min_trust))
         sec = cfg.security
         self.limiter = ConnectionLimiter(max_connections_per_peer=sec.max_connections_per_peer,
@@ -175,6 +179,21 @@ class NodeGuard:
                 return str(e.details.get("reason", "host_not_signer"))
         if ev.type == SERVED_MODELS and not self.is_steward(ev.origin):
             return "not_steward"  # only a steward edits the served-model list (issue 17)
+        return self._admit_by_type(ev)
+
+    def _admit_by_type(self, ev: Event) -> str | None:
+        """The event-type registry's limits (issue 14 §5): allow-list, size, trust to
+        originate, per-origin quota."""
+        known = EVENT_TYPES.get(ev.type)
+        if known is None:
+            return "unknown_type"
+        if len(canonical_bytes(ev.payload)) > known.max_payload_bytes:
+            return "too_large"
+        if not self.directory.meets(ev.origin, Trust.parse(known.min_trust)):
+            return "insufficient_trust"
+        if self.stored_count is not None and \
+                self.stored_count(ev.origin, ev.type) >= known.max_per_origin:
+            return "quota"
         return None
 
     def is_steward(self, node_id: str) -> bool:
@@ -196,6 +215,21 @@ class NodeGuard:
             note_refusal(self.metrics, e, caller=e.details.get("caller"), peer=peer,
                          shard_id=str(sid)[:128] if sid is not None else None)
             raise
+
+    def authorize_bus(self, capability: str, caller: str | None) -> None:
+        """Refuse a `/bus` call of `caller` under the capability's minimum trust (issue 14
+        §4: default `community.min_trust`, per capability `community.bus_min_trust`), before
+        any work; counted in ``auth_failures_total``. `caller` None is the local CLI (admin
+        listener) or a plaintext mesh without identities."""
+        if caller is None:
+            return
+        need = self.bus_min_trust.get(capability, self.opens.min_trust)
+        if not self.directory.meets(caller, need):
+            err = AuthError(f"{caller} may not call {capability[:128]!r} on {self.node_id}: "
+                            f"it needs trust {need.label} or above",
+                            reason="insufficient_trust", caller=caller)
+            note_refusal(self.metrics, err, caller=caller, capability=capability[:128])
+            raise err
 
     def host_allowed(self, host: str) -> bool:
         """Routing filter: may activations go to a shard on `host` (issue 7 item 4)?"""
@@ -233,14 +267,21 @@ class NodeGuard:
             rows = member_rows(cfg, self.key)
             min_trust = Trust.parse(cfg.community.min_trust)
             route_min = Trust.parse(cfg.community.route_min_trust)
+            bus_min = {k: Trust.parse(v) for k, v in cfg.community.bus_min_trust.items()}
             self.directory.replace(rows)
         except ConfigError as e:
             log.error("reload_refused", error=e.message)
             return False
         self.opens.min_trust = min_trust
         self.route_min_trust = route_min
+        self.bus_min_trust = bus_min
         log.info("reloaded", members=len(self.directory), min_trust=min_trust.label,
                  route_min_trust=route_min.label)
+        for effect in self.on_reload:  # close what removed members hold open (issue 14 §7)
+            try:
+                effect()
+            except Exception:
+                log.exception("reload_effect_failed")
         return True
 
 

@@ -33,6 +33,7 @@ from typing import Any, TypeAlias
 import msgpack
 import torch
 
+from hearthnet import safe_msgpack
 from hearthnet.errors import (
     BadRequest,
     FrameTooLarge,
@@ -740,7 +741,7 @@ def _pack_params(params: dict[str, Any]) -> bytes:
 def _unpack_map(data: bytes | bytearray | memoryview, offset: int, what: str) -> dict[str, Any]:
     try:
         # msgpack caps every declared length at the input size: no allocation bombs.
-        obj = msgpack.unpackb(bytes(data[offset:]), raw=False, strict_map_key=True)
+        obj = safe_msgpack.unpackb(bytes(data[offset:]))
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"{what} frame body is not valid msgpack: {exc}") from exc
     if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):

@@ -12,19 +12,30 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
+import tomllib
+import urllib.error
+import urllib.request
 from typing import Any
 
+import msgpack
 import pytest
 import torch
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
+from hearthnet.distributed_inference.community import CAPACITY
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.bus import bus_call
+from hearthnet.mesh.eventlog import Event, EventLog
+from hearthnet.mesh.gossip import decode_message, encode_events, encode_hello
 from hearthnet.mesh.launcher import NodeSpec
 from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from hearthnet.security.provision import replace_member_tables
 from hearthnet.transport.codec import OP_INPUT, EncodedTensor
 from hearthnet.transport.websocket import TensorChannel
 from tests.helpers.mesh import TestMesh
@@ -38,9 +49,17 @@ SHARD = "node-c"
 def mesh(smollm2):
     specs = [NodeSpec("node-a", extra_di=LIMITS),
              NodeSpec(SHARD, [(0, 29)], extra_di={"prefill_chunk_tokens": 64}),
-             NodeSpec("node-o")]
-    with TestMesh(specs, faults={SHARD: {"mode": "wrong_shape", "after_steps": 2}}) as m:
+             NodeSpec("node-o"), NodeSpec("node-g", trust="guest")]
+    m = TestMesh(specs, faults={SHARD: {"mode": "wrong_shape", "after_steps": 2}})
+    try:  # node-g is a guest member whose key we hold; never started
+        for n in ("node-a", SHARD, "node-o"):
+            m.start_node(n, wait=False)
+        for n in ("node-a", SHARD, "node-o"):
+            m._wait_ready(m.nodes[n], 120)
+        m.wait_covered("node-a", shards=1)
         yield m
+    finally:
+        m.stop()
 
 
 async def _chat(m: TestMesh, node: str, prompt: str, **kw: Any) -> list[dict[str, Any]]:
@@ -57,6 +76,14 @@ def _metric(m: TestMesh, node: str, name: str, **labels: str) -> float:
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+async def _until(cond: Any, what: str, timeout: float = 60.0) -> None:
+    """Wait for the state `cond()`; fail naming `what` after `timeout` (a hang guard)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.05)
 
 
 # ---- §1 limits before any work ----
@@ -196,6 +223,145 @@ async def test_a_declared_tensor_costs_only_what_was_received(mesh, smollm2):
     assert _rss_mb(pid) - base < 40, (base, _rss_mb(pid))
 
 
+# ---- §4 the bus has its own minimum trust ----
+
+async def _bus_as(m: TestMesh, as_node: str, node: str, args: dict[str, Any]
+                  ) -> list[dict[str, Any]]:
+    """A capability call on `node`'s TLS listener as member `as_node`."""
+    async with connect(m.nodes[node].listen_uri + "/bus", open_timeout=20,
+                       ssl=m.client_ssl(as_node, node)) as ws:
+        await ws.send(msgpack.packb({"capability": CHAT_CAPABILITY, "args": args}))
+        frames = [msgpack.unpackb(x) async for x in ws]
+    return [f for f in frames if f.get("type") != "end"]
+
+
+async def test_a_guest_cannot_chat_through_the_bus(mesh):
+    before = _metric(mesh, "node-a", "hearthnet_auth_failures_total",
+                     reason="insufficient_trust")
+    opened = _metric(mesh, SHARD, "hearthnet_distributed_inference_shard_sessions_total")
+    args = chat_args("hi", "smollm2", SamplingParams(max_tokens=1))
+    frames = await _bus_as(mesh, "node-g", "node-a", args)
+    assert [f["type"] for f in frames] == ["error"] and frames[0]["code"] == "auth_failed"
+    assert _metric(mesh, "node-a", "hearthnet_auth_failures_total",
+                   reason="insufficient_trust") == before + 1
+    assert _metric(mesh, SHARD, "hearthnet_distributed_inference_shard_sessions_total") \
+        == opened  # refused before any work
+    ok = await _bus_as(mesh, "node-o", "node-a", args)  # a trusted member may
+    assert ok[-1]["type"] == "done", ok
+    assert _metric(mesh, "node-a", "hearthnet_bus_calls_total", caller="node-g",
+                   result="refused") == 1
+    assert _metric(mesh, "node-a", "hearthnet_bus_calls_total", caller="node-o",
+                   result="ok") == 1
+
+
+# ---- §5 events: allow-list, size, trust to originate; §7 hello = TLS peer; §8 depth ----
+
+def _event(tmp: Any, origin: str, m: TestMesh, type: str, payload: dict[str, Any]) -> Event:
+    log = EventLog(tmp / f"{origin}-{type[-8:]}-{len(str(payload))}.sqlite3", origin,
+                   signer=m.key(origin).sign)
+    try:
+        return log.append(type, payload)
+    finally:
+        log.close()
+
+
+async def test_events_outside_the_registry_limits_are_refused(mesh, tmp_path):
+    cases = [("node-g", "experimental.invented", {"blob": "x" * 60_000}, "unknown_type"),
+             ("node-o", CAPACITY, {"blob": "x" * 20_000}, "too_large"),
+             ("node-g", CAPACITY, {"n": 1}, "insufficient_trust")]
+    for origin, typ, payload, reason in cases:
+        before = _metric(mesh, "node-a", "hearthnet_events_rejected_total", reason=reason)
+        ev = _event(tmp_path, origin, mesh, typ, payload)
+        async with connect(mesh.nodes["node-a"].listen_uri + "/gossip", open_timeout=20,
+                           ssl=mesh.client_ssl(origin, "node-a")) as ws:
+            await ws.send(encode_hello(origin, {}))
+            await ws.send(encode_events([ev]))
+            await _until(lambda r=reason, b=before: _metric(
+                mesh, "node-a", "hearthnet_events_rejected_total", reason=r) > b, reason)
+    held = await _catch_up(mesh, "node-a")
+    assert not any(e.type == "experimental.invented" or len(str(e.payload)) > 16_000
+                   for e in held)
+
+
+async def test_a_deeply_nested_gossip_message_is_refused_at_the_door(mesh):
+    nested: Any = 1
+    for _ in range(600):
+        nested = [nested]
+    before = _metric(mesh, "node-a", "hearthnet_events_rejected_total",
+                     reason="malformed_message")
+    async with connect(mesh.nodes["node-a"].listen_uri + "/gossip", open_timeout=20,
+                       ssl=mesh.client_ssl("node-o", "node-a")) as ws:
+        await ws.send(encode_hello("node-o", {}))
+        await ws.send(msgpack.packb({"k": "events", "events": [{"p": nested}]}))
+        await _until(lambda: _metric(mesh, "node-a", "hearthnet_events_rejected_total",
+                                     reason="malformed_message") > before, "refused")
+    assert "RecursionError" not in mesh.log_text("node-a")
+
+
+async def test_a_gossip_hello_must_name_the_tls_peer(mesh):
+    async with connect(mesh.nodes["node-a"].listen_uri + "/gossip", open_timeout=20,
+                       ssl=mesh.client_ssl("node-o", "node-a")) as ws:
+        await ws.send(encode_hello(SHARD, {}))  # node-o claims to be node-c
+        with pytest.raises(ConnectionClosed) as e:
+            while True:
+                await ws.recv()
+    assert e.value.rcvd is not None and e.value.rcvd.code == 1008
+    assert "not the TLS peer" in e.value.rcvd.reason
+
+
+# ---- §7 a reload that removes a member closes what it holds open ----
+
+async def test_reload_removing_a_member_closes_its_links_and_sessions(mesh, smollm2,
+                                                                      tmp_path):
+    params = {"shard_id": f"{smollm2.model_id}:0-29@{SHARD}", "model_id": smollm2.model_id,
+              "weights_sha256": smollm2.weights_sha256, "start": 0, "end": 29,
+              "max_length": 8, "wire_dtype": "fp16"}
+    ch = await TensorChannel.connect(mesh.nodes[SHARD].listen_uri + "/shard",
+                                     mesh.sign_open("node-o", params),
+                                     ssl=mesh.client_ssl("node-o", SHARD), deadline_s=30)
+    ev = _event(tmp_path, "node-o", mesh, CAPACITY, {"n": 2})  # node-o's own event
+    async with connect(mesh.nodes["node-a"].listen_uri + "/gossip", open_timeout=20,
+                       ssl=mesh.client_ssl("node-o", "node-a")) as ws:
+        await ws.send(encode_hello("node-o", {}))
+        await ws.send(encode_events([ev]))
+        await ws.recv()
+    assert "node-o" in _origins(await _catch_up(mesh, "node-a"))
+    for node in (SHARD, "node-a"):
+        cfg = mesh.nodes[node].config
+        text = cfg.read_text()
+        rows = [r for r in tomllib.loads(text)["community"]["members"]
+                if r["node_id"] != "node-o"]
+        cfg.write_text(replace_member_tables(text, rows))
+        r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "node", "--reload",
+                            "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+    await _until(lambda: ch.closed, "node-c closes node-o's session")
+    with pytest.raises(HearthNetError):
+        await ch.step(1, 0, torch.zeros(1, 1, 576, dtype=torch.float16), 30)
+    await ch.close()
+    await _until(lambda: '"members_dropped"' in mesh.log_text("node-a"),
+                 "node-a closes node-o's gossip link")
+    assert "node-o" not in _origins(await _catch_up(mesh, "node-a"))
+
+
+async def _catch_up(m: TestMesh, node: str) -> list[Event]:
+    """Everything `node` sends a member (node-c) that holds nothing."""
+    async with connect(m.nodes[node].listen_uri + "/gossip", open_timeout=20,
+                       ssl=m.client_ssl(SHARD, node)) as ws:
+        await ws.send(encode_hello(SHARD, {}))
+        await ws.recv()
+        held: list[Event] = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                msg = decode_message(await asyncio.wait_for(ws.recv(), 1.0))
+                held.extend(getattr(msg, "events", []))
+    return held
+
+
+def _origins(events: list[Event]) -> set[str]:
+    return {e.origin for e in events}
+
+
 # ---- §3/§9 the CLI: exit codes, --json error frames, the orchestrator's loss ----
 
 def _cli(m: TestMesh, node: str, *args: str) -> subprocess.Popen[str]:
@@ -232,35 +398,67 @@ def test_orchestrator_death_mid_answer_is_connection_lost_with_tokens_so_far(mes
     assert frames[-1]["code"] == "connection_lost" and frames[-1]["tokens_so_far"] >= 2
 
 
-# ---- §1 shutdown within seconds whatever the compute thread does ----
+# ---- §6 supervised tasks; §1 shutdown within seconds whatever compute threads do ----
 
-def test_sigterm_stops_a_node_whose_compute_thread_is_busy(tmp_path, smollm2):
-    m = TestMesh([NodeSpec("node-s", [(0, 0)])], root=tmp_path,
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory, smollm2):
+    """One node hosting layer 0 whose forwards sleep 600 s, heartbeating every 2 s."""
+    spec = NodeSpec("node-s", [(0, 0)], extra_di={"shard_health_timeout_seconds": 4})
+    m = TestMesh([spec], root=tmp_path_factory.mktemp("solo"), timeout_s=4,
                  faults={"node-s": {"mode": "slow", "delay_s": 600}})
     try:
         m.start(wait_cover=False)  # one layer: the model is never covered, and need not be
-
-        async def busy() -> TensorChannel:
-            params = {"shard_id": f"{smollm2.model_id}:0-0@node-s",
-                      "model_id": smollm2.model_id, "weights_sha256": smollm2.weights_sha256,
-                      "start": 0, "end": 0, "max_length": 4, "wire_dtype": "fp16"}
-            ch = await TensorChannel.connect(m.nodes["node-s"].listen_uri + "/shard",
-                                             m.sign_open("node-s", params),
-                                             ssl=m.client_ssl("node-s", "node-s"),
-                                             deadline_s=30)
-            await ch.send_step(1, 0, torch.zeros(1, 1, 576, dtype=torch.float16))
-            while "hearthnet_distributed_inference_shard_queue_depth" not in m.metrics(
-                    "node-s") or _metric(m, "node-s", "hearthnet_distributed_inference_"
-                                         "shard_queue_depth") < 1:
-                await asyncio.sleep(0.05)  # until the step sits in the compute thread
-            return ch
-
-        asyncio.run(busy())
-        proc = m.nodes["node-s"].proc
-        assert proc is not None
-        proc.terminate()
-        proc.wait(timeout=30)  # before the fix: the 600 s forward is joined at exit
-        log = m.log_text("node-s")
-        assert '"node_stopped"' in log and '"exit_with_busy_threads"' in log
+        yield m
     finally:
         m.stop()
+
+
+def _health(m: TestMesh) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(m.nodes["node-s"].uri.replace("ws://", "http://")
+                                    + "/health", timeout=5) as r:
+            return dict(json.loads(r.read()))
+    except urllib.error.HTTPError as e:  # 503 while unhealthy
+        return dict(json.loads(e.read()))
+
+
+async def test_a_failing_heartbeat_is_logged_restarted_and_unhealthy(solo):
+    """A full disk (RLIMIT_FSIZE of the node process): every event-log write fails. The
+    heartbeat task fails, is counted and restarted with backoff, and /health says
+    unhealthy; once the disk has room again it advertises again and /health recovers."""
+    pid = solo.nodes["node-s"].proc.pid
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    assert _health(solo)["healthy"] is True
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (1, hard))
+    try:
+        await _until(lambda: _health(solo)["tasks"]["heartbeat"]["state"] == "failing",
+                     "heartbeat failing")
+        assert _health(solo)["healthy"] is False
+        await _until(lambda: _metric(solo, "node-s", "hearthnet_task_failures_total",
+                                     task="heartbeat") >= 2, "restarted and failed again")
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
+    appended = "hearthnet_events_appended_total"
+    n = _metric(solo, "node-s", appended)
+    await _until(lambda: _metric(solo, "node-s", appended) > n, "advertising again")
+    await _until(lambda: _health(solo)["healthy"] is True, "healthy again")
+
+
+async def test_sigterm_stops_a_node_whose_compute_thread_is_busy(solo, smollm2):
+    m = solo
+    params = {"shard_id": f"{smollm2.model_id}:0-0@node-s", "model_id": smollm2.model_id,
+              "weights_sha256": smollm2.weights_sha256, "start": 0, "end": 0,
+              "max_length": 4, "wire_dtype": "fp16"}
+    ch = await TensorChannel.connect(m.nodes["node-s"].listen_uri + "/shard",
+                                     m.sign_open("node-s", params),
+                                     ssl=m.client_ssl("node-s", "node-s"), deadline_s=30)
+    await ch.send_step(1, 0, torch.zeros(1, 1, 576, dtype=torch.float16))
+    depth = "hearthnet_distributed_inference_shard_queue_depth"
+    await _until(lambda: _metric(m, "node-s", depth) >= 1, "the step is computing")
+    proc = m.nodes["node-s"].proc
+    assert proc is not None
+    proc.terminate()
+    await asyncio.to_thread(proc.wait, 30)  # before the fix: the 600 s forward is joined
+    await ch.close()
+    log = m.log_text("node-s")
+    assert '"node_stopped"' in log and '"exit_with_busy_threads"' in log

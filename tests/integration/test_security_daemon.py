@@ -25,6 +25,7 @@ import pytest
 import torch
 from websockets.asyncio.client import connect
 
+from hearthnet.distributed_inference.community import CAPACITY
 from hearthnet.distributed_inference.descriptors import (
     ADVERTISED,
     ShardDescriptor,
@@ -168,12 +169,12 @@ async def test_plaintext_client_is_refused_by_the_tls_node(mesh, smollm2):
 
 # ---- events (issue 7 item 2) ----
 
-def _scratch_event(tmp: Path, origin: str, sign: Any, type: str = "experimental.note",
+def _scratch_event(tmp: Path, origin: str, sign: Any, type: str = CAPACITY,
                    payload: dict[str, Any] | None = None, skip: int = 0) -> Event:
     log = EventLog(tmp / f"{origin}-{os.urandom(4).hex()}.sqlite3", origin, signer=sign)
     try:
         for _ in range(skip):
-            log.append("experimental.note", {"skip": True})
+            log.append(CAPACITY, {"skip": True})
         return log.append(type, payload or {"n": 1})
     finally:
         log.close()

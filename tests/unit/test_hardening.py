@@ -72,3 +72,72 @@ def test_sanity_check_refuses_a_wrong_shape_or_dtype():
     assert e.value.details["check"] == "shape"
     with pytest.raises(ShardCorrupted, match=r"expected torch\.float16"):
         c.check("s", 0, good.float(), shape=(1, 3, 8), dtype=torch.float16)
+
+
+# ---- §6 gossip backoff survives a hello followed by an immediate failure ----
+
+async def test_gossip_backoff_survives_hello_then_failure(tmp_path):
+    import asyncio
+    import time
+
+    from websockets.asyncio.server import serve
+
+    from hearthnet.mesh.eventlog import EventLog
+    from hearthnet.mesh.gossip import GossipPeerLink, encode_hello
+
+    dials: list[float] = []
+
+    async def hello_then_close(ws):  # answers the hello, then fails at once
+        dials.append(time.monotonic())
+        await ws.send(encode_hello("node-z", {}))
+        await ws.recv()
+        await ws.close(1011, "boom")
+
+    log = EventLog(tmp_path / "a.sqlite3", "node-y")
+    async with serve(hello_then_close, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        link = GossipPeerLink(log, f"ws://127.0.0.1:{port}", min_backoff=0.05,
+                              max_backoff=0.8, stable_after_s=5.0)
+        link.start()
+        while len(dials) < 6:
+            await asyncio.sleep(0.01)
+        await link.stop()
+    log.close()
+    # backoff 0.05, 0.1, 0.2, 0.4, 0.8 (±20 %) between the six dials; before the fix the
+    # hello reset it every time: six dials in ~0.3 s
+    assert dials[5] - dials[0] >= 0.8 * (0.05 + 0.1 + 0.2 + 0.4 + 0.8)
+
+
+# ---- §5 retention and per-origin quotas for every registered type ----
+
+def test_every_event_type_has_retention_and_a_per_origin_bound(tmp_path):
+    from hearthnet.mesh.eventlog import EventLog, EventType, EventTypes
+
+    types = EventTypes()
+    types.register(EventType("t.note", max_per_origin=3))
+    types.register(EventType("t.temp", retain_s=10.0))
+    now = [1000.0]
+    log = EventLog(tmp_path / "e.sqlite3", "node-a", types=types, clock=lambda: now[0])
+    for i in range(5):
+        log.append("t.note", {"i": i})
+    log.append("t.temp", {"x": 1})
+    now[0] += 11
+    assert log.compact(3600) == 2 + 1  # two notes over the quota, the expired temp
+    held = [(e.type, e.payload.get("i")) for e in log.all_events()]
+    assert held == [("t.note", 2), ("t.note", 3), ("t.note", 4)]
+    pages = list(log.since_pages({}, log.vector(), page=2))
+    assert [len(p) for p in pages] == [2, 1]  # catch-up is paged
+    log.close()
+
+
+def test_deep_msgpack_is_refused_at_the_door():
+    import msgpack
+
+    from hearthnet import safe_msgpack
+
+    nested: object = 1
+    for _ in range(600):
+        nested = [nested]
+    with pytest.raises(ValueError, match="nesting deeper"):
+        safe_msgpack.unpackb(msgpack.packb(nested))
+    assert safe_msgpack.unpackb(msgpack.packb({"a": [[1]]})) == {"a": [[1]]}
