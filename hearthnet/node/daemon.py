@@ -217,7 +217,7 @@ class Node:
                     cfg.node.metrics_port, addr=cfg.node.listen_host,
                     registry=self.metrics.registry)
         if cfg.distributed_enabled:  # load heads + sanity bounds now, not in the first call
-            self.supervisor.spawn("prepare", self._prepare_models, restart=False)
+            self.supervisor.spawn("prepare", self._prepare_models)  # idempotent: retried
         await self._start_api()
         for w in cfg.warnings():
             log.warning("config_warning", warning=w)

@@ -428,6 +428,7 @@ async def test_a_failing_heartbeat_is_logged_restarted_and_unhealthy(solo):
     unhealthy; once the disk has room again it advertises again and /health recovers."""
     pid = solo.nodes["node-s"].proc.pid
     soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    await _until(lambda: _health(solo)["tasks"]["prepare"]["state"] == "done", "prepared")
     assert _health(solo)["healthy"] is True
     resource.prlimit(pid, resource.RLIMIT_FSIZE, (1, hard))
     try:
