@@ -138,6 +138,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                                       if p.proc is not None}
         finally:
             mesh.stop()
+    except HearthNetError as e:  # a node that did not start: say why before its logs go
+        raise HearthNetError(f"{e.message}\n{_log_tails(root)}") from e
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gpu = args.goals == "gpu" if args.goals else args.device != "cpu"
@@ -146,6 +148,12 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         f"pipeline-{args.device.replace(':', '')}-{args.shards}"
     figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
     return figures, report(figures)
+
+
+def _log_tails(root: Path, chars: int = 2000) -> str:
+    """The end of every node's log under `root` (no tensor contents are ever logged)."""
+    return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-chars:]}"
+                     for f in sorted(root.glob("*.log")))
 
 
 async def chat_frames(uri: str, prompt: str, model: str, tokens: int,
