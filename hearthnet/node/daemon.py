@@ -546,6 +546,16 @@ class Node:
             refused: Response | None = await self._gate(conn, request)
             if refused is not None:
                 return refused
+        if request.headers.get("Upgrade", "").lower() != "websocket":
+            # plain HTTP paths share the peer's connection-rate bucket (issue 14 §8)
+            addr = conn.remote_address
+            peer = self.guard.peer_of(conn) if self.guard.tls else None
+            who = peer or str(addr[0] if addr else "?")
+            if not self.guard.rate.allow(who):
+                note_refusal(self.metrics, AuthError(f"too many requests from {who}",
+                                                     reason="rate_limited"),
+                             peer=who, path=request.path[:64])
+                return _json(HTTPStatus.TOO_MANY_REQUESTS, {"error": "rate limited"})
         return await self._http(conn, request)
 
     async def _chat_capability(self, args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:

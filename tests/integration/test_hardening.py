@@ -313,6 +313,31 @@ async def test_a_gossip_hello_must_name_the_tls_peer(mesh):
     assert "not the TLS peer" in e.value.rcvd.reason
 
 
+# ---- §8 plain HTTP on the TLS listener is rate-limited like upgrades ----
+
+def test_http_paths_on_the_tls_listener_are_rate_limited(mesh):
+    """Guest node-g's connection bucket (default 50/s, burst 100) runs dry after ~100
+    quick GET /health requests; before the fix every one was answered."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+
+    ctx = mesh.client_ssl("node-g", "node-a")
+    port = mesh.nodes["node-a"].port
+
+    def get(_: int) -> int:
+        c = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=30)
+        try:
+            c.request("GET", "/health")
+            return c.getresponse().status
+        finally:
+            c.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(get, range(400)))
+    assert 429 in codes and 200 in codes
+    assert _metric(mesh, "node-a", "hearthnet_auth_failures_total", reason="rate_limited") > 0
+
+
 # ---- §7 a reload that removes a member closes what it holds open ----
 
 async def test_reload_removing_a_member_closes_its_links_and_sessions(mesh, smollm2,
