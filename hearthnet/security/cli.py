@@ -121,7 +121,8 @@ def _show(args: argparse.Namespace) -> int:
     if not path.exists():
         raise ConfigError(f"no node key at {path}. Keys made by `hearthnet keys provision` "
                           f"are in {t.data_dir / 'nodes'}/<node id>/{KEY_FILE_NAME} (see "
-                          f"`keys show --config FILE`); `keys init` makes a single node's",
+                          f"`keys show --config FILE`); `hearthnet keys init` makes a single "
+                          f"node's key here",
                           file=str(path), reason="missing")
     _print(NodeKey.load(path), t.node_id, Trust.parse(args.trust), created=False,
            as_json=args.json)
