@@ -59,6 +59,7 @@ bench: install
 	$(HN) bench failover --json
 	$(HN) bench api --json
 	$(HN) bench placement --json
+	$(PY) -m pytest -q -s tests/integration/test_wire_report.py  # wire exactness report (issue 11)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -24,8 +24,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("models", help="the local model store")
     p.add_argument("--models-dir", default=None, help="model store folder (default: data dir)")
     msub = p.add_subparsers(dest="models_command", required=True)
-    imp = msub.add_parser("import", help="import `smollm2` (bundled), a .gguf file or a local "
-                          "HF folder (kept at its own precision)")
+    imp = msub.add_parser("import", help="import `smollm2` (bundled), a .gguf file (llama, "
+                          "mistral, qwen2, qwen3, gemma2, gemma3, phi3) or a local HF folder "
+                          "(kept at its own precision)")
     imp.add_argument("source")
     imp.add_argument("--alias", default=None)
     imp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=DEFAULT_GGUF_DTYPE,

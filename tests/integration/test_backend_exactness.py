@@ -24,7 +24,11 @@ def parts(smollm2):
 
 
 def _split_greedy(head, a, b, ids, n, wire=None):
-    """Greedy decode through two ranges; `wire` rounds the boundary hidden state."""
+    """Greedy decode through two ranges; `wire` rounds the boundary hidden state.
+
+    (The wire dtypes' effect on SmolLM2 and every family is measured and printed by
+    tests/integration/test_wire_report.py.)
+    """
     sa, sb = a.open_session(0, 14, len(ids) + n + 1), b.open_session(15, 29, len(ids) + n + 1)
 
     def through(x, pos):
@@ -67,17 +71,3 @@ def test_greedy_matches_transformers_generate(parts, prompt):
     # generate() stops at EOS; up to there (EOS included) the tokens must be identical
     assert toks[:len(expected)] == expected
     assert len(expected) == 64 or expected[-1] in head.eos_token_ids
-
-
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_fp16_wire_between_ranges(parts, prompt, capsys):
-    head, a, b, _ = parts
-    ids = head.chat_prompt_ids([{"role": "user", "content": prompt}])
-    exact, exact_logits = _split_greedy(head, a, b, ids, 64)
-    rounded, rounded_logits = _split_greedy(head, a, b, ids, 64, wire=torch.float16)
-    if rounded != exact:  # report, as the issue asks, rather than hide it
-        i = next(k for k, (x, y) in enumerate(zip(exact, rounded, strict=True)) if x != y)
-        gap = (exact_logits[i] - rounded_logits[i]).abs().max().item()
-        with capsys.disabled():
-            print(f"\nfp16 wire diverges on {prompt!r} at token {i}; logit gap {gap:.3g}")
-    assert rounded == exact

@@ -26,12 +26,12 @@ from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from hearthnet.models.importer import import_folder
 from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
-from tests.helpers.tiny_models import FAMILIES, make_tiny_model
+from tests.helpers.tiny_models import FAMILIES, OVERFLOW_ALIAS, make_tiny_model, overflow_model
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
 N = 16
 RANGES = [(0, 1), (2, 3), (4, 5)]
-OVERFLOW, MISCALIBRATED, BROKEN = "gemma-overflow", "gemma-miscal", "broken"
+OVERFLOW, MISCALIBRATED, BROKEN = OVERFLOW_ALIAS, "gemma-miscal", "broken"
 P = "hearthnet_distributed_inference_"
 
 
@@ -39,10 +39,10 @@ def _add_models(store, root, tokenizer_from):
     """The overflow and broken models, next to the families; every model calibrated."""
     for e in store.entries():
         calibrate(e.path)  # once here, not in each of the three nodes (they read the cache)
-    for alias, seed in ((OVERFLOW, 2), (MISCALIBRATED, 3)):
-        src = make_tiny_model("gemma3", root / "src" / alias, tokenizer_from, seed=seed,
-                              overflow_from=2)
-        cal = calibrate(import_folder(store, src, alias=alias).path)
+    calibrate(overflow_model(store, root / "src", tokenizer_from).path)
+    src = make_tiny_model("gemma3", root / "src" / MISCALIBRATED, tokenizer_from, seed=3,
+                          overflow_from=2)
+    cal = calibrate(import_folder(store, src, alias=MISCALIBRATED).path)
     # a calibration that missed the big activations: auto expects fp16 to fit everywhere
     miscal = store.get(MISCALIBRATED).path
     (miscal / BOUNDS_FILE).write_text(json.dumps({
