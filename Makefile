@@ -59,7 +59,7 @@ bench: install
 	$(HN) bench failover --json
 	$(HN) bench api --json
 	$(HN) bench placement --json
-	$(PY) -m pytest -q -s tests/integration/test_wire_report.py  # wire exactness report (issue 11)
+	HEARTHNET_WIRE_REPORT=1 $(PY) -m pytest -q -s -p no:timeout tests/integration/test_wire_report.py  # issue 11
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
