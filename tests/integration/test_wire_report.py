@@ -14,12 +14,12 @@ import os
 import pytest
 
 from tests.helpers.tiny_models import FAMILIES, overflow_model
+from tests.helpers.wire_report import wire_report
 
 # 3 prompts × 64 tokens × 3 wires per model: a report, run by `make bench` (which sets it)
 pytestmark = pytest.mark.skipif(not os.environ.get("HEARTHNET_WIRE_REPORT"),
                                 reason="the wire exactness report runs in `make bench` "
                                        "(HEARTHNET_WIRE_REPORT=1)")
-from tests.helpers.wire_report import wire_report
 
 RANGES3 = [(0, 1), (2, 3), (4, 5)]
 
