@@ -50,6 +50,7 @@ from hearthnet.errors import (
 )
 from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.observability import Metrics, get_logger
+from hearthnet.transport.websocket import SHARD_PATH
 
 log = get_logger("pipeline")
 
@@ -257,7 +258,7 @@ class PipelineOrchestrator:
             "shard_id": stage.shard.shard_id, "model_id": entry.model_id,
             "weights_sha256": entry.weights_sha256, "start": stage.start, "end": stage.end,
             "max_length": max_len, "wire_dtype": wire})
-        uri = stage.shard.endpoint.rstrip("/") + "/shard"
+        uri = stage.shard.endpoint.rstrip("/") + SHARD_PATH
         try:
             ch = await self.connect(uri, p, params.timeout_s)
         except HearthNetError as e:

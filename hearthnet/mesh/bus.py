@@ -37,6 +37,7 @@ log = get_logger("bus")
 
 Handler = Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]]
 MAX_REQUEST_BYTES = 1 << 20
+BUS_PATH = "/bus"  # the node's capability feed (main and admin listeners)
 # (capability, caller or None) -> None; raises AuthError to refuse a call before any work
 Authorizer = Callable[[str, "str | None"], None]
 
@@ -121,7 +122,7 @@ async def bus_call(uri: str, capability: str, args: dict[str, Any], *,
     """
     try:
         # a node busy loading a model may answer pings late: only a dead one is lost
-        async with connect(uri.rstrip("/") + "/bus", open_timeout=open_timeout, ssl=ssl,
+        async with connect(uri.rstrip("/") + BUS_PATH, open_timeout=open_timeout, ssl=ssl,
                            max_size=MAX_REQUEST_BYTES, compression=None,
                            ping_timeout=60) as ws:
             await ws.send(msgpack.packb({"capability": capability, "args": args},

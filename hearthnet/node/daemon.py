@@ -76,17 +76,22 @@ from hearthnet.errors import (
     Refused,
     ShardUnavailable,
 )
-from hearthnet.mesh.bus import CapabilityBus
+from hearthnet.mesh.bus import BUS_PATH, CapabilityBus
 from hearthnet.mesh.discovery import LanDiscovery
 from hearthnet.mesh.eventlog import EventLog
-from hearthnet.mesh.gossip import MAX_MESSAGE_BYTES, GossipPeerLink, handle_gossip_connection
+from hearthnet.mesh.gossip import (
+    GOSSIP_PATH,
+    MAX_MESSAGE_BYTES,
+    GossipPeerLink,
+    handle_gossip_connection,
+)
 from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.node.guard import NodeGuard, remove_state, write_state
 from hearthnet.node.supervise import Supervisor
 from hearthnet.observability import Metrics, get_logger, progress
 from hearthnet.security import note_refusal, split_open
 from hearthnet.transport.codec import max_frame_bytes
-from hearthnet.transport.websocket import ServerStream, TensorChannel
+from hearthnet.transport.websocket import SHARD_PATH, ServerStream, TensorChannel
 
 log = get_logger("node")
 
@@ -441,9 +446,9 @@ class Node:
         try:
             peer = self.guard.peer_of(ws)  # the TLS member; None in plaintext mode
             with self.guard.connection(peer or str(addr[0] if addr else "?")):
-                if path == "/shard":
+                if path == SHARD_PATH:
                     await self._serve_shard(ws, peer)
-                elif path == "/gossip":
+                elif path == GOSSIP_PATH:
                     self._gossip_ws.setdefault(peer or "", set()).add(ws)
                     try:  # the hello must name the TLS peer (issue 14 §7)
                         await handle_gossip_connection(
@@ -452,7 +457,7 @@ class Node:
                             on_peer=self._on_peer, expect_peer=peer)
                     finally:
                         self._gossip_ws.get(peer or "", set()).discard(ws)
-                elif path == "/bus":  # a member's call, under the bus's own trust (§4)
+                elif path == BUS_PATH:  # a member's call, under the bus's own trust (§4)
                     await self.bus.serve_connection(ws, caller=peer,
                                                     authorize=self.guard.authorize_bus)
                 else:
@@ -465,7 +470,7 @@ class Node:
     async def _route_admin(self, ws: ServerConnection) -> None:
         """The loopback admin listener: capability calls of the local CLI only."""
         path = ws.request.path.split("?", 1)[0] if ws.request else ""
-        if path == "/bus":
+        if path == BUS_PATH:
             await self.admin_bus.serve_connection(ws)
         else:
             await ws.close(1008, "the admin listener serves /bus only")
