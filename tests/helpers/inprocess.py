@@ -80,7 +80,6 @@ class InProcessMesh:
     hosts: dict[str, Host] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="hn-inproc-"))
         self.health = ShardHealthTracker()
         self.store = ShardStore(120.0, tracker=self.health)
         self.channels: list[Channel] = []
@@ -92,9 +91,10 @@ class InProcessMesh:
                                    layer_range=(lo, hi), host=node_id,
                                    endpoint=f"ws://{node_id}.inproc:1", max_concurrent_streams=8,
                                    weights_format=stack.format)
-        log = EventLog(self._dir / f"{node_id}.sqlite", node_id)
-        self.store.apply(log.append(ADVERTISED, advertisement_payload(d)))
-        log.close()
+        with tempfile.TemporaryDirectory(prefix="hn-inproc-") as folder:  # nothing left
+            log = EventLog(Path(folder) / f"{node_id}.sqlite", node_id)
+            self.store.apply(log.append(ADVERTISED, advertisement_payload(d)))
+            log.close()
         host = Host(node_id, stack, d)
         self.hosts[d.endpoint + "/shard"] = host
         return host
