@@ -60,6 +60,12 @@ bench: install
 	$(HN) bench api --json
 	$(HN) bench placement --json
 	HEARTHNET_WIRE_REPORT=1 $(PY) -m pytest -q -s -p no:timeout tests/integration/test_wire_report.py  # issue 11
+	$(HN) bench quality --json
+	$(HN) models synth qwen2.5-1.5b
+	$(HN) models synth qwen2.5-3b
+	for w in fp32 bf16 int8; do $(HN) bench local --model qwen2.5-1.5b --weights $$w --parts full --tokens 32 --json --results-dir bench-results/qwen2.5-1.5b-$$w; done
+	$(HN) bench pipeline --model qwen2.5-3b --weights int8 --shards 2 --tokens 32 --no-fp32 --concurrency 1 --json
+	$(HN) bench reach --model qwen2.5-3b --shards 2 --weights int8 --json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -72,6 +72,8 @@ BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
               "and the head (each in a fresh process)", *_lazy("local")),
     "pipeline": ("distributed vs local tokens/s, per-hop overhead, first token, concurrency "
                  "(shards in separate processes on 127.0.0.1)", *_lazy("pipeline")),
+    "quality": ("compact weight formats against fp32: top-1 agreement and mean KL of the "
+                "next-token prediction over a shipped text (issue 12)", *_lazy("quality")),
     "reach": ("the mission's headline: a model split over shard processes that each hold "
               "under half of it; peak RSS per process, tok/s, tokens vs local (issue 12)",
               *_lazy("reach")),
