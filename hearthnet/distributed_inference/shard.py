@@ -128,6 +128,7 @@ class ShardServer:
         self.last_used = clock()
         self._latencies: deque[float] = deque(maxlen=256)
         self._streams: dict[Any, str] = {}  # open session streams -> their caller
+        self._good_stats = entry.manifest_stats()  # weights files as last verified
 
     def _refuse_over_budget(self, shard_id: str) -> None:
         """A shard over `shard_max_vram_mb` is refused before loading (issue 12 §4)."""
@@ -199,6 +200,19 @@ class ShardServer:
                 log.info("session_closed_member_removed", shard_id=self.shard_id,
                          caller=caller)
                 detach(stream.close("member removed"))
+
+    async def check_weights(self) -> None:
+        """Raise `WeightsMismatch` when a hosted weights file was truncated, replaced or
+        removed since the import (issue 14 §8): a `stat` per file, re-hashed in the executor
+        only when size or mtime moved. The loaded weights are the shard's own memory, so
+        open sessions are unharmed; the node withdraws the shard."""
+        now = self.entry.file_stats()
+        if now is not None and now == self._good_stats:
+            return
+        await asyncio.get_running_loop().run_in_executor(self.executor,
+                                                         self.entry.check_files)
+        if now is not None:
+            self._good_stats = now  # touched, same bytes: hash once, not every open
 
     async def close_all(self) -> None:
         """Close every open session (node shutdown)."""

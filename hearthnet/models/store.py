@@ -61,6 +61,19 @@ class ModelEntry:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 
+    def file_stats(self) -> dict[str, tuple[int, int]] | None:
+        """(size, mtime_ns) of every weights file now, None when one is missing: a few
+        `stat` calls, cheap enough before every shard session (issue 14 §8)."""
+        try:
+            return {n: ((st := (self.path / n).stat()).st_size, st.st_mtime_ns)
+                    for n in self.files}
+        except OSError:
+            return None
+
+    def manifest_stats(self) -> dict[str, tuple[int, int]]:
+        """(size, mtime_ns) of every weights file as the manifest recorded them."""
+        return {n: (int(r["size"]), int(r["mtime_ns"])) for n, r in self.files.items()}
+
     def check_files(self) -> None:
         """Cheap integrity check before loading weights.
 

@@ -75,6 +75,7 @@ from hearthnet.errors import (
     PortInUse,
     Refused,
     ShardUnavailable,
+    WeightsMismatch,
 )
 from hearthnet.mesh.bus import BUS_PATH, CapabilityBus
 from hearthnet.mesh.discovery import LanDiscovery
@@ -340,6 +341,19 @@ class Node:
     def pipelines_free(self) -> bool:
         return self.orchestrator.has_free_slot()
 
+    async def _check_weights(self, shard: ShardServer) -> None:
+        """Before each session open and each heartbeat (issue 14 §8): a hosted weights file
+        truncated, replaced or removed under the running shard withdraws the shard (logged
+        `shard_weights_changed`); the caller gets the `weights_mismatch` error."""
+        try:
+            await shard.check_weights()
+        except WeightsMismatch as e:
+            if self.shards.get(shard.shard_id) is shard:
+                log.error("shard_weights_changed", shard_id=shard.shard_id,
+                          file=e.details.get("file"), message=e.message)
+                detach(self.drop_shard(shard.shard_id, "weights_changed"))
+            raise
+
     async def _advertise(self, shard: ShardServer) -> None:
         if not self.cfg.research.enable:  # M26 §5.1: opted out → no advertisements
             return
@@ -364,7 +378,11 @@ class Node:
         interval = self.cfg.di.heartbeat_interval_s
         while True:
             await asyncio.sleep(interval)
-            for shard in self.shards.values():
+            for shard in list(self.shards.values()):
+                try:
+                    await self._check_weights(shard)
+                except WeightsMismatch:
+                    continue  # withdrawn, never re-advertised
                 if shard.maybe_evict_idle():
                     await shard.evict()
                 await self._advertise(shard)
@@ -496,6 +514,7 @@ class Node:
             if shard is None:
                 raise ShardUnavailable(f"this node does not host {params.get('shard_id')!r}; "
                                        f"it hosts {sorted(self.shards)}")
+            await self._check_weights(shard)
             req = shard.validate_open(params, caller=caller)
         except HearthNetError as e:
             sid = str(params.get("shard_id"))[:200]

@@ -492,3 +492,58 @@ async def test_sigterm_stops_a_node_whose_compute_thread_is_busy(solo, smollm2):
     await ch.close()
     log = m.log_text("node-s")
     assert '"node_stopped"' in log and '"exit_with_busy_threads"' in log
+
+
+# ---- §8 a weights file truncated under a running shard ----
+
+async def test_weights_truncated_under_a_running_shard_withdraw_it(tmp_path, smollm2):
+    """node-w hosts every layer of its OWN copy of a tiny fp32 model (held as fp32: before
+    the fix its layers aliased the file's mmap). Truncating the file under it: an open
+    session's next step is still answered from the shard's own memory (before: SIGBUS),
+    a new open gets `weights_mismatch`, and the shard is withdrawn with a log line."""
+    from hearthnet.models import ModelStore
+    from hearthnet.models.importer import import_folder
+    from tests.helpers.tiny_models import make_tiny_model
+
+    store = ModelStore(tmp_path / "models")
+    entry = import_folder(store, make_tiny_model("llama", tmp_path / "src", smollm2.path,
+                                                 layers=2), alias="tiny")
+    spec = NodeSpec("node-w", [(0, 1)], extra_host={"weights": "fp32"})
+    (tmp_path / "mesh").mkdir()
+    m = TestMesh([spec], root=tmp_path / "mesh", model="tiny", models=store.root)
+    try:
+        m.start(wait_cover=False)
+        params = {"shard_id": f"{entry.model_id}:0-1@node-w", "model_id": entry.model_id,
+                  "weights_sha256": entry.weights_sha256, "start": 0, "end": 1,
+                  "max_length": 8, "wire_dtype": "fp32"}
+
+        async def open_session() -> TensorChannel:
+            return await TensorChannel.connect(
+                m.nodes["node-w"].listen_uri + "/shard", m.sign_open("node-w", params),
+                ssl=m.client_ssl("node-w", "node-w"), deadline_s=30)
+
+        await _until(lambda: len(m.status("node-w")["shards"]) == 1, "advertised")
+        ch = await open_session()
+        x = torch.randn(1, 1, 64)
+        before = (await ch.step(1, 0, x, 30)).tensor
+        weights = next(entry.path.glob("*.safetensors"))
+        os.truncate(weights, weights.stat().st_size // 2)
+        after = (await ch.step(2, 1, x, 30)).tensor  # the shard's own memory: no SIGBUS
+        assert after.shape == before.shape and torch.isfinite(after).all()
+        await ch.close()
+        with pytest.raises(HearthNetError) as e:
+            await open_session()
+        assert e.value.code == "weights_mismatch" and "safetensors" in e.value.message
+        await _until(lambda: not m.status("node-w")["shards"], "advertisement withdrawn")
+        assert m.nodes["node-w"].proc is not None and m.nodes["node-w"].proc.poll() is None
+        log = m.log_text("node-w")
+        assert '"shard_weights_changed"' in log and '"shard_dropped"' in log
+        assert _health_of(m, "node-w")["healthy"] is True  # still serving everything else
+    finally:
+        m.stop()
+
+
+def _health_of(m: TestMesh, node: str) -> dict[str, Any]:
+    with urllib.request.urlopen(m.nodes[node].uri.replace("ws://", "http://") + "/health",
+                                timeout=5) as r:
+        return dict(json.loads(r.read()))

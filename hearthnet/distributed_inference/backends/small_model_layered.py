@@ -168,11 +168,18 @@ class _WeightsReader:
             try:
                 with safe_open(str(f), framework="pt", device=where) as st:
                     for k in ks:
-                        out[k] = st.get_tensor(k)
+                        out[k] = _owned(st.get_tensor(k))
             except (SafetensorError, OSError, ValueError, RuntimeError) as e:
                 raise WeightsMismatch(f"{f}: cannot read tensors ({e}); the file is corrupted "
                                       f"or truncated — re-import the model", file=str(f)) from e
         return out
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """`t` in memory of its own: safetensors' CPU tensors alias the file's mmap, so a weights
+    file truncated under a running shard would kill the process with SIGBUS on the next
+    forward (issue 14 §8). Device tensors are copies already."""
+    return t.clone() if t.device.type == "cpu" else t
 
 
 def _meta_base_model(config: Any) -> Any:
