@@ -54,6 +54,11 @@ MAX_MESSAGE_BYTES = 1024 * 1024  # websockets max_size for gossip connections
 MAX_BATCH_BYTES = 256 * 1024
 MAX_BATCH_EVENTS = 512
 HELLO_TIMEOUT_S = 10.0
+# A close (a policy close above all) is sent at once; a peer that has not completed the
+# close handshake within this is cut off. websockets' default, 10 s, is what a flooding
+# peer waited for its 1008 before (issue 14 §8): its close reply sits unread behind the
+# flood, so the handshake never completes. Servers of `/gossip` pass it as `close_timeout`.
+CLOSE_TIMEOUT_S = 2.0
 LIVE_QUEUE_MAX = 10_000
 MAX_MALFORMED = 32  # malformed messages tolerated per connection before closing it
 
@@ -429,7 +434,7 @@ class GossipPeerLink:
         delay = self.min_backoff
         kwargs: dict[str, Any] = {"open_timeout": self.open_timeout,
                                   "max_size": MAX_MESSAGE_BYTES, "compression": None,
-                                  "proxy": None}
+                                  "proxy": None, "close_timeout": CLOSE_TIMEOUT_S}
         kwargs.update(self._connect_kwargs)
         while True:
             reached_hello = False

@@ -81,6 +81,7 @@ from hearthnet.mesh.bus import BUS_PATH, CapabilityBus
 from hearthnet.mesh.discovery import LanDiscovery
 from hearthnet.mesh.eventlog import EventLog
 from hearthnet.mesh.gossip import (
+    CLOSE_TIMEOUT_S,
     GOSSIP_PATH,
     MAX_MESSAGE_BYTES,
     GossipPeerLink,
@@ -164,7 +165,8 @@ class Node:
             self.server = await serve(self._route, cfg.node.listen_host, cfg.node.listen_port,
                                       ssl=self.guard.server_ssl(),
                                       process_request=self._process, max_size=size,
-                                      compression=None, ping_interval=20, ping_timeout=20)
+                                      compression=None, ping_interval=20, ping_timeout=20,
+                                      close_timeout=CLOSE_TIMEOUT_S)  # issue 14 §8
         self.port = self.server.sockets[0].getsockname()[1] if self.server.sockets else \
             cfg.node.listen_port
         if cfg.security.admin_port >= 0:

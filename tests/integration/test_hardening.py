@@ -313,6 +313,30 @@ async def test_a_gossip_hello_must_name_the_tls_peer(mesh):
     assert "not the TLS peer" in e.value.rcvd.reason
 
 
+async def test_a_gossip_policy_close_reaches_the_peer_at_once(mesh):
+    """node-o floods node-a's gossip over its message rate (burst 400) without reading:
+    node-a's 1008 arrives within a few seconds. Before the fix the peer saw it only after
+    websockets' 10 s close timeout (its close reply sat unread behind the flood)."""
+    async with connect(mesh.nodes["node-a"].listen_uri + "/gossip", open_timeout=20,
+                       close_timeout=30, ssl=mesh.client_ssl("node-o", "node-a")) as ws:
+        await ws.send(encode_hello("node-o", {}))
+        await ws.recv()
+
+        async def flood() -> None:
+            with contextlib.suppress(ConnectionClosed):
+                for _ in range(3000):
+                    await ws.send(encode_events([]))
+
+        flooding = asyncio.create_task(flood())
+        with pytest.raises(ConnectionClosed) as e:
+            async with asyncio.timeout(5.0):  # generous; the old behaviour took 10 s
+                while True:
+                    await ws.recv()
+        await flooding
+    assert e.value.rcvd is not None and e.value.rcvd.code == 1008
+    assert e.value.rcvd.reason == "rate_limit_exceeded"
+
+
 # ---- §8 plain HTTP on the TLS listener is rate-limited like upgrades ----
 
 def test_http_paths_on_the_tls_listener_are_rate_limited(mesh):
