@@ -261,6 +261,9 @@ class EventLog:
         self._compact_every = max(1, compact_every)
         self._types = types
         self._since_compact = 0
+        # (origin, type) -> events admitted by the batch being ingested, not yet written:
+        # `count_of` includes them, so a per-origin quota holds inside one batch (§5)
+        self._batch: dict[tuple[str, str], int] = {}
         self._subscribers: list[Subscriber] = []
         # which origins' events catch-up serves (the daemon: current members only)
         self.serve_filter: Callable[[str], bool] | None = None
@@ -332,14 +335,19 @@ class EventLog:
         stored: list[Event] = []
         with self._lock:
             pending = dict(self._vector)
-            for ev in events:
-                ok = self._admit(ev, pending)
-                results.append(ok)
-                if ok:
-                    pending[ev.origin] = ev.seq
-                    stored.append(ev)
-            if stored:
-                self._write(stored)
+            try:
+                for ev in events:
+                    ok = self._admit(ev, pending)
+                    results.append(ok)
+                    if ok:
+                        pending[ev.origin] = ev.seq
+                        stored.append(ev)
+                        key = (ev.origin, ev.type)
+                        self._batch[key] = self._batch.get(key, 0) + 1
+                if stored:
+                    self._write(stored)
+            finally:
+                self._batch.clear()
         if self.metrics is not None:
             for ev in stored:
                 self.metrics.events_received_total.labels(type=ev.type).inc()
@@ -477,10 +485,12 @@ class EventLog:
         return [_row_event(r) for r in rows]
 
     def count_of(self, origin: str, type: str) -> int:
-        """How many events of `type` from `origin` this node holds (per-origin quotas)."""
+        """How many events of `type` from `origin` this node holds (per-origin quotas),
+        counting those the batch being ingested has admitted so far."""
         with self._lock, self._sql("read"):
             return int(self._db.execute("SELECT count(*) FROM events WHERE origin = ? AND "
-                                        "type = ?", (origin, type)).fetchone()[0])
+                                        "type = ?", (origin, type)).fetchone()[0]) \
+                + self._batch.get((origin, type), 0)
 
     def count(self) -> int:
         with self._lock, self._sql("read"):

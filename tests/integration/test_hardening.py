@@ -27,7 +27,7 @@ import torch
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from hearthnet.distributed_inference.community import CAPACITY
+from hearthnet.distributed_inference.community import CAPACITY, CLAIM
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.bus import bus_call
@@ -313,6 +313,63 @@ async def test_a_gossip_hello_must_name_the_tls_peer(mesh):
     assert "not the TLS peer" in e.value.rcvd.reason
 
 
+async def test_an_origin_over_its_quota_is_refused_at_ingest_and_never_relayed(mesh):
+    """Member node-o originates more capacity events than its per-origin quota (1024), all
+    in ONE gossip message: node-a stores exactly the quota, refuses the rest (counted as
+    `quota`), and node-c — node-a's gossip peer — never receives a refused one. Then 300
+    capacity claims an hour old, each superseding the last: compaction keeps node-a's log
+    bounded (retention). Before the fix a batch was checked against the count stored
+    before it, so the whole flood was stored and relayed."""
+    quota = _type_of(CAPACITY).max_per_origin
+    mine = [e for e in await _catch_up(mesh, "node-a") if e.origin == "node-o"]
+    now = [time.time()]
+    forger = EventLog(":memory:", "node-o", signer=mesh.key("node-o").sign,
+                      clock=lambda: now[0])
+    forger.ingest_many(mine)  # continue node-o's own seq
+    have = sum(e.type == CAPACITY for e in mine)
+    flood = [forger.append(CAPACITY, {"n": i}) for i in range(quota - have + 40)]
+    last_ok = flood[quota - have - 1].seq
+    before = _metric(mesh, "node-a", "hearthnet_events_rejected_total", reason="quota")
+    await _gossip_as(mesh, "node-o", "node-a", flood)
+    await _until(lambda: _metric(mesh, "node-a", "hearthnet_events_rejected_total",
+                                 reason="quota") >= before + 40, "quota refusals")
+    assert _metric(mesh, "node-a", "hearthnet_events_rejected_total",
+                   reason="quota") == before + 40
+    on_a = _of(await _catch_up(mesh, "node-a"), "node-o", CAPACITY)
+    assert len(on_a) == quota and max(e.seq for e in on_a) == last_ok
+    on_c = _of(await _catch_up(mesh, SHARD, as_node="node-a"), "node-o", CAPACITY)
+    assert on_c and max(e.seq for e in on_c) <= last_ok  # relayed: only what a stored
+    # retention: superseded events older than the retention are compacted away
+    now[0] -= 3600
+    old = [forger.append(CLAIM, {"model_id": "m", "i": i}) for i in range(300)]
+    forger.close()
+    await _gossip_as(mesh, "node-o", "node-a", old)
+    deadline = time.monotonic() + 60
+    while len(_of(await _catch_up(mesh, "node-a"), "node-o", CLAIM)) > 300 - 256:
+        assert time.monotonic() < deadline, "never compacted"
+
+
+def _type_of(name: str) -> Any:
+    from hearthnet.mesh.eventlog import EVENT_TYPES
+
+    t = EVENT_TYPES.get(name)
+    assert t is not None
+    return t
+
+
+def _of(events: list[Event], origin: str, type: str) -> list[Event]:
+    return [e for e in events if e.origin == origin and e.type == type]
+
+
+async def _gossip_as(m: TestMesh, as_node: str, node: str, events: list[Event]) -> None:
+    """Send `events` to `node` in one gossip message as member `as_node`."""
+    async with connect(m.nodes[node].listen_uri + "/gossip", open_timeout=20,
+                       ssl=m.client_ssl(as_node, node)) as ws:
+        await ws.send(encode_hello(as_node, {}))
+        await ws.recv()
+        await ws.send(encode_events(events))
+
+
 async def test_a_gossip_policy_close_reaches_the_peer_at_once(mesh):
     """node-o floods node-a's gossip over its message rate (burst 400) without reading:
     node-a's 1008 arrives within a few seconds. Before the fix the peer saw it only after
@@ -397,11 +454,11 @@ async def test_reload_removing_a_member_closes_its_links_and_sessions(mesh, smol
     assert "node-o" not in _origins(await _catch_up(mesh, "node-a"))
 
 
-async def _catch_up(m: TestMesh, node: str) -> list[Event]:
-    """Everything `node` sends a member (node-c) that holds nothing."""
+async def _catch_up(m: TestMesh, node: str, as_node: str = SHARD) -> list[Event]:
+    """Everything `node` sends a member (`as_node`) that holds nothing."""
     async with connect(m.nodes[node].listen_uri + "/gossip", open_timeout=20,
-                       ssl=m.client_ssl(SHARD, node)) as ws:
-        await ws.send(encode_hello(SHARD, {}))
+                       ssl=m.client_ssl(as_node, node)) as ws:
+        await ws.send(encode_hello(as_node, {}))
         await ws.recv()
         held: list[Event] = []
         with contextlib.suppress(TimeoutError):
