@@ -141,3 +141,23 @@ def test_deep_msgpack_is_refused_at_the_door():
     with pytest.raises(ValueError, match="nesting deeper"):
         safe_msgpack.unpackb(msgpack.packb(nested))
     assert safe_msgpack.unpackb(msgpack.packb({"a": [[1]]})) == {"a": [[1]]}
+
+
+def test_a_per_origin_quota_holds_inside_one_ingested_batch(tmp_path):
+    """The admission policy sees `count_of` including the events the same batch admitted
+    before: a batch of 5 against a quota of 3 stores 3 (a flood in one gossip message)."""
+    from hearthnet.mesh.eventlog import EventLog
+
+    src = EventLog(tmp_path / "src.sqlite3", "node-b")
+    events = [src.append("t.note", {"i": i}) for i in range(5)]
+    src.close()
+    holder: list[EventLog] = []
+
+    def admit(ev):
+        return "quota" if holder[0].count_of(ev.origin, ev.type) >= 3 else None
+
+    log = EventLog(tmp_path / "dst.sqlite3", "node-a", admit=admit)
+    holder.append(log)
+    assert log.ingest_many(events) == [True] * 3 + [False] * 2
+    assert log.count_of("node-b", "t.note") == 3 and log.count() == 3
+    log.close()
