@@ -238,7 +238,7 @@ async def test_injected_fault_fails_over(mesh, reference, mode):
     assert _tokens(frames) == reference[PROMPTS[0]]
     degraded = _of(frames, "shard_status", status="degraded")[0]
     corrupt = _metric(mesh, "node-a", P + "shard_corruption_detected_total", shard_id=sid)
-    if mode in ("nan", "garbage"):
+    if mode in ("nan", "garbage", "wrong_shape"):  # a wrong width is corruption (issue 14 §3)
         assert degraded["code"] == "shard_corrupted"
         assert corrupt == corrupt0 + 1
     else:
