@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hearthnet.errors import ModelStoreError
+from hearthnet.errors import BadRequest, ModelStoreError
 from hearthnet.models import ModelStore, writer
 from hearthnet.models.importer import import_folder, import_gguf, smollm2_gguf_path
 from hearthnet.models.synth import write_synthetic
@@ -96,13 +96,15 @@ def _gguf(path, arch: str, tensor: np.ndarray) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize(("arch", "tensor", "says"), [
-    ("bert", np.zeros((4, 8), np.float32), "architecture 'bert' is not supported"),
-    ("llama", np.zeros((4, 8), np.int32), "quantisation type(s) I32 cannot be de-quantised"),
+@pytest.mark.parametrize(("arch", "tensor", "error", "says"), [
+    # an architecture we do not import is the caller's bad request (issue 11 §4)
+    ("bert", np.zeros((4, 8), np.float32), BadRequest, "architecture 'bert' is not supported"),
+    ("llama", np.zeros((4, 8), np.int32), ModelStoreError,
+     "quantisation type(s) I32 cannot be de-quantised"),
 ])
-def test_bad_gguf_is_one_line_and_leaves_nothing(tmp_path, arch, tensor, says):
+def test_bad_gguf_is_one_line_and_leaves_nothing(tmp_path, arch, tensor, error, says):
     f = _gguf(tmp_path / "m.gguf", arch, tensor)
-    with pytest.raises(ModelStoreError, match=re_escape(says)):
+    with pytest.raises(error, match=re_escape(says)):
         import_gguf(ModelStore(tmp_path / "store"), tmp_path / "m.gguf", alias="m")
     r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "models", "--models-dir",
                         str(tmp_path / "s2"), "import", f], capture_output=True, text=True,
