@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -47,6 +48,15 @@ from hearthnet.ids import NODE_ID_PATTERN
 
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
 Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+def _listen_host(v: str) -> str:
+    if not v.strip():
+        raise ValueError("must not be empty")
+    return v.strip()
+
+
+ListenHost = Annotated[str, AfterValidator(_listen_host)]
 Trust = Literal["guest", "member", "trusted", "steward"]
 WeightFormat = Literal["native", "fp32", "bf16", "fp16", "int8", "int4"]  # formats.FORMATS
 CallWeights = Literal["exact", "fp32", "bf16", "fp16", "int8", "int4"]  # formats.check_policy
@@ -65,7 +75,7 @@ class NodeSection(_Section):
     """``[node]``: who this node is and where it lives."""
 
     id: NodeId
-    listen_host: str = "127.0.0.1"
+    listen_host: ListenHost = "127.0.0.1"
     listen_port: Port = 7700  # 0 = pick a free port
     advertise_host: str = ""  # host others use to reach us; default listen_host
     data_dir: str = ""  # default <HEARTHNET_DATA_DIR>/nodes/<id>
@@ -78,13 +88,6 @@ class NodeSection(_Section):
     # "mdns": announce this node and find peers on the LAN by mDNS/DNS-SD (issue 17 §5);
     # discovery only finds addresses, membership still comes from the member list
     discovery: Literal["off", "mdns"] = "off"
-
-    @field_validator("listen_host")
-    @classmethod
-    def _host(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be empty")
-        return v.strip()
 
     @field_validator("advertise_host")
     @classmethod
@@ -303,7 +306,7 @@ class ApiSection(_Section):
     """
 
     enabled: bool = True
-    listen_host: str = "127.0.0.1"
+    listen_host: ListenHost = "127.0.0.1"
     listen_port: Port = 0
     keys: list[Annotated[str, Field(min_length=16, max_length=256)]] = Field(
         default_factory=list)
@@ -312,13 +315,6 @@ class ApiSection(_Section):
     max_messages: Annotated[int, Field(ge=1, le=256)] = 64
     max_tokens: Annotated[int, Field(ge=1, le=8192)] = 2048
     default_max_tokens: Annotated[int, Field(ge=1, le=8192)] = 256
-
-    @field_validator("listen_host")
-    @classmethod
-    def _host(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be empty")
-        return v.strip()
 
     @property
     def loopback(self) -> bool:
