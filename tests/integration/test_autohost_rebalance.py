@@ -26,6 +26,10 @@ pytestmark = pytest.mark.slow
 
 BUDGET = {"memory_mb": 215, "rebalance_interval_s": 1.0}  # 15 layers of SmolLM2 fp32
 PROMPT = "Write a long, detailed essay about the history of bread, with many sections."
+# SmolLM2's greedy essay runs past 700 tokens without an end-of-sequence token, so the chat
+# stays open for ~2x the time node-c needs to start and node-a to move (300 tokens was a race
+# on a quiet machine: the chat could finish first).
+CHAT_TOKENS = 700
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,7 @@ async def test_rebalance_without_gap_and_without_failing_the_open_chat(mesh):
     old = next(s["shard_id"] for s in st["shards"] if s["host"] == "node-a")
     frames: list[dict[str, Any]] = []
     gaps: list[float] = []
-    args = chat_args(PROMPT, "smollm2", SamplingParams(max_tokens=300),
+    args = chat_args(PROMPT, "smollm2", SamplingParams(max_tokens=CHAT_TOKENS),
                      fallback_to_local=False)
 
     async def chat() -> None:
