@@ -32,6 +32,7 @@ from hearthnet.errors import (
     error_from_code,
 )
 from hearthnet.observability import get_logger
+from hearthnet.security.tls import tls_refusals
 
 log = get_logger("bus")
 
@@ -118,13 +119,14 @@ async def bus_call(uri: str, capability: str, args: dict[str, Any], *,
     """Call `capability` on the node at base URI `uri`; yields its frames.
 
     An `error` frame is yielded as is (callers decide); a lost connection raises
-    `ConnectionLost`.
+    `ConnectionLost`, a failed TLS handshake an `AuthError` (reason ``tls_handshake``).
     """
     try:
         # a node busy loading a model may answer pings late: only a dead one is lost
-        async with connect(uri.rstrip("/") + BUS_PATH, open_timeout=open_timeout, ssl=ssl,
-                           max_size=MAX_REQUEST_BYTES, compression=None,
-                           ping_timeout=60) as ws:
+        with tls_refusals(uri):  # ssl.SSLError: an AuthError ``tls_handshake``
+            ws = await connect(uri.rstrip("/") + BUS_PATH, open_timeout=open_timeout, ssl=ssl,
+                               max_size=MAX_REQUEST_BYTES, compression=None, ping_timeout=60)
+        async with ws:
             await ws.send(msgpack.packb({"capability": capability, "args": args},
                                         use_bin_type=True))
             async for raw in ws:

@@ -47,6 +47,7 @@ from hearthnet.background import detach
 from hearthnet.errors import HearthNetError, PeerDataError, ProtocolError, Refused
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.observability import get_logger
+from hearthnet.security.tls import tls_refusals
 
 GOSSIP_PATH = "/gossip"
 PROTOCOL_VERSION = 1
@@ -443,7 +444,9 @@ class GossipPeerLink:
             try:
                 if self._ssl_factory is not None:
                     kwargs["ssl"] = self._ssl_factory()
-                async with connect(self.uri + GOSSIP_PATH, **kwargs) as ws:
+                with tls_refusals(self.uri):  # ssl.SSLError: an AuthError (a Refused)
+                    ws = await connect(self.uri + GOSSIP_PATH, **kwargs)
+                async with ws:
                     expect = None
                     if self._check_peer is not None:
                         who = self._check_peer(ws)

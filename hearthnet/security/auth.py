@@ -71,6 +71,7 @@ class AuthReason(StrEnum):
     CERT_MISMATCH = "cert_mismatch"
     UNEXPECTED_PEER = "unexpected_peer"
     NO_PEER_CERT = "no_peer_cert"
+    TLS_HANDSHAKE = "tls_handshake"
 
 
 _LIMITS = frozenset({AuthReason.RATE_LIMITED, AuthReason.TOO_MANY_CONNECTIONS,

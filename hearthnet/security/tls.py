@@ -28,6 +28,7 @@ members are accepted and removed ones refused without restarting the listener.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import hashlib
 import os
@@ -35,7 +36,7 @@ import shutil
 import ssl
 import tempfile
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from hearthnet.errors import AuthError
+from hearthnet.errors import AuthError, ConfigError
 from hearthnet.observability import get_logger
 from hearthnet.security.auth import AuthReason, note_refusal, refuse
 from hearthnet.security.keys import NodeKey, check_node_id, public_key_bytes
@@ -148,6 +149,20 @@ def certificate_node_id(cert: x509.Certificate) -> str | None:
 
 def _new_context(server: bool, key: NodeKey, node_id: str,
                  pinned: Iterable[Ed25519PublicKey]) -> ssl.SSLContext:
+    """A TLS 1.3 context presenting our certificate and trusting the `pinned` keys' anchors.
+
+    Raises:
+        ConfigError: OpenSSL refused our key or certificate (``ssl.SSLError``, typed here).
+    """
+    try:
+        return _build_context(server, key, node_id, pinned)
+    except ssl.SSLError as e:
+        raise ConfigError(f"cannot build a TLS context from the node key of {node_id}: "
+                          f"{_ssl_reason(e)}", key="node key", reason="tls_context") from e
+
+
+def _build_context(server: bool, key: NodeKey, node_id: str,
+                   pinned: Iterable[Ed25519PublicKey]) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.check_hostname = False  # peers are pinned by key, not by name
@@ -233,6 +248,38 @@ def client_context(key: NodeKey, node_id: str, directory: MemberDirectory, *,
                          f"cannot dial {expect}: not in the member list", peer=expect)
         pinned = [member.public_key]
     return _new_context(False, key, node_id, pinned)
+
+
+# --- the handshake --------------------------------------------------------------------
+
+def handshake_refused(exc: ssl.SSLError, peer: str) -> AuthError:
+    """The typed refusal for a TLS handshake with `peer` that OpenSSL failed.
+
+    Its reason is ``tls_handshake``; ``ssl_reason`` carries OpenSSL's short reason
+    (``CERTIFICATE_VERIFY_FAILED``: the peer's key is not one we pin;
+    ``TLSV13_ALERT_CERTIFICATE_REQUIRED``: the peer wants a certificate we did not send).
+    """
+    why = getattr(exc, "verify_message", None) or _ssl_reason(exc)
+    return AuthError(f"TLS handshake with {peer} failed: {why} (is it a member, and are we "
+                     f"one of its members?)", reason=AuthReason.TLS_HANDSHAKE.value,
+                     peer=peer, ssl_reason=_ssl_reason(exc))
+
+
+def _ssl_reason(exc: ssl.SSLError) -> str:
+    """OpenSSL's short reason; an SSLError built in Python may have none."""
+    return str(getattr(exc, "reason", None) or type(exc).__name__)
+
+
+@contextlib.contextmanager
+def tls_refusals(peer: str) -> Iterator[None]:
+    """Turn an ``ssl.SSLError`` raised inside (a dial and its handshake) into an `AuthError`.
+
+    Use around a client dial: ``with tls_refusals(uri): ws = await connect(uri, ssl=ctx)``.
+    """
+    try:
+        yield
+    except ssl.SSLError as e:
+        raise handshake_refused(e, peer) from e
 
 
 # --- after the handshake -------------------------------------------------------------

@@ -50,6 +50,7 @@ from hearthnet.errors import (
     StreamStalled,
 )
 from hearthnet.observability import Metrics, get_logger
+from hearthnet.security.tls import tls_refusals
 from hearthnet.transport.codec import MAX_TENSOR_BYTES, TENSOR_CHUNK_BYTES, max_frame_bytes
 from hearthnet.transport.protocol import (
     TENSOR_FLOW_CONTROL_WINDOW,
@@ -445,6 +446,8 @@ class TensorChannel(_Session):
 
         Raises:
             BadRequest: bad limits, params or URI.
+            AuthError: the TLS handshake failed (reason ``tls_handshake``: the server's
+                key is not pinned by ``ssl``, or it refused our certificate).
             ConnectionLost: connection refused, WebSocket handshake failed, or the server
                 closed before accepting.
             StreamStalled: no ACCEPT within the deadline.
@@ -458,10 +461,11 @@ class TensorChannel(_Session):
         proto.send_open(open_params,
                         stream_id=secrets.randbits(32) if stream_id is None else stream_id)
         try:
-            ws = await _ws_connect(uri, ssl=ssl, compression=None,
-                                   max_size=max_frame_bytes(chunk_bytes),
-                                   write_limit=max_frame_bytes(chunk_bytes),
-                                   open_timeout=deadline_s, close_timeout=_CLOSE_GRACE_S)
+            with tls_refusals(uri):  # ssl.SSLError: an AuthError ``tls_handshake``
+                ws = await _ws_connect(uri, ssl=ssl, compression=None,
+                                       max_size=max_frame_bytes(chunk_bytes),
+                                       write_limit=max_frame_bytes(chunk_bytes),
+                                       open_timeout=deadline_s, close_timeout=_CLOSE_GRACE_S)
         except InvalidURI as exc:
             raise BadRequest(f"not a WebSocket URI: {uri!r}") from exc
         except TimeoutError as exc:

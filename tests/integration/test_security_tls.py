@@ -22,7 +22,8 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import InvalidStatus, WebSocketException
 
-from hearthnet.errors import AuthError
+from hearthnet.errors import AuthError, ConfigError
+from hearthnet.mesh.bus import bus_call
 from hearthnet.observability import Metrics
 from hearthnet.security.auth import reason_of
 from hearthnet.security.keys import NodeKey
@@ -37,6 +38,8 @@ from hearthnet.security.tls import (
     server_context,
     warn_insecure_plaintext,
 )
+from hearthnet.transport.websocket import SHARD_PATH, ServerStream, TensorChannel
+from hearthnet.transport.websocket import serve as serve_tensors
 
 B, C, X = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
 
@@ -260,3 +263,39 @@ def test_insecure_plaintext_logs_a_loud_warning() -> None:
     assert logs[0]["log_level"] == "warning" and logs[0]["event"] == "insecure_plaintext"
     assert logs[0]["message"] == INSECURE_PLAINTEXT_WARNING
     assert "INSECURE" in INSECURE_PLAINTEXT_WARNING and "ws://" in INSECURE_PLAINTEXT_WARNING
+
+
+async def test_a_failed_handshake_reaches_the_dialler_typed(
+        a_key: NodeKey, directory: MemberDirectory) -> None:
+    """``ssl.SSLError`` never escapes a dial: the tensor channel and the bus both raise an
+    `AuthError` with reason ``tls_handshake`` naming the peer and OpenSSL's reason."""
+    pinned_to_c = client_context(B, "node-b", directory, expect="node-c")
+
+    async def nothing(_stream: ServerStream) -> None:
+        return None
+
+    tensor_server = await serve_tensors(nothing, ssl=server_context(a_key, "node-a", directory))
+    async with tensor_server:
+        port = tensor_server.sockets[0].getsockname()[1]
+        with pytest.raises(AuthError) as e:
+            await TensorChannel.connect(f"wss://127.0.0.1:{port}{SHARD_PATH}", {},
+                                        ssl=pinned_to_c, deadline_s=10)
+    assert reason_of(e.value) == "tls_handshake"
+    assert e.value.details["ssl_reason"] == "CERTIFICATE_VERIFY_FAILED"
+    assert isinstance(e.value.__cause__, ssl.SSLCertVerificationError)
+    async with running(a_key, directory) as node:
+        with pytest.raises(AuthError) as e:
+            async for _frame in bus_call(node.uri, "status", {}, ssl=pinned_to_c):
+                pass
+    assert reason_of(e.value) == "tls_handshake" and node.uri in e.value.message
+
+
+def test_an_unusable_key_is_a_config_error_not_an_ssl_error(
+        monkeypatch: pytest.MonkeyPatch, directory: MemberDirectory) -> None:
+    def openssl_refuses(*_a: Any, **_k: Any) -> None:
+        raise ssl.SSLError(116, "[X509: KEY_VALUES_MISMATCH] key values mismatch")
+
+    monkeypatch.setattr(ssl.SSLContext, "load_cert_chain", openssl_refuses)
+    with pytest.raises(ConfigError) as e:
+        client_context(B, "node-b", directory)
+    assert e.value.reason == "tls_context" and "node-b" in e.value.message
