@@ -8,7 +8,6 @@ failover replay (`failover.py`); neither ever reaches a caller.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,13 +16,14 @@ import torch
 from hearthnet.distributed_inference.descriptors import Pipeline, PipelineStage
 from hearthnet.distributed_inference.generation import Generation
 from hearthnet.distributed_inference.request import DistributedChatParams
+from hearthnet.distributed_inference.seams import Channel, Connector, StepOutput
 from hearthnet.distributed_inference.wire import WirePlan
-from hearthnet.errors import HearthNetError
+from hearthnet.errors import ConnectionLost, HearthNetError
+
+__all__ = ["CallState", "ClosedChannel", "Connector", "FellBack", "Frame", "StageFailed",
+           "StageSession"]
 
 Frame = dict[str, Any]
-# (uri, open_params, deadline_s) -> channel with .step(step, start_pos, tensor, deadline_s)
-# returning an object with .tensor and .compute_us, and .close(). The transport seam.
-Connector = Callable[[str, dict[str, Any], float], Awaitable[Any]]
 
 
 class StageFailed(Exception):
@@ -35,9 +35,20 @@ class StageFailed(Exception):
 
 
 class ClosedChannel:
-    """Stands for the channel of a stage that is already closed."""
+    """Stands for the channel of a stage that is already closed (a `Channel`)."""
 
-    async def close(self) -> None:
+    def __init__(self, wire_dtype: torch.dtype) -> None:
+        self._wire_dtype = wire_dtype
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return self._wire_dtype
+
+    async def step(self, step: int, start_pos: int, tensor: torch.Tensor,
+                   deadline_s: float | None = None) -> StepOutput:
+        raise ConnectionLost("this stage's session is already closed")
+
+    async def close(self, reason: str = "") -> None:
         return None
 
 
@@ -54,7 +65,7 @@ class StageSession:
     """One open stage of a call: its channel and the inputs it was given so far."""
 
     stage: PipelineStage
-    channel: Any
+    channel: Channel
     wire: str  # the wire dtype of this stage's stream (issue 11 §2)
     history: list[torch.Tensor] = field(default_factory=list)  # inputs, (1, T_i, H) each
     rtt_ms: list[float] = field(default_factory=list)

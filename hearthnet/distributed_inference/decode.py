@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 
 import torch
 
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
+from hearthnet.distributed_inference.backends.base import ClientHead
 from hearthnet.distributed_inference.calls import CallState, Frame, StageFailed
 from hearthnet.distributed_inference.failover import Failover
 from hearthnet.distributed_inference.frames import token_frame
@@ -35,7 +35,7 @@ class DecodeLoop:
         self.executor = executor
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
 
-    async def run(self, call: CallState, head: LayeredHead, checker: SanityChecker,
+    async def run(self, call: CallState, head: ClientHead, checker: SanityChecker,
                   t0: float) -> AsyncIterator[Frame]:
         """Stream the call's token frames (and diagnostics) until the generation ends.
 
@@ -96,7 +96,7 @@ class DecodeLoop:
                 res = await st.channel.step(call.step, pos, x, call.params.timeout_s)
                 # a wrong shape or dtype is corruption too (issue 14 §3): failover
                 checker.check(st.shard_id, st.stage.end, res.tensor, shape=x.shape,
-                              dtype=getattr(st.channel, "wire_dtype", None))
+                              dtype=st.channel.wire_dtype)
             except StreamStalled as e:  # the transport's stall is the pipeline's (M26 §6)
                 raise StageFailed(k, PipelineStalled(f"{st.shard_id}: {e.message}"), x) from e
             except HearthNetError as e:

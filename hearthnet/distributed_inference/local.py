@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hearthnet.distributed_inference.backends.base import ClientHead, LayerStack
 from hearthnet.distributed_inference.backends.device import sync
 from hearthnet.distributed_inference.backends.small_model_layered import (
     LayeredHead,
@@ -48,7 +49,7 @@ class LocalEngine:
     """
 
     def __init__(self, entry: ModelEntry, weights: str = "fp32",
-                 head: LayeredHead | None = None, head_weights: str | None = None, *,
+                 head: ClientHead | None = None, head_weights: str | None = None, *,
                  limits: PromptLimits | None = None, prefill_chunk_tokens: int = 256,
                  device: str | torch.device | None = None, cuda_graphs: bool = True) -> None:
         """`device`: where the layers run (default: the head's device, else the CPU)."""
@@ -57,8 +58,8 @@ class LocalEngine:
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         where = device if device is not None else head.device if head is not None else "cpu"
         self.head = head or LayeredHead(entry, head_weights or weights, where)
-        self.stack = LayeredStack(entry, 0, entry.num_layers - 1, weights, device=where,
-                                  cuda_graphs=cuda_graphs)
+        self.stack: LayerStack = LayeredStack(entry, 0, entry.num_layers - 1, weights,
+                                              device=where, cuda_graphs=cuda_graphs)
 
     def new_generation(self, messages: list[dict[str, str]],
                        params: SamplingParams) -> Generation:

@@ -20,6 +20,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+from hearthnet.distributed_inference.backends.base import ClientHead
 from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
 from hearthnet.distributed_inference.calls import (
     CallState,
@@ -63,7 +64,7 @@ OpenSigner = Callable[[dict[str, Any]], dict[str, Any]]
 class _Prepared:
     """What the orchestrator keeps per model: built whole, or not at all (issue 11 §3)."""
 
-    head: LayeredHead
+    head: ClientHead
     checker: SanityChecker
     calibration: Calibration
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hearthnet.background import detach
+from hearthnet.distributed_inference.backends.base import LayerSession, LayerStack
 from hearthnet.distributed_inference.backends.device import (
     Staging,
     device_info,
@@ -51,6 +52,7 @@ from hearthnet.distributed_inference.descriptors import (
     to_datetime,
 )
 from hearthnet.distributed_inference.formats import resolve_format
+from hearthnet.distributed_inference.seams import ShardStream
 from hearthnet.errors import (
     BadRequest,
     ConnectionLost,
@@ -121,13 +123,13 @@ class ShardServer:
         self._refuse_over_budget(make_shard_id(entry.model_id, lo, hi, node_id))
         self.descriptor = self._describe(node_id, endpoint)
         self.shard_id = self.descriptor.shard_id
-        self.stack: LayeredStack | None = None
+        self.stack: LayerStack | None = None
         self._load_lock = asyncio.Lock()
         self.active = 0
         self.queue_depth = 0
         self.last_used = clock()
         self._latencies: deque[float] = deque(maxlen=256)
-        self._streams: dict[Any, str] = {}  # open session streams -> their caller
+        self._streams: dict[ShardStream, str] = {}  # open session streams -> their caller
         self._good_stats = entry.manifest_stats()  # weights files as last verified
 
     def _refuse_over_budget(self, shard_id: str) -> None:
@@ -150,7 +152,7 @@ class ShardServer:
         """Load the weights of the hosted range (in the executor)."""
         await self._ensure_loaded()
 
-    async def _ensure_loaded(self) -> LayeredStack:
+    async def _ensure_loaded(self) -> LayerStack:
         async with self._load_lock:
             if self.stack is None:
                 t0 = time.perf_counter()
@@ -162,7 +164,7 @@ class ShardServer:
                          device=str(self.device), ms=round((time.perf_counter() - t0) * 1000))
             return self.stack
 
-    def _load(self) -> LayeredStack:
+    def _load(self) -> LayerStack:
         s = self.settings
         return LayeredStack(self.entry, self.lo, self.hi, self.weights_format,
                             device=self.device, budget_mb=s.max_vram_mb,
@@ -261,7 +263,7 @@ class ShardServer:
                                    f"({self.settings.max_concurrent_streams}); pick another")
         return OpenRequest(self.shard_id, start, end, max_len, str(wire), caller)
 
-    async def serve_session(self, stream: Any, req: OpenRequest) -> None:
+    async def serve_session(self, stream: ShardStream, req: OpenRequest) -> None:
         """Run one accepted-to-be session on `stream` until the caller closes it."""
         self.active += 1  # counted before any await: a concurrent open sees it (M26 §5.6)
         self._streams[stream] = req.caller
@@ -290,7 +292,8 @@ class ShardServer:
             self.last_used = self.clock()
             self._gauge()
 
-    async def _step_loop(self, stream: Any, session: Any, wire: torch.dtype) -> None:
+    async def _step_loop(self, stream: ShardStream, session: LayerSession,
+                         wire: torch.dtype) -> None:
         staging = Staging(self.device)  # this session's reused pinned buffers (issue 13 §4)
         while True:
             inp = await stream.recv_step(deadline_s=self.settings.session_idle_timeout_s)
@@ -326,7 +329,7 @@ class ShardServer:
             self.last_used = self.clock()
             await stream.send_step(inp.step, inp.start_pos, out, compute_us=int(dt * 1e6))
 
-    async def _forward_chunked(self, session: Any, staging: Staging, x: torch.Tensor,
+    async def _forward_chunked(self, session: LayerSession, staging: Staging, x: torch.Tensor,
                                start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:
         """Run a step in chunks of `prefill_chunk_tokens` positions, each its own executor
         job, so a long prefill yields the compute thread to other sessions' steps between
@@ -349,7 +352,7 @@ class ShardServer:
         the hidden width in its wire dtype (issue 14 §2)."""
         return req.max_length * self.entry.hidden_size * compute_dtype(req.wire_dtype).itemsize
 
-    def _forward(self, session: Any, staging: Staging | None, x: torch.Tensor,
+    def _forward(self, session: LayerSession, staging: Staging | None, x: torch.Tensor,
                  start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:
         """One step on the device; the output comes back in the wire dtype on the host,
         cast on the device first (`WireOverflow` if it does not fit, issue 11 §2), through
@@ -379,6 +382,6 @@ class ShardServer:
         self.metrics.shard_active_sessions.labels(self.shard_id).set(self.active)
 
 
-async def refuse(stream: Any, err: HearthNetError) -> None:
+async def refuse(stream: ShardStream, err: HearthNetError) -> None:
     """Send a typed refusal on an unaccepted stream and close it."""
     await stream.refuse(err)

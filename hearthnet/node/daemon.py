@@ -549,7 +549,8 @@ class Node:
         return max((tokens * s.entry.hidden_size * 4 for s in self.shards.values()),
                    default=1)
 
-    async def _connect(self, uri: str, params: dict[str, Any], deadline_s: float) -> Any:
+    async def _connect(self, uri: str, params: dict[str, Any],
+                       deadline_s: float) -> TensorChannel:
         di = self.cfg.di
         host = str(params.get("shard_id", "")).rsplit("@", 1)[-1]
         ssl = self.guard.client_ssl(host)  # pinned to the shard's host (issue 7 item 5)

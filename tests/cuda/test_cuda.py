@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from hearthnet.distributed_inference.local import LocalEngine
 from hearthnet.distributed_inference.shard import OpenRequest, ShardServer, ShardSettings
 from hearthnet.errors import ShardUnavailable
 from tests.helpers.faults import FaultyStack
+from tests.helpers.scripted_stream import ScriptedStream, Step
 
 pytestmark = pytest.mark.cuda
 
@@ -136,32 +136,6 @@ def test_an_open_larger_than_free_gpu_memory_is_refused(tiny):
     stack.open_session(0, 5, 64)  # and the stack goes on serving
 
 
-class _Stream:
-    def __init__(self, steps: list[Any]) -> None:
-        self.steps, self.sent, self.errors = list(steps), [], []
-
-    async def accept(self, info: dict[str, Any]) -> None:
-        self.info = info
-
-    def limit_tensor_bytes(self, n: int) -> None:
-        self.limit = n
-
-    async def recv_step(self, deadline_s: float | None = None) -> Any:
-        return self.steps.pop(0) if self.steps else None
-
-    async def send_step(self, step: int, start_pos: int, tensor: torch.Tensor,
-                        compute_us: int = 0) -> None:
-        self.sent.append(tensor.clone())
-
-    async def send_error(self, err: Any, *, step: int | None = None) -> None:
-        self.errors.append(err)
-
-
-class _Step:
-    def __init__(self, step: int, start_pos: int, tensor: torch.Tensor) -> None:
-        self.step, self.start_pos, self.tensor = step, start_pos, tensor
-
-
 async def test_a_real_cuda_out_of_memory_ends_one_session_and_the_shard_serves_on(tiny):
     entry = tiny("llama")
     with ThreadPoolExecutor(1) as ex:
@@ -179,11 +153,11 @@ async def test_a_real_cuda_out_of_memory_ends_one_session_and_the_shard_serves_o
 
         real = server.stack
         server.stack = FaultyStack(real, hog)
-        hit = _Stream([_Step(0, 0, x)])
+        hit = ScriptedStream([Step(0, 0, x)])
         await server.serve_session(hit, req)
         assert [e.details["reason"] for e in hit.errors] == ["device_out_of_memory"]
         server.stack = real
-        ok = _Stream([_Step(0, 0, x), _Step(1, 4, x[:, :1])])
+        ok = ScriptedStream([Step(0, 0, x), Step(1, 4, x[:, :1])])
         await asyncio.wait_for(server.serve_session(ok, req), 120)
-        assert len(ok.sent) == 2 and not ok.errors and ok.sent[0].dtype == torch.bfloat16
-        assert ok.info["device"] == "cuda" and server.active == 0
+        assert len(ok.sent) == 2 and not ok.errors and ok.sent[0][1].dtype == torch.bfloat16
+        assert ok.accepted is not None and ok.accepted["device"] == "cuda" and server.active == 0

@@ -70,7 +70,11 @@ class Channel:
             out = h.transform(out)
         return Result(out.to(self.wire), int((time.perf_counter() - t) * 1e6))
 
-    async def close(self) -> None:
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return self.wire
+
+    async def close(self, reason: str = "") -> None:
         self.closed = True
 
 

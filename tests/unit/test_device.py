@@ -25,6 +25,7 @@ from hearthnet.distributed_inference.backends.small_model_layered import (
 from hearthnet.distributed_inference.descriptors import ShardDescriptor
 from hearthnet.distributed_inference.shard import OpenRequest, ShardServer, ShardSettings
 from hearthnet.errors import BadRequest, ConfigError, ShardUnavailable
+from tests.helpers.scripted_stream import ScriptedStream, Step
 
 H = 576  # SmolLM2's hidden size
 
@@ -187,34 +188,6 @@ def test_open_over_the_budget_is_refused_and_idle_caches_make_room(smollm2):
     assert longer.slot.capacity == 512 and not stack._idle
 
 
-class _FakeStream:
-    """The shard side of one session: scripted inputs, recorded replies."""
-
-    def __init__(self, steps: list[Any]) -> None:
-        self.steps, self.sent, self.errors, self.accepted = list(steps), [], [], None
-
-    async def accept(self, info: dict[str, Any]) -> None:
-        self.accepted = info
-
-    def limit_tensor_bytes(self, n: int) -> None:
-        self.limit = n
-
-    async def recv_step(self, deadline_s: float | None = None) -> Any:
-        return self.steps.pop(0) if self.steps else None
-
-    async def send_step(self, step: int, start_pos: int, tensor: torch.Tensor,
-                        compute_us: int = 0) -> None:
-        self.sent.append((step, tensor.clone()))
-
-    async def send_error(self, err: Any, *, step: int | None = None) -> None:
-        self.errors.append(err)
-
-
-class _Step:
-    def __init__(self, step: int, start_pos: int, tensor: torch.Tensor) -> None:
-        self.step, self.start_pos, self.tensor = step, start_pos, tensor
-
-
 def _server(entry: Any, ex: ThreadPoolExecutor, **kw: Any) -> ShardServer:
     return ShardServer(entry, 0, 3, node_id="n1", endpoint="ws://127.0.0.1:1",
                        settings=ShardSettings(device="cpu", **kw), executor=ex)
@@ -236,11 +209,11 @@ async def test_shard_refuses_an_open_over_budget_as_shard_unavailable(smollm2):
                          max_session_tokens=16)
         await server.start()
         assert server.descriptor.device == "cpu" and server.descriptor.device_memory_mb > 0
-        stream = _FakeStream([])
+        stream = ScriptedStream([])
         with pytest.raises(ShardUnavailable, match="shard_max_vram_mb"):
             await server.serve_session(stream, _req(server, max_length=300))
         assert stream.accepted is None and server.active == 0  # refused before accept
-        ok = _FakeStream([_Step(0, 0, torch.randn(1, 4, H))])
+        ok = ScriptedStream([Step(0, 0, torch.randn(1, 4, H))])
         await server.serve_session(ok, _req(server, max_length=16))  # the planned one fits
         assert ok.accepted is not None and len(ok.sent) == 1
 
@@ -259,12 +232,12 @@ async def test_out_of_memory_in_a_step_ends_that_session_only(smollm2, monkeypat
     with ThreadPoolExecutor(1) as ex:
         server = _server(smollm2, ex)
         await server.start()
-        hit = _FakeStream([_Step(0, 0, x), _Step(1, 4, x[:, :1])])
+        hit = ScriptedStream([Step(0, 0, x), Step(1, 4, x[:, :1])])
         await server.serve_session(hit, _req(server))
         assert len(hit.errors) == 1 and isinstance(hit.errors[0], ShardUnavailable)
         assert hit.errors[0].details["reason"] == "device_out_of_memory"
         assert hit.steps and not hit.sent  # the session ended at the failed step
         boom["on"] = False
-        ok = _FakeStream([_Step(0, 0, x), _Step(1, 4, x[:, :1])])
+        ok = ScriptedStream([Step(0, 0, x), Step(1, 4, x[:, :1])])
         await asyncio.wait_for(server.serve_session(ok, _req(server)), 60)
         assert [s for s, _ in ok.sent] == [0, 1] and not ok.errors and server.active == 0

@@ -10,6 +10,12 @@ A backend turns a model in the store into two kinds of objects:
   norm, lm_head.
 
 Shapes: hidden states are `(batch, tokens, hidden)`; `batch` is 1 in this release.
+
+These Protocols are the interface the rest of the package holds backends by: the shard
+server (`shard.py`) holds a `LayerStack` and its `LayerSession`s, the orchestrator
+(`pipeline.py`, `decode.py`, `local.py`) a `ClientHead`. `small_model_layered` implements
+them structurally; `mypy --strict` checks that it conforms where its objects are built and
+handed to those holders (`ShardServer._load`, `PipelineOrchestrator._head`, `LocalEngine`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ class LayerSession(Protocol):
     start: int
     end: int
     max_length: int
+
+    @property
+    def stack(self) -> LayerStack:
+        """The stack this session runs on (its device and compute dtype)."""
+        ...
 
     @property
     def length(self) -> int:
@@ -45,26 +56,55 @@ class LayerSession(Protocol):
 
 
 class LayerStack(Protocol):
+    """Decoder layers `[lo, hi]` of one model on one device, in one compute dtype."""
+
     lo: int
     hi: int
     hidden_size: int
+    format: str  # the weights' held format (`formats.py`)
     dtype: torch.dtype
+    device: torch.device
 
-    def open_session(self, start: int, end: int, max_length: int) -> LayerSession: ...
+    def open_session(self, start: int, end: int, max_length: int) -> LayerSession:
+        """A session over `[start, end]` ⊆ `[lo, hi]` holding up to `max_length`
+        positions (`ShardUnavailable` when its KV cache does not fit the budget)."""
+        ...
 
-    def param_bytes(self) -> int: ...
+    def param_bytes(self) -> int:
+        """Bytes of the hosted layers' weights in their held format."""
+        ...
 
-    def layer_indices(self) -> list[int]: ...
+    def layer_indices(self) -> list[int]:
+        """The hosted layer indices, `lo..hi`."""
+        ...
 
 
 class ClientHead(Protocol):
+    """Tokenizer, embeddings, final norm and lm_head: the orchestrator's part."""
+
     tokenizer: Any
     hidden_size: int
     num_layers: int
     eos_token_ids: set[int]
+    format: str
+    device: torch.device
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` with the chat template and a generation prompt."""
+        ...
 
-    def embed(self, token_ids: list[int]) -> torch.Tensor: ...
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """Hidden states `(1, T, H)` of `token_ids` on the head's device."""
+        ...
 
-    def logits(self, hidden_last: torch.Tensor) -> torch.Tensor: ...
+    def embed_host(self, token_ids: list[int]) -> torch.Tensor:
+        """`embed`, brought to the host (what is sent to the first shard)."""
+        ...
+
+    def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        """Logits of the last position of `hidden_last` (final norm, then lm_head)."""
+        ...
+
+    def param_bytes(self) -> int:
+        """Bytes of the head's weights in their held format."""
+        ...
