@@ -43,6 +43,12 @@ from pydantic import (
 )
 
 from hearthnet import paths
+from hearthnet.constants import (
+    DEFAULT_LAN_NETWORKS,
+    DEFAULT_TIMEOUT_S,
+    CallWireName,
+    WideWireName,
+)
 from hearthnet.errors import ConfigError
 from hearthnet.ids import NODE_ID_PATTERN
 
@@ -63,7 +69,6 @@ CallWeights = Literal["exact", "fp32", "bf16", "fp16", "int8", "int4"]  # format
 DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:[0-9]{1,3})?)$"
 DeviceSpec = Annotated[str, Field(pattern=DEVICE_PATTERN)]
 """A device setting: auto | cpu | cuda | cuda:N | mps (issue 13 §1)."""
-DEFAULT_LAN_NETWORKS = ["127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"]
 _WILDCARDS = {"0.0.0.0", "::", ""}
 
 
@@ -169,14 +174,13 @@ class DistributedInferenceSection(_Section):
     """``[research.distributed_inference]`` — exactly M26 §7, plus transport knobs."""
 
     enabled: bool = False
-    backend: Literal["small_model_layered", "petals_like"] = "small_model_layered"
     max_shards_per_request: Annotated[int, Field(ge=1, le=256)] = 16
-    shard_health_timeout_seconds: Annotated[float, Field(gt=0)] = 30
+    shard_health_timeout_seconds: Annotated[float, Field(gt=0)] = DEFAULT_TIMEOUT_S
     fallback_to_local: bool = True
     # wire dtype of hidden states (issue 11 §2): auto = fp16 where the calibrated magnitude
     # fits, activation_wide_dtype where it does not
-    activation_dtype: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
-    activation_wide_dtype: Literal["bf16", "fp32"] = "bf16"
+    activation_dtype: CallWireName = "auto"
+    activation_wide_dtype: WideWireName = "bf16"
     # issue 12 §2: how this node's orchestrator holds the head (and the local engine);
     # `weights` is the default minimum format of the shards a call accepts
     head_weights: WeightFormat = "fp32"

@@ -2,7 +2,7 @@
 
 Each module exposes ``add_args(parser)`` and ``run(args) -> (figures, report)`` for the
 `BENCHMARKS` table of `hearthnet.commands.bench`. This module holds what they share:
-percentiles, a plain-text table, the machine description every result carries, and
+the prompts, a plain-text table, the machine description every result carries, and
 writing the figures to ``bench-results/<name>.json``.
 """
 
@@ -16,6 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hearthnet.stats import median, percentile
+
+__all__ = ["PROMPTS", "RESULTS_DIR", "machine", "median", "percentile", "table",
+           "write_results"]
+
 RESULTS_DIR = Path("bench-results")
 
 # Prompts that make SmolLM2 write at length (greedy answers of 64+ tokens).
@@ -23,23 +28,6 @@ PROMPTS = ("Write a short story about a lighthouse keeper who finds a message in
            "Explain in detail how a refrigerator keeps food cold.",
            "Describe a walk through a busy market on a summer morning.",
            "Write a letter to a friend about learning to bake bread.")
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    """The `q`-quantile (0..1) of `xs` by nearest rank; 0.0 when empty."""
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return float(s[min(len(s) - 1, int(q * len(s)))])
-
-
-def median(xs: Sequence[float]) -> float:
-    """The median of `xs` (mean of the middle two for an even count); 0.0 when empty."""
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    mid = len(s) // 2
-    return float(s[mid]) if len(s) % 2 else float((s[mid - 1] + s[mid]) / 2)
 
 
 def machine(device: str = "cpu") -> dict[str, Any]:

@@ -40,7 +40,7 @@ def _figures(t0: float, arrivals: list[float]) -> dict[str, float]:
     gaps = [(b - a) * 1000 for a, b in itertools.pairwise(arrivals)]
     return {"first_token_ms": (arrivals[0] - t0) * 1000,
             "tokens_per_second": (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]),
-            "gap_p50_ms": percentile(gaps, 0.5), "gap_p95_ms": percentile(gaps, 0.95),
+            "gap_p50_ms": percentile(gaps, 50), "gap_p95_ms": percentile(gaps, 95),
             "tokens": float(len(arrivals))}
 
 

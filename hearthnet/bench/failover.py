@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hearthnet.bench import PROMPTS, machine, median, table, write_results
+from hearthnet.constants import WIRE_DTYPES
 from hearthnet.errors import HearthNetError
 
 
@@ -38,7 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=1, help="faulted runs (default 1)")
     p.add_argument("--spare", default="15-29", help="layers of the spare node D (LO-HI)")
     p.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
-    p.add_argument("--wire", choices=["fp16", "bf16", "fp32"], default="fp16")
+    p.add_argument("--wire", choices=list(WIRE_DTYPES), default="fp16")
     p.add_argument("--prompt", default=PROMPTS[0])
     p.add_argument("--results-dir", default="bench-results",
                    help="folder for failover.json (default bench-results)")

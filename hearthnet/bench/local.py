@@ -230,8 +230,8 @@ def _measure_layers(entry: Any, lo: int, hi: int, a: argparse.Namespace) -> dict
         steps.append(run_steps)
         s.close()
     out["prefill_ms"] = [round(x, 2) for x in prefill[1:]]
-    out["decode_step_ms_p50"] = [round(percentile(r, 0.5), 3) for r in steps[1:]]
-    out["decode_step_ms_p95"] = [round(percentile(r, 0.95), 3) for r in steps[1:]]
+    out["decode_step_ms_p50"] = [round(percentile(r, 50), 3) for r in steps[1:]]
+    out["decode_step_ms_p95"] = [round(percentile(r, 95), 3) for r in steps[1:]]
     out["memory"] = _memory(dev)  # while the layers are alive
     return out
 
@@ -252,7 +252,7 @@ def _measure_head(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
             tok = int(head.logits(h).argmax())
             run_steps.append((time.perf_counter() - t0) * 1000)
         steps.append(run_steps)
-    out["decode_step_ms_p50"] = [round(percentile(r, 0.5), 3) for r in steps[1:]]
+    out["decode_step_ms_p50"] = [round(percentile(r, 50), 3) for r in steps[1:]]
     out["memory"] = _memory(head.device)  # while the head is alive
     return out
 

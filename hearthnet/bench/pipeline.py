@@ -40,6 +40,7 @@ from hearthnet.bench import (
     write_results,
 )
 from hearthnet.bench.local import weights_of
+from hearthnet.constants import WIRE_DTYPES
 from hearthnet.distributed_inference.formats import FORMATS, head_format
 from hearthnet.errors import HearthNetError
 
@@ -65,7 +66,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-threads", type=int, default=2,
                    help="torch threads of the local baseline (this process)")
     p.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
-    p.add_argument("--wire", choices=["fp16", "bf16", "fp32"], default="fp16")
+    p.add_argument("--wire", choices=list(WIRE_DTYPES), default="fp16")
     p.add_argument("--no-fp32", action="store_true", help="skip the fp32-wire comparison")
     p.add_argument("--prompt", default=PROMPTS[0])
     p.add_argument("--device", default="cpu",

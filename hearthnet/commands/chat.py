@@ -8,8 +8,8 @@ import sys
 import time
 from typing import Any
 
+from hearthnet.constants import CALL_WIRE_DTYPES
 from hearthnet.distributed_inference.generation import SamplingParams
-from hearthnet.distributed_inference.wire import CALL_WIRE_DTYPES
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

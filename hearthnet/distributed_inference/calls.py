@@ -19,6 +19,7 @@ from hearthnet.distributed_inference.request import DistributedChatParams
 from hearthnet.distributed_inference.seams import Channel, Connector, StepOutput
 from hearthnet.distributed_inference.wire import WirePlan
 from hearthnet.errors import ConnectionLost, HearthNetError
+from hearthnet.stats import LatencyWindow
 
 __all__ = ["CallState", "ClosedChannel", "Connector", "FellBack", "Frame", "StageFailed",
            "StageSession"]
@@ -68,8 +69,9 @@ class StageSession:
     channel: Channel
     wire: str  # the wire dtype of this stage's stream (issue 11 §2)
     history: list[torch.Tensor] = field(default_factory=list)  # inputs, (1, T_i, H) each
-    rtt_ms: list[float] = field(default_factory=list)
-    overhead_ms: list[float] = field(default_factory=list)
+    # the last steps' round trips and overheads (bounded: a long chat is many steps)
+    rtt_ms: LatencyWindow = field(default_factory=LatencyWindow)
+    overhead_ms: LatencyWindow = field(default_factory=LatencyWindow)
 
     @property
     def shard_id(self) -> str:

@@ -103,10 +103,10 @@ class DecodeLoop:
                 raise StageFailed(k, e, x) from e
             rtt = (time.perf_counter() - t) * 1000
             st.history.append(x)
-            st.rtt_ms.append(rtt)
-            st.overhead_ms.append(rtt - res.compute_us / 1000)
+            st.rtt_ms.add(rtt)
+            st.overhead_ms.add(rtt - res.compute_us / 1000)
             self.metrics.shard_latency_ms.labels(st.shard_id).observe(rtt)
-            self.metrics.hop_overhead_ms.labels(st.shard_id).observe(st.overhead_ms[-1])
+            self.metrics.hop_overhead_ms.labels(st.shard_id).observe(st.overhead_ms.last)
             self.health.observe_latency(st.shard_id, rtt)
             x = res.tensor
         return x

@@ -31,9 +31,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hearthnet.constants import DEFAULT_TIMEOUT_S
 from hearthnet.distributed_inference.descriptors import ShardHealth, ShardID, to_datetime
-
-DEFAULT_TIMEOUT_S = 30.0
+from hearthnet.stats import percentile
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,9 +207,3 @@ class ShardHealthTracker:
         """A view of every shard the tracker knows."""
         return {sid: v for sid in sorted(self._shards) if (v := self.view(sid)) is not None}
 
-
-def percentile(values: deque[float] | list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty collection."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[rank - 1]

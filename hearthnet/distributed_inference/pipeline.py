@@ -330,16 +330,15 @@ class PipelineOrchestrator:
     def _done(self, call: CallState, t0: float, construct_ms: float, tps: float) -> Frame:
         per_shard = {}
         for st in call.stages:
-            xs = sorted(st.rtt_ms)
-            ov = sorted(st.overhead_ms)
-            if xs:
+            xs, ov = st.rtt_ms, st.overhead_ms
+            if xs.count:
                 per_shard[st.shard_id] = {
-                    "layers": [st.stage.start, st.stage.end], "steps": len(xs),
+                    "layers": [st.stage.start, st.stage.end], "steps": xs.count,
                     "weights_format": st.stage.shard.weights_format,
-                    "p50_ms": round(xs[len(xs) // 2], 3),
-                    "p95_ms": round(xs[min(len(xs) - 1, int(0.95 * len(xs)))], 3),
-                    "overhead_p50_ms": round(ov[len(ov) // 2], 3),
-                    "overhead_p95_ms": round(ov[min(len(ov) - 1, int(0.95 * len(ov)))], 3),
+                    "p50_ms": round(xs.percentile(50), 3),
+                    "p95_ms": round(xs.percentile(95), 3),
+                    "overhead_p50_ms": round(ov.percentile(50), 3),
+                    "overhead_p95_ms": round(ov.percentile(95), 3),
                     "wire_dtype": st.wire}
         return done_frame(call.gen, t0=t0, first_ms=call.first_ms or 0.0, tokens_per_s=tps,
                           pipeline=[s.shard_id for s in call.stages],

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hearthnet.constants import DEFAULT_TIMEOUT_S
 from hearthnet.distributed_inference.formats import DEFAULT_MIN_FORMAT, check_policy
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.distributed_inference.wire import check_wire_names
@@ -42,7 +43,7 @@ class DistributedChatParams:
     wire_dtype: str = "auto"  # auto | fp16 | bf16 | fp32 (issue 11 §2)
     wire_wide_dtype: str = "bf16"  # what auto uses where fp16 does not fit: bf16 | fp32
     max_shards: int = 16
-    timeout_s: float = 30.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     fallback_after_failures: int = 2
     # the shards' weight formats the call accepts (issue 12 §2): a minimum format, or
     # "exact" (only the orchestrator's own); see formats.check_policy

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from hearthnet.constants import DEFAULT_TIMEOUT_S
 from hearthnet.distributed_inference.descriptors import (
     Pipeline,
     PipelineStage,
@@ -76,7 +77,7 @@ class RoutingSettings:
 
     max_shards_per_request: int = 16
     allow_self_as_shard: bool = False
-    shard_health_timeout_seconds: float = 30.0
+    shard_health_timeout_seconds: float = DEFAULT_TIMEOUT_S
 
     @classmethod
     def from_config(cls, section: DistributedInferenceSection) -> RoutingSettings:

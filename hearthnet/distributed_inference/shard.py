@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from hearthnet.background import detach
+from hearthnet.constants import WIRE_DTYPES
 from hearthnet.distributed_inference.backends.base import LayerSession, LayerStack
 from hearthnet.distributed_inference.backends.device import (
     Staging,
@@ -43,7 +43,6 @@ from hearthnet.distributed_inference.backends.device import (
 from hearthnet.distributed_inference.backends.memory import plan_shard
 from hearthnet.distributed_inference.backends.small_model_layered import (
     LayeredStack,
-    compute_dtype,
 )
 from hearthnet.distributed_inference.descriptors import (
     ShardDescriptor,
@@ -65,12 +64,10 @@ from hearthnet.errors import (
 )
 from hearthnet.models.store import ModelEntry
 from hearthnet.observability import Metrics, get_logger
-from hearthnet.transport.codec import cast_to_wire
+from hearthnet.stats import LatencyWindow
+from hearthnet.transport.codec import WireDtype, cast_to_wire
 
 log = get_logger("shard")
-
-WIRE_DTYPES = ("fp16", "bf16", "fp32")
-
 
 @dataclass(frozen=True)
 class ShardSettings:
@@ -100,6 +97,11 @@ class OpenRequest:
     wire_dtype: str
     caller: str
 
+    @property
+    def wire(self) -> torch.dtype:
+        """The torch dtype of `wire_dtype` (validated by `validate_open`)."""
+        return WireDtype.from_name(self.wire_dtype).torch_dtype
+
 
 
 
@@ -128,7 +130,7 @@ class ShardServer:
         self.active = 0
         self.queue_depth = 0
         self.last_used = clock()
-        self._latencies: deque[float] = deque(maxlen=256)
+        self._latencies = LatencyWindow(256)
         self._streams: dict[ShardStream, str] = {}  # open session streams -> their caller
         self._good_stats = entry.manifest_stats()  # weights files as last verified
 
@@ -228,10 +230,8 @@ class ShardServer:
                            active_sessions=self.active)
 
     def p95_ms(self) -> float:
-        if not self._latencies:
-            return 0.0
-        xs = sorted(self._latencies)
-        return xs[min(len(xs) - 1, int(0.95 * len(xs)))]
+        """The p95 of this shard's last 256 forward times (0.0 before any)."""
+        return self._latencies.percentile(95)
 
     # ---- sessions ----
 
@@ -278,7 +278,7 @@ class ShardServer:
                                  "compute_dtype": str(stack.dtype).removeprefix("torch."),
                                  "device": self.device.type})
             self.metrics.shard_sessions_total.labels(self.shard_id, "accepted", req.caller).inc()
-            await self._step_loop(stream, session, compute_dtype(req.wire_dtype))
+            await self._step_loop(stream, session, req.wire)
         except (ConnectionLost, StreamStalled) as e:
             log.info("session_ended", shard_id=self.shard_id, caller=req.caller,
                      reason=e.code)
@@ -324,7 +324,7 @@ class ShardServer:
             finally:
                 self.queue_depth -= 1
                 self.metrics.shard_queue_depth.labels(self.shard_id).set(self.queue_depth)
-            self._latencies.append(dt * 1000)
+            self._latencies.add(dt * 1000)
             self.metrics.shard_forward_ms.labels(self.shard_id).observe(dt * 1000)
             self.last_used = self.clock()
             await stream.send_step(inp.step, inp.start_pos, out, compute_us=int(dt * 1e6))
@@ -350,7 +350,7 @@ class ShardServer:
     def session_tensor_bytes(self, req: OpenRequest) -> int:
         """The largest tensor a session can legitimately send: all of its positions at
         the hidden width in its wire dtype (issue 14 §2)."""
-        return req.max_length * self.entry.hidden_size * compute_dtype(req.wire_dtype).itemsize
+        return req.max_length * self.entry.hidden_size * req.wire.itemsize
 
     def _forward(self, session: LayerSession, staging: Staging | None, x: torch.Tensor,
                  start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:

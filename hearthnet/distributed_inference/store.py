@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from hearthnet.constants import DEFAULT_LAN_NETWORKS
 from hearthnet.distributed_inference.descriptors import (
     ADVERTISED,
     WITHDRAWN,
@@ -48,8 +49,6 @@ from hearthnet.errors import BadRequest, PeerDataError
 from hearthnet.mesh.eventlog import Event
 from hearthnet.observability import Metrics, get_logger
 
-DEFAULT_LAN_NETWORKS = ("127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
-                        "169.254.0.0/16", "::1/128", "fc00::/7", "fe80::/10")
 LAN_HOP_WEIGHT = 1.0
 REMOTE_HOP_WEIGHT = 2.0
 _LAN_SUFFIXES = (".local", ".lan", ".home.arpa", ".internal")

@@ -16,20 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hearthnet.constants import CALL_WIRE_DTYPES, WIDE_WIRE_DTYPES
 from hearthnet.distributed_inference.sanity import FP16_MAX, WIRE_MARGIN, Calibration
-from hearthnet.distributed_inference.shard import WIRE_DTYPES
 from hearthnet.errors import BadRequest, WireOverflow
-
-CALL_WIRE_DTYPES = ("auto", *WIRE_DTYPES)
-WIDE_DTYPES = ("bf16", "fp32")
 
 
 def check_wire_names(mode: str, wide: str) -> None:
     """`BadRequest` unless `mode` is a call wire dtype and `wide` a wide one."""
     if mode not in CALL_WIRE_DTYPES:
         raise BadRequest(f"wire_dtype must be one of {list(CALL_WIRE_DTYPES)}, not {mode!r}")
-    if wide not in WIDE_DTYPES:
-        raise BadRequest(f"the wide wire dtype must be one of {list(WIDE_DTYPES)}, "
+    if wide not in WIDE_WIRE_DTYPES:
+        raise BadRequest(f"the wide wire dtype must be one of {list(WIDE_WIRE_DTYPES)}, "
                          f"not {wide!r}")
 
 

@@ -90,11 +90,11 @@ class CapabilityBus:
             it = self.call(capability, req.get("args", {}))
             try:
                 async for frame in it:
-                    await ws.send(msgpack.packb(frame, use_bin_type=True))
+                    await ws.send(safe_msgpack.packb(frame))
             finally:
                 with contextlib.suppress(Exception):
                     await it.aclose()  # type: ignore[attr-defined]
-            await ws.send(msgpack.packb({"type": "end"}))
+            await ws.send(safe_msgpack.packb({"type": "end"}))
             result = "ok"
         except HearthNetError as e:
             await _send_error(ws, e)
@@ -127,8 +127,7 @@ async def bus_call(uri: str, capability: str, args: dict[str, Any], *,
             ws = await connect(uri.rstrip("/") + BUS_PATH, open_timeout=open_timeout, ssl=ssl,
                                max_size=MAX_REQUEST_BYTES, compression=None, ping_timeout=60)
         async with ws:
-            await ws.send(msgpack.packb({"capability": capability, "args": args},
-                                        use_bin_type=True))
+            await ws.send(safe_msgpack.packb({"capability": capability, "args": args}))
             async for raw in ws:
                 frame = _frame(raw)
                 if frame.get("type") == "end":
@@ -155,9 +154,9 @@ def _frame(raw: bytes | str) -> dict[str, Any]:
 async def _send_error(ws: Any, err: HearthNetError) -> None:
     """The call's last frames: the typed error, then ``end``."""
     with contextlib.suppress(ConnectionClosed):
-        await ws.send(msgpack.packb({"type": "error", "code": err.code,
+        await ws.send(safe_msgpack.packb({"type": "error", "code": err.code,
                                      "message": err.message}))
-        await ws.send(msgpack.packb({"type": "end"}))
+        await ws.send(safe_msgpack.packb({"type": "end"}))
 
 
 def raise_for_error(frame: dict[str, Any]) -> None:

@@ -50,6 +50,7 @@ from typing import Any
 
 import msgpack
 
+from hearthnet import safe_msgpack
 from hearthnet.errors import BadRequest, PeerDataError, StorageError
 from hearthnet.ids import valid_node_id
 from hearthnet.observability import Metrics, get_logger
@@ -150,7 +151,7 @@ class Event:
 
     def signing_bytes(self) -> bytes:
         """The canonical bytes a signer signs and a verifier checks."""
-        return _pack([self.event_id, self.origin, self.seq, self.type,
+        return safe_msgpack.packb([self.event_id, self.origin, self.seq, self.type,
                       canonical(self.payload), self.ts])
 
     def to_wire(self) -> dict[str, Any]:
@@ -198,25 +199,16 @@ class Event:
 
 
 def canonical(obj: Any) -> Any:
-    """`obj` with dict keys sorted and tuples as lists, so msgpack encodes it one way.
+    """`safe_msgpack.canonical` of an event payload.
 
     Raises:
-        BadRequest: a value msgpack cannot carry portably (only None, bool, int, float,
-            str, bytes, lists and str-keyed maps are allowed).
+        BadRequest: a value msgpack cannot carry portably (only None, bool, int, finite
+            float, str, bytes, lists and str-keyed maps are allowed).
     """
-    if obj is None or isinstance(obj, (bool, int, str, bytes)):
-        return obj
-    if isinstance(obj, float):
-        if not math.isfinite(obj):
-            raise BadRequest("event payload holds a non-finite float")
-        return obj
-    if isinstance(obj, (list, tuple)):
-        return [canonical(x) for x in obj]
-    if isinstance(obj, Mapping):
-        if not all(isinstance(k, str) for k in obj):
-            raise BadRequest("event payload map keys must be strings")
-        return {k: canonical(obj[k]) for k in sorted(obj)}
-    raise BadRequest(f"event payload holds an unsupported {type(obj).__name__}")
+    try:
+        return safe_msgpack.canonical(obj)
+    except ValueError as e:
+        raise BadRequest(f"event payload: {e}") from None
 
 
 class EventLog:
@@ -396,8 +388,8 @@ class EventLog:
 
     def _write(self, events: list[Event]) -> None:
         now = float(self._clock())
-        rows = [(e.event_id, e.origin, e.seq, e.type, _pack(canonical(e.payload)), e.ts,
-                 e.signature, self._types.subject(e), now) for e in events]
+        rows = [(e.event_id, e.origin, e.seq, e.type, safe_msgpack.packb(canonical(e.payload)),
+                 e.ts, e.signature, self._types.subject(e), now) for e in events]
         highs: dict[str, int] = {}
         for e in events:
             highs[e.origin] = max(highs.get(e.origin, 0), e.seq)
@@ -589,14 +581,8 @@ def _row_event(r: tuple[Any, ...]) -> Event:
                  bytes(r[6]) if r[6] is not None else None)
 
 
-def _pack(obj: Any) -> bytes:
-    out = msgpack.packb(obj, use_bin_type=True)
-    assert isinstance(out, bytes)
-    return out
-
-
 def _event_id(origin: str, seq: int, type: str, packed_payload: bytes, ts: float) -> str:
-    head = _pack([origin, seq, type, ts])
+    head = safe_msgpack.packb([origin, seq, type, ts])
     return hashlib.sha256(head + packed_payload).hexdigest()[:32]
 
 
@@ -607,7 +593,7 @@ def _check_type(type: object) -> None:
 
 def canonical_bytes(payload: Mapping[str, Any]) -> bytes:
     """The canonical msgpack encoding of a payload (what size limits measure)."""
-    return _pack(canonical(payload))
+    return safe_msgpack.packb(canonical(payload))
 
 
 def _check_payload(payload: object) -> bytes:
@@ -615,7 +601,7 @@ def _check_payload(payload: object) -> bytes:
     if not isinstance(payload, Mapping):
         raise BadRequest("event payload must be a map")
     try:
-        packed = _pack(canonical(payload))
+        packed = safe_msgpack.packb(canonical(payload))
     except (ValueError, OverflowError, TypeError) as e:
         raise BadRequest(f"event payload cannot be encoded: {e}") from None
     if len(packed) > MAX_PAYLOAD_BYTES:

@@ -38,12 +38,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import msgpack
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from hearthnet import safe_msgpack
 from hearthnet.background import detach
+from hearthnet.constants import CloseCode
 from hearthnet.errors import HearthNetError, PeerDataError, ProtocolError, Refused
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.observability import get_logger
@@ -63,10 +63,6 @@ CLOSE_TIMEOUT_S = 2.0
 LIVE_QUEUE_MAX = 10_000
 MAX_MALFORMED = 32  # malformed messages tolerated per connection before closing it
 
-# WebSocket close codes (RFC 6455 §7.4.1)
-CLOSE_PROTOCOL_ERROR = 1002
-CLOSE_POLICY = 1008
-CLOSE_TRY_AGAIN = 1013
 
 _log = get_logger("mesh.gossip")
 
@@ -93,11 +89,12 @@ GossipMessage = Hello | Events
 
 
 def encode_hello(node: str, vector: Mapping[str, int]) -> bytes:
-    return _pack({"k": "hello", "v": PROTOCOL_VERSION, "node": node, "vector": dict(vector)})
+    return safe_msgpack.packb({"k": "hello", "v": PROTOCOL_VERSION, "node": node,
+                               "vector": dict(vector)})
 
 
 def encode_events(events: Iterable[Event]) -> bytes:
-    return _pack({"k": "events", "events": [e.to_wire() for e in events]})
+    return safe_msgpack.packb({"k": "events", "events": [e.to_wire() for e in events]})
 
 
 def batch_events(events: Iterable[Event], *, max_bytes: int = MAX_BATCH_BYTES,
@@ -110,7 +107,7 @@ def batch_events(events: Iterable[Event], *, max_bytes: int = MAX_BATCH_BYTES,
     batch: list[Event] = []
     size = 0
     for ev in events:
-        n = len(_pack(ev.to_wire()))
+        n = len(safe_msgpack.packb(ev.to_wire()))
         if batch and (size + n > max_bytes or len(batch) >= max_events):
             yield encode_events(batch)
             batch, size = [], 0
@@ -169,12 +166,6 @@ def _decode_hello(msg: dict[str, Any]) -> Hello:
     return Hello(node, vector)
 
 
-def _pack(obj: Any) -> bytes:
-    out = msgpack.packb(obj, use_bin_type=True)
-    assert isinstance(out, bytes)
-    return out
-
-
 # ---- asyncio session ----
 
 class GossipConnection(Protocol):
@@ -184,7 +175,7 @@ class GossipConnection(Protocol):
 
     async def recv(self) -> str | bytes: ...
 
-    async def close(self, code: int = 1000, reason: str = "") -> None: ...
+    async def close(self, code: int = CloseCode.NORMAL, reason: str = "") -> None: ...
 
 
 PeerCallback = Callable[[str, bool], None]
@@ -209,19 +200,19 @@ async def run_gossip_session(log: EventLog, ws: GossipConnection, *,
     try:
         first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S)
     except TimeoutError:
-        raise _Closing(CLOSE_POLICY, "no hello") from None
+        raise _Closing(CloseCode.POLICY_VIOLATION, "no hello") from None
     try:
         hello = decode_message(first)
     except ProtocolError as e:
         _count(log, "malformed_message")
-        raise _Closing(CLOSE_PROTOCOL_ERROR, e.message) from None
+        raise _Closing(CloseCode.PROTOCOL_ERROR, e.message) from None
     if not isinstance(hello, Hello):
-        raise _Closing(CLOSE_PROTOCOL_ERROR, "first message must be hello")
+        raise _Closing(CloseCode.PROTOCOL_ERROR, "first message must be hello")
     if hello.node == log.node_id:
-        raise _Closing(CLOSE_POLICY, "connected to self")
+        raise _Closing(CloseCode.POLICY_VIOLATION, "connected to self")
     if expect_peer is not None and hello.node != expect_peer:  # issue 14 §7
         _count(log, "hello_not_peer")
-        raise _Closing(CLOSE_POLICY, "hello node id is not the TLS peer")
+        raise _Closing(CloseCode.POLICY_VIOLATION, "hello node id is not the TLS peer")
     if on_hello is not None:
         on_hello(hello.node)
 
@@ -245,7 +236,7 @@ async def run_gossip_session(log: EventLog, ws: GossipConnection, *,
         done, _ = await asyncio.wait({sender, receiver, overflowed},
                                      return_when=asyncio.FIRST_COMPLETED)
         if overflowed in done:
-            raise _Closing(CLOSE_TRY_AGAIN, "live queue overflow; reconnect to catch up")
+            raise _Closing(CloseCode.TRY_AGAIN_LATER, "live queue overflow; reconnect to catch up")
         for t in done:
             t.result()  # re-raise the reason the connection ended
     finally:
@@ -293,7 +284,7 @@ async def _recv_loop(log: EventLog, ws: GossipConnection, peer_known: dict[str, 
         if msg is None:
             malformed += 1
             if malformed > MAX_MALFORMED:
-                raise _Closing(CLOSE_POLICY, "too many malformed messages")
+                raise _Closing(CloseCode.POLICY_VIOLATION, "too many malformed messages")
             continue
         for _ in range(msg.malformed):
             _count(log, "malformed")
@@ -349,11 +340,11 @@ async def _close_for(ws: GossipConnection, e: BaseException, log: EventLog,
         if isinstance(e, HearthNetError):  # e.g. a peer over its message rate
             _log.warning("gossip_error", node=log.node_id, peer=peer, error=e.message)
             with contextlib.suppress(Exception):
-                await ws.close(CLOSE_POLICY, e.code)
+                await ws.close(CloseCode.POLICY_VIOLATION, e.code)
             return
         _log.exception("gossip_failed", node=log.node_id, peer=peer)
         with contextlib.suppress(Exception):
-            await ws.close(1011, "internal error")
+            await ws.close(CloseCode.INTERNAL_ERROR, "internal error")
 
 
 class GossipPeerLink:
@@ -421,7 +412,7 @@ class GossipPeerLink:
         """Close the current connection (its member was removed); the link redials with
         backoff and the member check refuses it while it is not a member."""
         if self._ws is not None:
-            detach(self._ws.close(CLOSE_POLICY, "member removed"))
+            detach(self._ws.close(CloseCode.POLICY_VIOLATION, "member removed"))
 
     async def wait_connected(self, timeout: float | None = None) -> bool:
         """Wait until the hello exchange succeeded; False on timeout."""

@@ -127,12 +127,11 @@ def gguf_plan_bytes(gguf: Path, dtype: str = DEFAULT_GGUF_DTYPE) -> int:
 
 
 def _import_dtype(dtype: str) -> Any:
-    import torch
+    from hearthnet.transport.codec import FLOAT_DTYPES
 
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if dtype not in dtypes:
-        raise BadRequest(f"--dtype must be bf16, fp16 or fp32, not {dtype!r}")
-    return dtypes[dtype]
+    if dtype not in FLOAT_DTYPES:
+        raise BadRequest(f"--dtype must be one of {list(FLOAT_DTYPES)}, not {dtype!r}")
+    return FLOAT_DTYPES[dtype]
 
 
 def stage_folder(store: ModelStore, alias: str, key: str) -> Path:

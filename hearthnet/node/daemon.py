@@ -43,6 +43,7 @@ from websockets.http11 import Request, Response
 
 from hearthnet.background import detach
 from hearthnet.config import NodeConfig
+from hearthnet.constants import CloseCode
 from hearthnet.distributed_inference.autohost import AutoHost
 from hearthnet.distributed_inference.backends.device import resolve_device
 from hearthnet.distributed_inference.community import (
@@ -414,7 +415,7 @@ class Node:
         gone = [p for p in self._gossip_ws if p and p not in self.guard.directory]
         for peer in gone:
             for ws in list(self._gossip_ws.pop(peer, ())):
-                detach(ws.close(1008, "member removed"))
+                detach(ws.close(CloseCode.POLICY_VIOLATION, "member removed"))
         for link in self.links:
             if link.peer_id is not None and link.peer_id not in self.guard.directory:
                 link.drop_connection()
@@ -481,11 +482,11 @@ class Node:
                     await self.bus.serve_connection(ws, caller=peer,
                                                     authorize=self.guard.authorize_bus)
                 else:
-                    await ws.close(1008, "unknown path")
+                    await ws.close(CloseCode.POLICY_VIOLATION, "unknown path")
         except Refused as e:  # not a member, over a connection or rate limit
             note_refusal(self.metrics, e, peer=e.details.get("peer"), path=path[:64])
             with contextlib.suppress(Exception):
-                await ws.close(1008, str(e.details.get("reason", "refused")))
+                await ws.close(CloseCode.POLICY_VIOLATION, str(e.details.get("reason", "refused")))
 
     async def _route_admin(self, ws: ServerConnection) -> None:
         """The loopback admin listener: capability calls of the local CLI only."""
@@ -493,7 +494,7 @@ class Node:
         if path == BUS_PATH:
             await self.admin_bus.serve_connection(ws)
         else:
-            await ws.close(1008, "the admin listener serves /bus only")
+            await ws.close(CloseCode.POLICY_VIOLATION, "the admin listener serves /bus only")
 
     async def _serve_shard(self, ws: ServerConnection, peer: str | None = None) -> None:
         di = self.cfg.di

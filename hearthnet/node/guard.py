@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hearthnet.config import NodeConfig, load_config
+from hearthnet.constants import CloseCode
 from hearthnet.distributed_inference.community import SERVED_MODELS
 from hearthnet.distributed_inference.descriptors import (
     ADVERTISED,
@@ -304,7 +305,7 @@ class RateLimitedConnection:
     async def send(self, message: bytes) -> None:
         await self._ws.send(message)
 
-    async def close(self, code: int = 1000, reason: str = "") -> None:
+    async def close(self, code: int = CloseCode.NORMAL, reason: str = "") -> None:
         await self._ws.close(code, reason)
 
 

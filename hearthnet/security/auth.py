@@ -33,11 +33,10 @@ from collections.abc import Callable, Iterator, Mapping
 from enum import StrEnum
 from typing import Any
 
-import msgpack
-
 from hearthnet.errors import AuthError, LimitExceeded, Refused
 from hearthnet.ids import valid_node_id
 from hearthnet.observability import get_logger
+from hearthnet.safe_msgpack import canonical_packb
 from hearthnet.security.keys import SIGNATURE_BYTES, NodeKey, verify_signature
 from hearthnet.security.members import MemberDirectory, Trust
 
@@ -51,7 +50,6 @@ AUTH_FIELD = "auth"
 # signature can never be valid for other signed bytes (an event signs a 6-element array).
 _OPEN_DOMAIN = "hearthnet/open/v1"
 _AUTH_KEYS = frozenset({"caller", "ts", "nonce", "sig"})
-_MAX_DEPTH = 16
 
 
 class AuthReason(StrEnum):
@@ -102,39 +100,10 @@ def note_refusal(metrics: Any, err: Refused, **context: Any) -> None:
     _log.warning("auth_refused", reason=reason, **context)
 
 
-# --- canonical encoding ------------------------------------------------------------
-
-def canonical(obj: Any) -> bytes:
-    """Deterministic msgpack of `obj`: maps with sorted ``str`` keys, tuples as lists.
-
-    Both ends sign and verify these bytes, so a dict's insertion order or a tuple-vs-list
-    round trip through msgpack never changes a signature.
-
-    Raises:
-        TypeError: a value is not None/bool/int/float/str/bytes/list/tuple/dict with
-            str keys, or nesting is deeper than 16.
-    """
-    out = msgpack.packb(_normalise(obj, 0), use_bin_type=True)
-    assert isinstance(out, bytes)
-    return out
-
-
-def _normalise(obj: Any, depth: int) -> Any:
-    if depth > _MAX_DEPTH:
-        raise TypeError("nesting too deep")
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        return [_normalise(x, depth + 1) for x in obj]
-    if isinstance(obj, Mapping):
-        if not all(isinstance(k, str) for k in obj):
-            raise TypeError("map keys must be str")
-        return {k: _normalise(obj[k], depth + 1) for k in sorted(obj)}
-    raise TypeError(f"cannot sign a {type(obj).__name__}")
-
-
 def _open_message(caller: str, ts: int, nonce: bytes, params: Mapping[str, Any]) -> bytes:
-    return canonical([_OPEN_DOMAIN, caller, ts, nonce, params])
+    """The signed bytes of an OPEN: its canonical msgpack (`safe_msgpack.canonical_packb`);
+    `ValueError` / `OverflowError` when `params` have no canonical form."""
+    return canonical_packb([_OPEN_DOMAIN, caller, ts, nonce, params])
 
 
 # --- the caller side ---------------------------------------------------------------
@@ -274,7 +243,7 @@ class OpenAuthVerifier:
                          caller=caller)
         try:
             message = _open_message(caller, ts, nonce, params)
-        except (TypeError, ValueError, OverflowError) as e:
+        except (ValueError, OverflowError) as e:
             raise refuse(AuthReason.MALFORMED, f"session parameters cannot be signed: {e}",
                          caller=caller) from None
         if not verify_signature(member.public_key, message, sig):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from hearthnet.observability import configure_logging
+from hearthnet.stats import percentile
 from hearthnet.transport.codec import TENSOR_CHUNK_BYTES, chunk_count_for
 from hearthnet.transport.protocol import TENSOR_FLOW_CONTROL_WINDOW
 from hearthnet.transport.websocket import SHARD_PATH, ServerStream, TensorChannel, run, serve
@@ -112,15 +113,10 @@ class EchoPeer:
 
 
 def _percentiles(samples_ns: list[int]) -> dict[str, float]:
-    s = sorted(samples_ns)
-    n = len(s)
-
-    def pick(q: float) -> float:
-        return s[min(n - 1, int(q * n))] / 1e6
-
-    return {"p50_ms": round(pick(0.50), 4), "p95_ms": round(pick(0.95), 4),
-            "p99_ms": round(pick(0.99), 4), "mean_ms": round(statistics.fmean(s) / 1e6, 4),
-            "max_ms": round(s[-1] / 1e6, 4), "n": n}
+    ms = [x / 1e6 for x in samples_ns]
+    return {"p50_ms": round(percentile(ms, 50), 4), "p95_ms": round(percentile(ms, 95), 4),
+            "p99_ms": round(percentile(ms, 99), 4), "mean_ms": round(statistics.fmean(ms), 4),
+            "max_ms": round(max(ms), 4), "n": len(ms)}
 
 
 async def _decode_round_trips(ch: TensorChannel, hidden: int, steps: int,

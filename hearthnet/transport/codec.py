@@ -26,6 +26,7 @@ from math import prod
 
 import torch
 
+from hearthnet.constants import WIRE_DTYPES
 from hearthnet.errors import BadRequest, FrameTooLarge, ProtocolError, WireOverflow
 
 TENSOR_CHUNK_BYTES = 1 << 20
@@ -87,7 +88,7 @@ class WireDtype(enum.IntEnum):
         for member in cls:
             if member.wire_name == name:
                 return member
-        raise BadRequest(f"unsupported wire dtype {name!r}: use 'fp16', 'bf16' or 'fp32'",
+        raise BadRequest(f"unsupported wire dtype {name!r}: use one of {list(WIRE_DTYPES)}",
                          wire_dtype=str(name))
 
     @classmethod
@@ -106,6 +107,8 @@ class WireDtype(enum.IntEnum):
 
 _TORCH = {WireDtype.FP16: torch.float16, WireDtype.BF16: torch.bfloat16,
           WireDtype.FP32: torch.float32}
+FLOAT_DTYPES: dict[str, torch.dtype] = {d.wire_name: d.torch_dtype for d in WireDtype}
+"""The torch dtype of each wire dtype name (``constants.WIRE_DTYPES``, same order)."""
 _BY_CODE = {int(d): d for d in WireDtype}
 
 

@@ -30,10 +30,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-import msgpack
 import torch
 
 from hearthnet import safe_msgpack
+from hearthnet.constants import CloseCode
 from hearthnet.errors import (
     BadRequest,
     FrameTooLarge,
@@ -99,16 +99,6 @@ class State(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
     FAILED = "failed"
-
-
-class CloseCode(enum.IntEnum):
-    """WebSocket close codes the I/O layer uses after a failure (PROTOCOL.md §7)."""
-
-    NORMAL = 1000
-    PROTOCOL_ERROR = 1002
-    POLICY_VIOLATION = 1008
-    MESSAGE_TOO_BIG = 1009
-    INTERNAL_ERROR = 1011
 
 
 # ---------------------------------------------------------------------------------------
@@ -729,7 +719,7 @@ def _pack_params(params: dict[str, Any]) -> bytes:
     if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
         raise BadRequest("stream params must be a map with str keys")
     try:
-        body = msgpack.packb(params, use_bin_type=True)
+        body = safe_msgpack.packb(params)
     except (TypeError, ValueError, OverflowError) as exc:
         raise BadRequest(f"stream params cannot be encoded: {exc}") from exc
     if len(body) > MAX_PARAMS_BYTES:
@@ -776,9 +766,9 @@ def _error_frame(error: HearthNetError, *, fatal: bool, step: int | None) -> byt
     if step is not None:
         body["step"] = step
     try:
-        packed = msgpack.packb(body, use_bin_type=True)
+        packed = safe_msgpack.packb(body)
     except (TypeError, ValueError, OverflowError):
-        packed = msgpack.packb({"code": error.code, "message": error.message})
+        packed = safe_msgpack.packb({"code": error.code, "message": error.message})
     if len(packed) > MAX_PARAMS_BYTES:
-        packed = msgpack.packb({"code": error.code, "message": error.message[:1000]})
+        packed = safe_msgpack.packb({"code": error.code, "message": error.message[:1000]})
     return _ERROR_HEAD.pack(Opcode.ERROR, _FLAG_FATAL if fatal else 0) + bytes(packed)

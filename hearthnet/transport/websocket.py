@@ -42,6 +42,7 @@ from websockets.exceptions import (
 )
 from websockets.http11 import Request, Response
 
+from hearthnet.constants import DEFAULT_TIMEOUT_S, CloseCode
 from hearthnet.errors import (
     BadRequest,
     ConnectionLost,
@@ -55,7 +56,6 @@ from hearthnet.transport.codec import MAX_TENSOR_BYTES, TENSOR_CHUNK_BYTES, max_
 from hearthnet.transport.protocol import (
     TENSOR_FLOW_CONTROL_WINDOW,
     Accepted,
-    CloseCode,
     CloseReceived,
     CreditReceived,
     ErrorReceived,
@@ -71,7 +71,7 @@ from hearthnet.transport.protocol import (
 __all__ = ["ServerStream", "StepInput", "StepResult", "TensorChannel", "handle_stream", "run",
            "serve"]
 
-DEFAULT_DEADLINE_S = 30.0
+DEFAULT_DEADLINE_S = DEFAULT_TIMEOUT_S
 """Default per-step deadline: `DISTRIBUTED_SHARD_HEALTH_TIMEOUT_S` (M26 §5.4)."""
 
 SHARD_PATH = "/shard"

@@ -26,8 +26,9 @@ from hearthnet.distributed_inference.store import ShardStore
 from hearthnet.errors import ConnectionLost, ShardUnavailable
 from hearthnet.mesh.eventlog import EventLog
 from hearthnet.models.store import ModelEntry
+from hearthnet.transport.codec import FLOAT_DTYPES
 
-_WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_WIRE = FLOAT_DTYPES
 
 
 @dataclass

@@ -12,8 +12,9 @@ from hearthnet.distributed_inference.backends.small_model_layered import Layered
 from hearthnet.distributed_inference.sanity import calibrate
 from hearthnet.distributed_inference.wire import WirePlan
 from hearthnet.models.store import ModelEntry
+from hearthnet.transport.codec import FLOAT_DTYPES
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = FLOAT_DTYPES
 REPORT_PROMPTS = ("What is the capital of France?",
                   "Write a short poem about a lighthouse keeper.",
                   "Explain in three sentences why the sky is blue.")

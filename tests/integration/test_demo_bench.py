@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-from hearthnet.bench import median, percentile
 from hearthnet.bench.pipeline import split_layers
 
 CLI = [sys.executable, "-m", "hearthnet.cli"]
@@ -59,13 +58,6 @@ def test_split_layers_is_an_even_contiguous_cover():
     assert split_layers(30, 3) == [(0, 9), (10, 19), (20, 29)]
     assert split_layers(30, 4) == [(0, 7), (8, 15), (16, 22), (23, 29)]
     assert split_layers(30, 1) == [(0, 29)]
-
-
-def test_median_and_percentile():
-    assert median([3.0, 1.0, 2.0]) == 2.0
-    assert median([1.0, 2.0, 3.0, 4.0]) == 2.5
-    assert percentile([float(i) for i in range(100)], 0.95) == 95.0
-    assert median([]) == 0.0 and percentile([], 0.5) == 0.0
 
 
 # ---- demo ------------------------------------------------------------------------------

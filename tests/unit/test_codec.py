@@ -276,3 +276,18 @@ def test_tensor_with_grad_is_sent_detached() -> None:
     x = torch.randn(2, 2, requires_grad=True)
     _, y = decode_tensor(encode_tensor(x))
     assert same(y, x.detach()) and not y.requires_grad
+
+
+def test_the_wire_dtype_names_are_one_list() -> None:
+    """`constants.WIRE_DTYPES` names exactly the codec's dtypes, in order, bf16 included;
+    the config's `activation_dtype` accepts those and `auto`, nothing else."""
+    from typing import get_args
+
+    from hearthnet.config import DistributedInferenceSection
+    from hearthnet.constants import WIRE_DTYPES
+    from hearthnet.transport.codec import FLOAT_DTYPES, WireDtype
+
+    assert tuple(d.wire_name for d in WireDtype) == WIRE_DTYPES == tuple(FLOAT_DTYPES)
+    assert "bf16" in WIRE_DTYPES
+    field = DistributedInferenceSection.model_fields["activation_dtype"]
+    assert get_args(field.annotation) == ("auto", *WIRE_DTYPES)

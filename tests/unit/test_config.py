@@ -46,10 +46,10 @@ def test_mesh3_layout() -> None:
 def test_defaults_are_the_spec_section_7_values() -> None:
     cfg = parse_config(MINIMAL)
     di = cfg.research.distributed_inference
-    assert (di.enabled, di.backend, di.max_shards_per_request,
+    assert (di.enabled, di.max_shards_per_request,
             di.shard_health_timeout_seconds, di.fallback_to_local, di.activation_dtype,
             di.allow_self_as_shard, di.max_concurrent_pipelines) == \
-        (False, "small_model_layered", 16, 30, True, "auto", False, 4)  # auto: issue 11 §2
+        (False, 16, 30, True, "auto", False, 4)  # auto: issue 11 §2
     assert di.activation_wide_dtype == "bf16"
     assert (di.fallback_after_failures, di.flow_control_window, di.chunk_bytes) == \
         (2, 16, 1048576)
@@ -80,8 +80,9 @@ BAD = [
     ("[research]\nenable = true\n", "node", "required key is missing"),
     (MINIMAL + "[research.distributed_inference]\nactivation_dtype = 'bf8'\n",
      "research.distributed_inference.activation_dtype", "'bf16' or 'fp32'"),
-    (MINIMAL + "[research.distributed_inference]\nbackend = 'vllm'\n",
-     "research.distributed_inference.backend", "small_model_layered"),
+    # the dead `backend` setting is gone (issue 10 §5): it selected nothing
+    (MINIMAL + "[research.distributed_inference]\nbackend = 'small_model_layered'\n",
+     "research.distributed_inference.backend", "unknown key"),
     (MINIMAL + "[research.distributed_inference]\nshard_health_timeout_seconds = 0\n",
      "research.distributed_inference.shard_health_timeout_seconds", "greater than 0"),
     (MINIMAL + "[research.distributed_inference.host]\nserve_shard = true\n",

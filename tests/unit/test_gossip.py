@@ -13,6 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from hearthnet.constants import CloseCode
 from hearthnet.errors import ProtocolError
 from hearthnet.mesh import gossip
 from hearthnet.mesh.eventlog import Event, EventLog
@@ -191,7 +192,7 @@ async def test_flood_of_garbage_gets_the_peer_disconnected(tmp_path: Path) -> No
             for _ in range(gossip.MAX_MALFORMED + 5):
                 await ws.send(b"\xc1")
             await ws.recv()
-        assert ei.value.rcvd is not None and ei.value.rcvd.code == gossip.CLOSE_POLICY
+        assert ei.value.rcvd is not None and ei.value.rcvd.code == CloseCode.POLICY_VIOLATION
 
 
 @pytest.mark.parametrize("first", [
@@ -207,7 +208,7 @@ async def test_bad_first_message_closes_the_connection(tmp_path: Path, first: by
         with pytest.raises(ConnectionClosed) as ei:
             await ws.recv()
         assert ei.value.rcvd is not None
-        assert ei.value.rcvd.code in (gossip.CLOSE_PROTOCOL_ERROR, gossip.CLOSE_POLICY)
+        assert ei.value.rcvd.code in (CloseCode.PROTOCOL_ERROR, CloseCode.POLICY_VIOLATION)
 
 
 async def test_live_queue_overflow_reconnects_and_catches_up(

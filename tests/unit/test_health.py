@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from hearthnet.distributed_inference.descriptors import ShardHealth
-from hearthnet.distributed_inference.health import ShardHealthTracker, percentile
+from hearthnet.distributed_inference.health import ShardHealthTracker
 
 
 class Clock:
@@ -130,8 +130,3 @@ def test_snapshot_and_forget() -> None:
     t.forget("a")
     assert "a" not in t.snapshot()
 
-
-def test_percentile_nearest_rank() -> None:
-    assert percentile([5.0], 95) == 5.0
-    assert percentile([float(x) for x in range(1, 21)], 95) == 19.0
-    assert percentile([3.0, 1.0, 2.0], 50) == 2.0

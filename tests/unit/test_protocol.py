@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hearthnet.constants import CloseCode
 from hearthnet.errors import (
     BadRequest,
     FrameTooLarge,
@@ -27,7 +28,6 @@ from hearthnet.transport.codec import HEADER, encode_tensor
 from hearthnet.transport.protocol import (
     PROTOCOL_VERSION,
     Accepted,
-    CloseCode,
     CloseReceived,
     CreditReceived,
     ErrorReceived,

@@ -12,13 +12,13 @@ from structlog.testing import capture_logs
 
 from hearthnet.errors import AuthError, LimitExceeded
 from hearthnet.observability import Metrics
+from hearthnet.safe_msgpack import MAX_DEPTH, canonical_packb
 from hearthnet.security.auth import (
     AuthReason,
     ConnectionLimiter,
     NonceCache,
     OpenAuthVerifier,
     RateLimiter,
-    canonical,
     make_open_auth,
     note_refusal,
     reason_of,
@@ -194,7 +194,7 @@ def _deep(n: int) -> Any:
 
 
 @pytest.mark.parametrize("params", [None, [1], {1: "int key"}, {"x": object()},
-                                    {"x": 2**70}, {"x": _deep(20)}])
+                                    {"x": 2**70}, {"x": _deep(MAX_DEPTH)}, {"x": float("nan")}])
 def test_malformed_params(params: Any) -> None:
     v, _ = verifier()
     assert refusal(v, make_open_auth(A, "node-a", PARAMS, now=T0), params) == "malformed"
@@ -209,10 +209,11 @@ def test_open_fields_must_be_a_map_with_auth() -> None:
 
 
 def test_canonical_ignores_key_order_and_tuple_vs_list() -> None:
-    assert canonical({"b": 1, "a": (1, 2)}) == canonical({"a": [1, 2], "b": 1})
-    assert canonical({"a": 1}) != canonical({"a": 1.0})
-    with pytest.raises(TypeError):
-        canonical({"a": {1, 2}})
+    assert canonical_packb({"b": 1, "a": (1, 2)}) == canonical_packb({"a": [1, 2], "b": 1})
+    assert canonical_packb({"a": 1}) != canonical_packb({"a": 1.0})
+    for unfit in ({"a": {1, 2}}, {"a": float("nan")}, {1: "a"}):
+        with pytest.raises(ValueError):
+            canonical_packb(unfit)
 
 
 _wire = st.recursive(

@@ -31,9 +31,10 @@ from torch import nn
 
 from hearthnet.distributed_inference.formats import STORED
 from hearthnet.errors import BadRequest, WeightsMismatch
+from hearthnet.transport.codec import FLOAT_DTYPES
 
 INT4_GROUPS = (128, 64, 32)  # the largest that divides a matrix's input size
-_FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_FLOAT = FLOAT_DTYPES  # the float formats are named as the wire dtypes
 _ROWS = 4096  # rows quantised at a time (bounds the fp32 temporary of one tensor)
 
 

@@ -69,19 +69,7 @@ from hearthnet.distributed_inference.formats import HEAD_FORMATS, QUANTISED, res
 from hearthnet.errors import BadRequest, ShardUnavailable, WeightsMismatch
 from hearthnet.models.store import ModelEntry
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _LAYER_KEY = re.compile(r"^(?P<prefix>.*?)layers\.(?P<idx>\d+)\.(?P<rest>.+)$")
-
-
-def compute_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Map "fp32"/"bf16"/... to a torch dtype; `BadRequest` for anything else."""
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise BadRequest(f"unknown dtype {name!r}; use fp32 or bf16") from None
 
 
 def load_config(entry: ModelEntry) -> Any:

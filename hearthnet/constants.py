@@ -1,0 +1,44 @@
+"""Facts more than one part of HearthNet relies on, each defined once (issue 10 §5).
+
+Only plain values live here (no torch, no I/O), so the config loader, the mesh and the
+transport can all import it cheaply:
+
+- `DEFAULT_TIMEOUT_S`: the one 30 s default — a step's deadline (M26 §6 ``timeout_s``), a
+  tensor stream's default deadline, and the shard health timeout (M26 §5.4).
+- `WIRE_DTYPES` / `WIDE_WIRE_DTYPES`: the names of the dtypes hidden states may have on the
+  wire (PROTOCOL.md §4; `transport.codec.WireDtype` carries the same names), and those a
+  call may widen to (issue 11 §2).
+- `DEFAULT_LAN_NETWORKS`: the CIDRs counted as this LAN (config ``[node] lan_networks``).
+- `CloseCode`: the WebSocket close codes HearthNet sends (RFC 6455 §7.4.1, PROTOCOL.md §7).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal, get_args
+
+DEFAULT_TIMEOUT_S = 30.0
+"""Seconds: a step's deadline, a stream's default deadline, the shard health timeout."""
+
+WireName = Literal["fp16", "bf16", "fp32"]
+WideWireName = Literal["bf16", "fp32"]
+CallWireName = Literal["auto", WireName]  # a call's choice: auto picks per stage
+WIRE_DTYPES: tuple[str, ...] = get_args(WireName)
+WIDE_WIRE_DTYPES: tuple[str, ...] = get_args(WideWireName)
+CALL_WIRE_DTYPES: tuple[str, ...] = get_args(CallWireName)
+
+DEFAULT_LAN_NETWORKS: tuple[str, ...] = (
+    "127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16",
+    "::1/128", "fc00::/7", "fe80::/10")
+"""Loopback, the RFC 1918 ranges, IPv4 link-local, and IPv6 loopback, ULA and link-local."""
+
+
+class CloseCode(enum.IntEnum):
+    """WebSocket close codes HearthNet sends (RFC 6455 §7.4.1, PROTOCOL.md §7)."""
+
+    NORMAL = 1000
+    PROTOCOL_ERROR = 1002
+    POLICY_VIOLATION = 1008
+    MESSAGE_TOO_BIG = 1009
+    INTERNAL_ERROR = 1011
+    TRY_AGAIN_LATER = 1013
