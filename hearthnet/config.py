@@ -164,8 +164,6 @@ class AutoSection(_Section):
     start_jitter_s: Annotated[float, Field(ge=0, le=600)] = 2.0  # before each placement
     settle_s: Annotated[float, Field(ge=0, le=600)] = 1.0  # claim -> re-check
     claim_ttl_s: Annotated[float, Field(gt=0)] = 60.0  # a claim counts this long unloaded
-    probe_interval_s: Annotated[float, Field(gt=0)] = 2.0  # liveness probe of hosts
-    probe_failures: Annotated[int, Field(ge=1, le=100)] = 2  # failed probes = host down
     rebalance_interval_s: Annotated[float, Field(gt=0)] = 60.0  # jittered ±50 %
     balance_quality: Annotated[float, Field(gt=0, le=1)] = 0.75  # Petals' margin
 
@@ -176,6 +174,11 @@ class DistributedInferenceSection(_Section):
     enabled: bool = False
     max_shards_per_request: Annotated[int, Field(ge=1, le=256)] = 16
     shard_health_timeout_seconds: Annotated[float, Field(gt=0)] = DEFAULT_TIMEOUT_S
+    # every node probes the listener of every advertising host this often; after
+    # `host_probe_failures` refusals in a row the host is down: its shards are shown offline
+    # and never routed to, long before the health timeout (issue 15 §6, issue 17 §2)
+    host_probe_interval_seconds: Annotated[float, Field(gt=0, le=600)] = 2.0
+    host_probe_failures: Annotated[int, Field(ge=1, le=100)] = 2
     fallback_to_local: bool = True
     # wire dtype of hidden states (issue 11 §2): auto = fp16 where the calibrated magnitude
     # fits, activation_wide_dtype where it does not

@@ -19,10 +19,10 @@ re-checks: if an earlier overlapping claim of another host makes its window poin
 cancels and chooses again. Jitter plus this re-check keeps hosts that start together off the
 same range.
 
-A host is **down** for placement when `HostProber` cannot open a TCP connection to its
-endpoint ``probe_failures`` times in a row (every ``probe_interval_s``): a ``kill -9``ed host
-is noticed in seconds, long before its advertisements expire (4 × the health timeout).
-Its shards are then also marked suspect in the health tracker, so the router avoids them.
+A host is **down** for placement when the node's `HostLiveness` says so (its listener
+refused ``host_probe_failures`` TCP probes in a row): a ``kill -9``ed host is noticed in
+seconds, long before its advertisements expire (4 × the health timeout). The same probe
+makes the router skip its shards and the status show them offline, on every node.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from hearthnet.config import NodeConfig
 from hearthnet.distributed_inference.backends.memory import (
@@ -54,7 +53,7 @@ from hearthnet.distributed_inference.community import (
     placement_info,
 )
 from hearthnet.distributed_inference.formats import resolve_format
-from hearthnet.distributed_inference.health import ShardHealthTracker
+from hearthnet.distributed_inference.liveness import HostLiveness
 from hearthnet.distributed_inference.placement import (
     HostCapacity,
     Span,
@@ -73,7 +72,6 @@ from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.observability import get_logger
 
 log = get_logger("distributed_inference.autohost")
-
 
 
 class HostedShard(Protocol):
@@ -133,73 +131,20 @@ class Decision:
                 "detail": self.detail, "at": self.at}
 
 
-class HostProber:
-    """TCP liveness of the hosts this node depends on (see the module docstring)."""
-
-    def __init__(self, failures_to_down: int, timeout_s: float) -> None:
-        self.failures_to_down = failures_to_down
-        self.timeout_s = timeout_s
-        self._fails: dict[str, int] = {}
-        self.down_since: dict[str, float] = {}
-
-    def is_down(self, host: str) -> bool:
-        return host in self.down_since
-
-    async def probe(self, hosts: dict[str, str]) -> bool:
-        """Probe every ``{host: endpoint}``; True when some host changed state."""
-        results = await asyncio.gather(*(self._reachable(ep) for ep in hosts.values()))
-        changed = False
-        for host, ok in zip(hosts, results, strict=True):
-            changed |= self._note(host, ok)
-        for host in [h for h in self.down_since if h not in hosts]:
-            del self.down_since[host]  # its advertisements are gone anyway
-            self._fails.pop(host, None)
-        return changed
-
-    def _note(self, host: str, ok: bool) -> bool:
-        if ok:
-            self._fails.pop(host, None)
-            if self.down_since.pop(host, None) is not None:
-                log.info("host_reachable_again", host=host)
-                return True
-            return False
-        self._fails[host] = self._fails.get(host, 0) + 1
-        if self._fails[host] >= self.failures_to_down and host not in self.down_since:
-            self.down_since[host] = time.time()
-            log.warning("host_unreachable", host=host, failures=self._fails[host])
-            return True
-        return False
-
-    async def _reachable(self, endpoint: str) -> bool:
-        parts = urlsplit(endpoint)
-        if not parts.hostname or not parts.port:
-            return False
-        try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(parts.hostname, parts.port), self.timeout_s)
-        except (OSError, TimeoutError):
-            return False
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return True
-
-
 class AutoHost:
     """Places, re-hosts and rebalances this node's shards; see the module docstring."""
 
     def __init__(self, cfg: NodeConfig, *, log_: EventLog, store: ShardStore,
-                 health: ShardHealthTracker, models: ModelStore, host: ShardHost,
-                 view: PlacementView, rng: random.Random | None = None) -> None:
+                 models: ModelStore, host: ShardHost, view: PlacementView,
+                 liveness: HostLiveness, rng: random.Random | None = None) -> None:
         self.cfg, self.auto = cfg, cfg.di.auto
         self.node_id = cfg.node.id
-        self.events, self.store, self.health, self.models = log_, store, health, models
+        self.events, self.store, self.models = log_, store, models
         self.host, self.view = host, view
         self.rng = rng or random.Random()
         self.format = cfg.di.host.weights or cfg.di.host.compute_dtype  # as the shards hold
         self.budget_mb = self.auto.memory_mb or cfg.di.host.shard_max_vram_mb
-        self.prober = HostProber(self.auto.probe_failures,
-                                 timeout_s=min(2.0, self.auto.probe_interval_s))
+        self.liveness = liveness
         self.decisions: list[Decision] = []
         self._costs: dict[str, ModelCost] = {}
         self._wake = asyncio.Event()
@@ -211,8 +156,8 @@ class AutoHost:
 
     def start(self) -> None:
         self.events.subscribe(self._on_event)
-        self._tasks = [asyncio.create_task(self._run(), name="autohost"),
-                       asyncio.create_task(self._probe_loop(), name="autohost-probe")]
+        self.liveness.on_change(self._wake.set)  # a host went down or came back
+        self._tasks = [asyncio.create_task(self._run(), name="autohost")]
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -247,23 +192,6 @@ class AutoHost:
     def _schedule_rebalance(self) -> None:
         self._next_rebalance = time.monotonic() + self.auto.rebalance_interval_s * \
             self.rng.uniform(0.5, 1.5)
-
-    async def _probe_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.auto.probe_interval_s)
-            hosts = {ad.descriptor.host: ad.descriptor.endpoint for ad in self.store.live()
-                     if ad.descriptor.host != self.node_id}
-            if await self.prober.probe(hosts):
-                self._mark_down_suspect()
-                self._wake.set()
-
-    def _mark_down_suspect(self) -> None:
-        for ad in self.store.live():
-            sid = ad.descriptor.shard_id
-            if self.prober.is_down(ad.descriptor.host):
-                self.health.mark_suspect(sid, "host_unreachable")
-            elif self.health.is_suspect(sid):
-                self.health.clear_suspect(sid)
 
     # ---- costs ----
 
@@ -325,7 +253,7 @@ class AutoHost:
         """(host, lo, hi) of every live, reachable host of `entry`, ours included."""
         out = {(ad.descriptor.host, ad.descriptor.lo, ad.descriptor.hi)
                for ad in self.store.candidates(entry.model_id, entry.weights_sha256)
-               if not self.prober.is_down(ad.descriptor.host)}
+               if not self.liveness.is_down(ad.descriptor.host)}
         # ours count at once, before our advertisement comes back
         return out | {(self.node_id, s.lo, s.hi) for s in self._mine(entry)}
 
@@ -333,7 +261,7 @@ class AutoHost:
         """Other hosts' pending claims on `entry` they have not advertised yet."""
         hosted = self._hosted_ranges(entry)
         return [c for c in self.view.pending(entry.model_id, self.auto.claim_ttl_s)
-                if c.origin != self.node_id and not self.prober.is_down(c.origin)
+                if c.origin != self.node_id and not self.liveness.is_down(c.origin)
                 and (c.origin, c.lo, c.hi) not in hosted
                 and c.weights_sha256 == entry.weights_sha256]
 
@@ -343,7 +271,7 @@ class AutoHost:
         hosting = {h for h, _, _ in self._hosted_ranges(entry)}
         fresh = self.view.capacities(entry.model_id, self.auto.claim_ttl_s)
         return sorted(h for h in fresh if h != self.node_id and h not in hosting
-                      and not self.prober.is_down(h))
+                      and not self.liveness.is_down(h))
 
     def _mine(self, entry: ModelEntry) -> list[HostedShard]:
         return [s for s in self.host.hosted() if s.entry.model_id == entry.model_id]
@@ -352,7 +280,7 @@ class AutoHost:
         caps = self.view.capacities(entry.model_id, self.auto.claim_ttl_s +
                                     self.cfg.di.advertisement_expiry_s)
         out = [HostCapacity(h, c.speed, c.max_layers) for h, c in caps.items()
-               if h != self.node_id and not self.prober.is_down(h)]
+               if h != self.node_id and not self.liveness.is_down(h)]
         return [*out, HostCapacity(self.node_id, cost.speed, self._max_layers(entry, cost))]
 
     # ---- one round ----
@@ -482,7 +410,7 @@ class AutoHost:
                 "models": {mid: {"speed": round(c.speed, 2),
                                  "mb_per_layer": round(c.bytes_per_layer / 2**20, 2)}
                            for mid, c in self._costs.items()},
-                "down_hosts": sorted(self.prober.down_since),
+                "down_hosts": self.liveness.down_hosts(),
                 "decisions": [d.to_dict() for d in self.decisions[-10:]],
                 "last": last}
 

@@ -18,7 +18,9 @@ cursor past it, so overlapping shards chain at any boundary (DESIGN.md decision 
 shards 0-7, 4-11, 8-15 of a 16-layer model give {0-7, 8-15} (M26 §8.1).
 
 Eligible means: same model and hash, hosted range inside the model (``hi < N``), not in
-`exclude`, and below its `max_concurrent_streams` (M26 §5.6): a shard's load is
+`exclude`, its host not probed down (`host_down`, the node's `HostLiveness`: a ``kill -9``ed
+host refuses connections long before its heartbeats are missed; issue 15 §6), and below its
+`max_concurrent_streams` (M26 §5.6): a shard's load is
 ``max(advertised active_sessions, sessions reserved here)`` — the advertisement already
 counts our open sessions when it was made, so the two are not added. Unless
 `allow_self_as_shard`, a shard of this node is never the **first** stage (embedding and
@@ -111,14 +113,18 @@ class ShardRouter:
         host_allowed: trust filter — whether activations may go to a shard on this host
             (issue 7 item 4: the daemon passes "member at ``route_min_trust`` or higher");
             shards of other hosts are never picked. None allows every host.
+        host_down: whether a host's listener is probed dead (`HostLiveness.is_down`): its
+            shards are never picked. None: no probe.
     """
 
     def __init__(self, store: ShardStore, settings: RoutingSettings | None = None,
                  health: ShardHealthTracker | None = None, *,
                  self_node_id: str | None = None,
-                 host_allowed: Callable[[str], bool] | None = None) -> None:
+                 host_allowed: Callable[[str], bool] | None = None,
+                 host_down: Callable[[str], bool] | None = None) -> None:
         self.store = store
         self.host_allowed = host_allowed
+        self.host_down = host_down
         self.settings = settings or RoutingSettings()
         self.health = health
         self.self_node_id = self_node_id
@@ -242,7 +248,7 @@ class ShardRouter:
         out = []
         for ad in self.store.candidates(model, sha):
             d = ad.descriptor
-            if d.shard_id in excl or d.hi >= total or self._full(ad) \
+            if d.shard_id in excl or d.hi >= total or self._full(ad) or self._down(d.host) \
                     or not self._trusted(d.host) or not _format_ok(d, formats):
                 continue
             out.append(self._cand(ad))
@@ -250,6 +256,10 @@ class ShardRouter:
 
     def _trusted(self, host: str) -> bool:
         return self.host_allowed is None or self.host_allowed(host)
+
+    def _down(self, host: str) -> bool:
+        return host != self.self_node_id and self.host_down is not None and \
+            self.host_down(host)
 
     def _full(self, ad: Advertisement) -> bool:
         active = ad.health.active_sessions if ad.health is not None else 0
@@ -356,6 +366,8 @@ class ShardRouter:
                 continue
             if d.shard_id in excl:
                 out.append(f"{d.shard_id} excluded")
+            elif self._down(d.host):
+                out.append(f"{d.shard_id}: host {d.host} refuses connections (probed down)")
             elif not _format_ok(d, formats):
                 out.append(f"{d.shard_id} holds {d.weights_format} weights; the call accepts "
                            f"{', '.join(sorted(formats or ()))} (params.weights)")

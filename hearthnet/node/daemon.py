@@ -61,6 +61,7 @@ from hearthnet.distributed_inference.descriptors import (
 )
 from hearthnet.distributed_inference.generation import PromptLimits, SamplingParams
 from hearthnet.distributed_inference.health import ShardHealthTracker
+from hearthnet.distributed_inference.liveness import HostLiveness
 from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
 from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
 from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
@@ -156,6 +157,10 @@ class Node:
                                 tracker=self.health)
         self.store.rebuild(self.log.all_events())
         self.log.subscribe(self.store.apply)
+        # every node probes the hosts it sees advertised (issue 15 §6, issue 17 §2)
+        self.liveness = HostLiveness(self.store, self.node_id,
+                                     interval_s=cfg.di.host_probe_interval_seconds,
+                                     failures=cfg.di.host_probe_failures)
         self.placement = PlacementView(self.guard.is_steward)
         self.placement.rebuild(self.log.all_events())
         self.log.subscribe(self.placement.apply)
@@ -183,7 +188,8 @@ class Node:
         await self._start_shards()
         self.router = ShardRouter(self.store, RoutingSettings.from_config(cfg.di), self.health,
                                   self_node_id=self.node_id,
-                                  host_allowed=self.guard.host_allowed)
+                                  host_allowed=self.guard.host_allowed,
+                                  host_down=self.liveness.is_down)
         self.orchestrator = PipelineOrchestrator(
             models=self.models, router=self.router, health=self.health,
             metrics=self.metrics, connect=self._connect, executor=self.executor,
@@ -216,6 +222,7 @@ class Node:
                 on_found=lambda _nid, uri: self._link(uri))
             await self.discovery.start()
         self.supervisor.spawn("heartbeat", self._heartbeat_loop)  # issue 14 §6
+        self.supervisor.spawn("liveness", self.liveness.run)
         self._metrics_server: Any = None
         if cfg.node.metrics_port:  # a plain-HTTP /metrics for a LAN Prometheus (TLS-free)
             from prometheus_client import start_http_server
@@ -239,8 +246,8 @@ class Node:
         write_state(data, {k: v for k, v in ready.items() if k != "event"})
         print(json.dumps(ready), flush=True)
         if cfg.auto_hosting:  # shards = "auto" (issue 17)
-            self.auto = AutoHost(cfg, log_=self.log, store=self.store, health=self.health,
-                                 models=self.models, host=self, view=self.placement)
+            self.auto = AutoHost(cfg, log_=self.log, store=self.store, models=self.models,
+                                 host=self, view=self.placement, liveness=self.liveness)
             self.auto.start()
 
     async def _start_shards(self) -> None:

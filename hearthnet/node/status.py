@@ -42,7 +42,10 @@ async def mesh_status(node: Any) -> dict[str, Any]:
             "device": d.device, "device_name": d.device_name,
             "device_memory_mb": d.device_memory_mb, "vram_required_mb": d.vram_required_mb,
             "auto": node.placement.auto_shard(d.shard_id)})  # automatic placement (issue 17)
-        nodes.setdefault(d.host, {"node_id": d.host, "self": False, "endpoint": d.endpoint})
+        nodes.setdefault(d.host, {"node_id": d.host, "self": False, "endpoint": d.endpoint,
+                                  "online": True, "reason": None})
+        if d.host != node.node_id and state == "offline":  # its listener or link is gone
+            nodes[d.host].update(online=False, reason=reason)
     models = []
     for e in node.models.entries():
         covered: dict[int, list[str]] = {i: [] for i in range(e.num_layers)}
@@ -83,6 +86,10 @@ def _state(node: Any, shard_id: str, host: str, links: dict[str, tuple[bool, flo
     link = links.get(host)
     if link is not None and not link[0] and host != node.node_id:
         return "offline", f"gossip link to {host} lost {now - link[1]:.0f} s ago"
+    liveness = getattr(node, "liveness", None)  # every node probes hosts (issue 15 §6)
+    down = liveness.reason(host, now) if liveness is not None else None
+    if down is not None:
+        return "offline", down
     view = node.health.view(shard_id)
     if view is not None and view.suspect:
         return "suspect", f"{view.suspect_reason} (routing avoids it for " \

@@ -1,10 +1,12 @@
-"""`HostProber` (issue 17 §2): a host is down after N failed probes, up again at once."""
+"""`HostProber` (issue 15 §6, issue 17 §2): a host is down after N failed probes, up again at
+once; `layer_params` from the safetensors header."""
 
 from __future__ import annotations
 
 import asyncio
 
-from hearthnet.distributed_inference.autohost import HostProber, layer_params
+from hearthnet.distributed_inference.autohost import layer_params
+from hearthnet.distributed_inference.liveness import HostProber
 
 
 async def test_prober_marks_down_after_n_failures_and_up_again():

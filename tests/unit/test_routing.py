@@ -267,6 +267,27 @@ async def test_offline_shards_are_avoided() -> None:
     assert await no_tracker.pick(reserve=False) == ["node-c:0-15"]
 
 
+async def test_shards_of_a_probed_down_host_are_never_picked() -> None:
+    """Issue 15 §6: a host whose listener refuses the liveness probe is skipped at once (not
+    only ranked last like a suspect), and the error names why."""
+    down = {"node-b"}
+    m = Mesh()
+    m.router.host_down = down.__contains__
+    m.add(0, 15, "node-b")
+    m.add(0, 15, "node-c", queue=5)
+    assert await m.pick(reserve=False) == ["node-c:0-15"]
+    lonely = Mesh()
+    lonely.router.host_down = down.__contains__
+    lonely.add(0, 7, "node-c")
+    lonely.add(8, 15, "node-b")
+    with pytest.raises(ShardUnavailable) as e:
+        await lonely.pick(reserve=False)
+    assert e.value.details["uncovered"] == [[8, 15]]
+    assert "host node-b refuses connections (probed down)" in e.value.message
+    down.clear()  # reachable again: used again
+    assert await lonely.pick(reserve=False) == ["node-c:0-7", "node-b:8-15"]
+
+
 async def test_shard_claiming_layers_beyond_the_model_is_ignored() -> None:
     m = Mesh()
     m.add(0, 40, "node-b")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from hearthnet.commands.status import render
 from hearthnet.distributed_inference.health import ShardHealthTracker
+from hearthnet.distributed_inference.liveness import HostLiveness
+from hearthnet.mesh.launcher import free_port
 from hearthnet.node.status import _peers, _state
 
 SID = "m:15-29@node-c"
@@ -30,6 +33,30 @@ def test_online_suspect_offline_each_with_a_reason():
     links = {"node-c": (False, clock[0] - 3)}  # its gossip link dropped: a killed host
     assert _state(node, SID, "node-c", links, clock[0]) == \
         ("offline", "gossip link to node-c lost 3 s ago")
+
+
+async def test_a_host_refusing_the_liveness_probe_is_offline_at_once():
+    """Issue 15 §6: no gossip link of our own to the host (a chain A-B-C) and its heartbeat
+    still fresh, but its listener refuses connections: offline, with the probe as reason."""
+    clock = [time.time()]
+    node = _node(clock)
+    node.health.heartbeat(SID, at=clock[0])
+    node.liveness = HostLiveness(SimpleNamespace(live=lambda: [_ad("node-c", free_port())]),
+                                 "node-a", interval_s=2.0, failures=2)
+    assert _state(node, SID, "node-c", {}, clock[0]) == ("online", None)
+    seen: list[bool] = []
+    node.liveness.on_change(lambda: seen.append(True))
+    assert not await node.liveness.probe_once()  # one refusal is not enough
+    assert await node.liveness.probe_once() and seen == [True]
+    state, why = _state(node, SID, "node-c", {}, clock[0] + 3)
+    assert state == "offline" and why == \
+        "host node-c refuses connections (TCP probe failed 2x in a row, 3 s ago)"
+    assert node.liveness.down_hosts() == ["node-c"]
+
+
+def _ad(host: str, port: int) -> SimpleNamespace:
+    return SimpleNamespace(descriptor=SimpleNamespace(host=host,
+                                                      endpoint=f"wss://127.0.0.1:{port}"))
 
 
 def test_a_relay_lists_its_incoming_peers():
