@@ -60,7 +60,6 @@ bench: install
 	$(HN) bench api --json
 	$(HN) bench placement --json
 	HEARTHNET_WIRE_REPORT=1 $(PY) -m pytest -q -s -p no:timeout tests/integration/test_wire_report.py  # issue 11
-	HEARTHNET_REBALANCE_TEST=1 $(PY) -m pytest -q tests/integration/test_autohost_rebalance.py  # issue 17, quarantined from make test
 	$(HN) bench quality --json
 	$(HN) models synth qwen2.5-1.5b
 	$(HN) models synth qwen2.5-3b

@@ -7,25 +7,32 @@ branch for any of it. `tests.helpers.testnode` installs it in a node process.
 
     {"mode": "nan", "after_steps": 5, "shard": "0-14", "delay_s": 1.0}
 
-- mode: exit | nan | garbage | wrong_shape | slow | hang | close_mid_frame
+- mode: exit | nan | garbage | wrong_shape | slow | hang | close_mid_frame | gate
 - after_steps: misbehave from the shard's (after_steps+1)-th step on (default 0)
 - shard: only the hosted shard with these layers (default: every shard)
 - delay_s: for "slow", seconds per step
+- gate_file: for "gate", each due reply waits until this file exists — the test holds a call
+  open for as long as it needs and then lets it finish (the wait is asynchronous: the node's
+  event loop and compute thread keep working, e.g. loading another shard)
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from hearthnet.distributed_inference.shard import OpenRequest, ShardServer
 
-MODES = ("exit", "nan", "garbage", "wrong_shape", "slow", "hang", "close_mid_frame")
+MODES = ("exit", "nan", "garbage", "wrong_shape", "slow", "hang", "close_mid_frame", "gate")
+STREAM_MODES = ("close_mid_frame", "gate")  # faults of the session's stream, not the forward
+GATE_POLL_S = 0.05
 
 
 class Fault:
@@ -37,6 +44,7 @@ class Fault:
             raise ValueError(f"fault mode must be one of {MODES}, not {self.mode!r}")
         self.after = int(spec.get("after_steps", 0))
         self.delay = float(spec.get("delay_s", 1.0))
+        self.gate = Path(spec["gate_file"]) if self.mode == "gate" else None
         self._n = 0
         self._lock = threading.Lock()
 
@@ -93,20 +101,24 @@ class FaultyStack:
         return getattr(self.inner, name)
 
 
-class MidFrameStream:
-    """A session stream whose reply, once due, is half a frame and a dropped socket."""
+class FaultyStream:
+    """A session stream whose replies, once due, misbehave: ``close_mid_frame`` sends half a
+    frame and drops the socket; ``gate`` waits for the gate file, then replies."""
 
     def __init__(self, inner: Any, fault: Fault) -> None:
         self.inner, self.fault = inner, fault
 
     async def send_step(self, step: int, start_pos: int, tensor: torch.Tensor,
                         **kw: Any) -> None:
-        if not self.fault.tick():
-            await self.inner.send_step(step, start_pos, tensor, **kw)
-            return
-        transport = self.inner.connection.transport
-        transport.write(b"\x82\x7e\x10\x00" + bytes(100))  # announces 4096 bytes
-        transport.abort()
+        if self.fault.tick():
+            if self.fault.gate is None:
+                transport = self.inner.connection.transport
+                transport.write(b"\x82\x7e\x10\x00" + bytes(100))  # announces 4096 bytes
+                transport.abort()
+                return
+            while not self.fault.gate.exists():
+                await asyncio.sleep(GATE_POLL_S)
+        await self.inner.send_step(step, start_pos, tensor, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -120,11 +132,11 @@ def install_faults(shard: ShardServer, spec: dict[str, Any]) -> None:
     only = spec.get("shard")
     if only and only != f"{shard.lo}-{shard.hi}":
         return
-    if fault.mode == "close_mid_frame":
+    if fault.mode in STREAM_MODES:
         serve = shard.serve_session
 
         async def serve_session(stream: Any, req: OpenRequest) -> None:
-            await serve(MidFrameStream(stream, fault), req)
+            await serve(FaultyStream(stream, fault), req)
 
         shard.serve_session = serve_session  # type: ignore[method-assign]
     else:

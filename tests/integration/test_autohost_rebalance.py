@@ -1,102 +1,147 @@
 """Rebalancing with real node processes (issue 17 §3): no gap, the open chat finishes.
 
-``node-a`` and ``node-b`` (pinned speed 1, budgets of 15 SmolLM2 layers) start together and
-split the model 0-14 / 15-29. A long chat runs through ``node-b`` (pipeline: node-a's 0-14,
-then node-b's own 15-29). Meanwhile ``node-c``, three times as fast, joins and takes 0-14
-(both halves are equally weak). Now ``node-a`` moving to 15-29 doubles the weakest coverage
-(quality 0.5 < 0.75), so its next (jittered, 1 s) rebalance check moves it: it loads 15-29,
-advertises it, withdraws 0-14 and frees it only when the chat's session on it has ended.
+``node-a`` (the steward) starts alone and takes 0-14 (budgets of 15 SmolLM2 layers, pinned
+speed 1), then ``node-b`` fills 15-29 — one at a time, so who holds which half is known
+(started together, either may win the claim on 0-14). A chat through ``node-b`` runs on
+both ranges and is then *held open*: node-b's shard 15-29 answers its first steps and then
+waits for a gate file (a test-only fault, `tests.helpers.faults`), so nothing here races
+the chat's length against the machine's load. ``node-c``, three times as fast, joins and
+takes one half (both are equally weak: the lower one, 0-14, on a view that already holds
+both advertisements). The host it joined (the
+*mover*) now doubles the weakest coverage by moving to the other half (quality 0.5 <
+0.75), so its next rebalance check (every ~1 s) loads the new range, advertises it and
+withdraws the old one — but does not free it while the held chat has a session on it.
+Coverage is watched all along: it never has a gap. Then the gate opens, the chat finishes
+on its old pipeline, and the mover frees its old range.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.mesh.bus import bus_call
-from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+from hearthnet.mesh.launcher import NodeSpec
 from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
-from tests.integration.test_autohost import _cli, _covered_by, _ranges, _wait_for
+from tests.helpers.mesh import TestMesh
+from tests.helpers.waiting import wait_for, wait_until
+from tests.integration.test_autohost import _cli, _covered_by, _ranges
 
-# Quarantined (stop 18): it passes alone every time, but inside the full suite on a fresh data
-# dir node-a twice did not move while the chat was open. Until that is understood it runs in
-# `make bench` (HEARTHNET_REBALANCE_TEST=1), not in `make test`.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not os.environ.get("HEARTHNET_REBALANCE_TEST"),
-    reason="rebalance test is flaky inside the full suite; run it with "
-           "HEARTHNET_REBALANCE_TEST=1 (make bench)")]
+pytestmark = pytest.mark.slow
 
 BUDGET = {"memory_mb": 215, "rebalance_interval_s": 1.0}  # 15 layers of SmolLM2 fp32
 PROMPT = "Write a long, detailed essay about the history of bread, with many sections."
-# SmolLM2's greedy essay runs past 700 tokens without an end-of-sequence token, so the chat
-# stays open for ~2x the time node-c needs to start and node-a to move (300 tokens was a race
-# on a quiet machine: the chat could finish first).
-CHAT_TOKENS = 700
+CHAT_TOKENS = 40
+HELD_AFTER_STEPS = 3  # node-b's 15-29 answers the prefill and two decode steps, then waits
+STATE_TIMEOUT_S = 120.0  # bounds a broken run only: every wait below is on state
 
 
 @pytest.fixture(scope="module")
-def mesh(smollm2, tmp_path_factory):
+def gate(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gate") / "open"
+
+
+@pytest.fixture(scope="module")
+def mesh(smollm2, tmp_path_factory, gate):
     di = {"allow_self_as_shard": True}
     specs = [NodeSpec("node-a", trust="steward", auto={**BUDGET, "speed": 1.0}, extra_di=di),
              NodeSpec("node-b", auto={**BUDGET, "speed": 1.0}, extra_di=di),
              NodeSpec("node-c", auto={**BUDGET, "speed": 3.0}, extra_di=di)]
-    m = LocalMesh(specs, root=tmp_path_factory.mktemp("rebalance"))
+    faults = {"node-b": {"mode": "gate", "shard": "15-29", "after_steps": HELD_AFTER_STEPS,
+                         "gate_file": str(gate)}}
+    m = TestMesh(specs, faults=faults, root=tmp_path_factory.mktemp("rebalance"))
     try:
-        for n in ("node-a", "node-b"):
-            m.start_node(n, wait=False)
-        for n in ("node-a", "node-b"):
-            m._wait_ready(m.nodes[n], 120.0)
+        m.start_node("node-a")
         r = _cli(m, "models", "serve", "smollm2", "--config", str(m.nodes["node-a"].config))
         assert r.returncode == 0, r.stderr
+        wait_for(lambda: _ranges(m.status("node-a")).get("node-a") == [[0, 14]],
+                 "node-a alone to take 0-14", STATE_TIMEOUT_S)
+        m.start_node("node-b")
         yield m
     finally:
         m.stop()
 
 
-async def test_rebalance_without_gap_and_without_failing_the_open_chat(mesh):
-    st = _wait_for(lambda: _covered_by(s := mesh.status("node-b"), {"node-a", "node-b"})
-                   and s, "node-a and node-b to split the model")
-    assert sorted(r for rs in _ranges(st).values() for r in rs) == [[0, 14], [15, 29]]
-    old = next(s["shard_id"] for s in st["shards"] if s["host"] == "node-a")
+class CoverageWatch:
+    """Polls node-b's status in the background and notes every moment with a gap."""
+
+    def __init__(self, mesh: TestMesh) -> None:
+        self.mesh = mesh
+        self.gaps: list[float] = []
+        self.last: dict[str, Any] = mesh.status("node-b")
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            s = await asyncio.to_thread(self.mesh.status, "node-b")
+            if not _covered_by(s, {"node-a", "node-b", "node-c"}):
+                self.gaps.append(time.time())
+            self.last = s
+            await asyncio.sleep(0.2)
+
+    async def until(self, cond: Callable[[dict[str, Any]], bool], what: str
+                    ) -> dict[str, Any]:
+        """Wait (bounded) until `cond` holds on the latest status; returns that status."""
+        await wait_until(lambda: cond(self.last), what, STATE_TIMEOUT_S)
+        return self.last
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+async def test_rebalance_without_gap_and_without_failing_the_open_chat(mesh, gate):
+    st = wait_for(lambda: (s := mesh.status("node-b")) and
+                  _ranges(s) == {"node-a": [[0, 14]], "node-b": [[15, 29]]} and s,
+                  "node-b to fill 15-29 next to node-a's 0-14", STATE_TIMEOUT_S)
+    shard_of = {s["host"]: s["shard_id"] for s in st["shards"]}
     frames: list[dict[str, Any]] = []
-    gaps: list[float] = []
     args = chat_args(PROMPT, "smollm2", SamplingParams(max_tokens=CHAT_TOKENS),
-                     fallback_to_local=False)
+                     fallback_to_local=False, timeout_s=600)  # a held step is no stall
 
     async def chat() -> None:
         async for f in bus_call(mesh.nodes["node-b"].uri, CHAT_CAPABILITY, args):
             frames.append(f)
-            if sum(x["type"] == "token_delta" for x in frames) == 1:
-                mesh.start_node("node-c", wait=False)
 
+    watch = CoverageWatch(mesh)
     task = asyncio.create_task(chat())
-    moved_at = None
-    while not task.done():  # watch coverage all along: it must never have a gap
-        s = await asyncio.to_thread(mesh.status, "node-b")
-        if not _covered_by(s, {"node-a", "node-b", "node-c"}):
-            gaps.append(time.time())
-        a = s["placement"]["last_rebalance"]
-        if moved_at is None and a and a["host"] == "node-a":
-            moved_at = a["at"]
-        await asyncio.sleep(0.2)
-    await task
+    try:
+        await wait_until(lambda: any(f["type"] == "token_delta" for f in frames),
+                         "the chat's first token", STATE_TIMEOUT_S)
+        mesh.start_node("node-c", wait=False)
+        st = await watch.until(lambda s: "node-c" in _ranges(s), "node-c to place")
+        joined = _ranges(st)["node-c"]  # 0-14 (a tie); 15-29 if node-c saw only node-a yet
+        mover = next(h for h, rs in _ranges(st).items() if h != "node-c" and rs == joined)
+        other = [[15, 29]] if joined == [[0, 14]] else [[0, 14]]
+        # the mover loads the other half, advertises it, withdraws its old range ...
+        await watch.until(lambda s: _ranges(s, {mover}).get(mover) == other,
+                          f"{mover} to move to {other}")
+        assert not task.done(), frames[-1]  # ... while the chat is held open on it
+        this = mesh.status(mover)["placement"]["this_node"]
+        assert this["decisions"][-1]["kind"] == "rebalance", this["decisions"]
+        assert "quality 0.50" in this["decisions"][-1]["detail"]
+        gate.touch()  # let the chat finish
+        await task
+    finally:
+        gate.touch()
+        await watch.stop()
+        task.cancel()
     done = frames[-1]
     assert done["type"] == "done" and not done.get("fallback"), done
-    assert done["failovers"] == 0 and old in done["pipeline"], done  # ran on the old range
-    assert moved_at is not None, "node-a did not move while the chat was open"
-    assert not gaps, f"coverage had a gap at {gaps}"
-    st = _wait_for(lambda: (s := mesh.status("node-b")) and
-                   _ranges(s, {"node-a"}).get("node-a") == [[15, 29]] and s,
-                   "node-a's old range to be withdrawn")
-    assert _ranges(st, {"node-c"})["node-c"] == [[0, 14]]
-    a = _wait_for(lambda: (x := mesh.status("node-a")["placement"]["this_node"])
-                  and x["decisions"][-1]["kind"] == "dropped" and x,
-                  "node-a to free its old range once the chat's session ended")
-    kinds = [d["kind"] for d in a["decisions"]]
-    assert kinds[-2:] == ["rebalance", "dropped"], a["decisions"]
-    assert "quality 0.50" in a["decisions"][-2]["detail"]
+    assert done["failovers"] == 0 and shard_of[mover] in done["pipeline"], done
+    assert sum(f["type"] == "token_delta" for f in frames) > HELD_AFTER_STEPS
+    assert not watch.gaps, f"coverage had a gap at {watch.gaps}"
+    a = wait_for(lambda: (x := mesh.status(mover)["placement"]["this_node"])
+                 and x["decisions"][-1]["kind"] == "dropped" and x,
+                 f"{mover} to free its old range once the chat's session ended",
+                 STATE_TIMEOUT_S)
+    assert [d["kind"] for d in a["decisions"]][-2:] == ["rebalance", "dropped"]
+
