@@ -10,8 +10,9 @@ for those 30 s and routes calls to it.
 ``host_probe_interval_seconds`` it opens a TCP connection to the listener of every other
 host with a live advertisement (`HostProber`), and closes it at once — no TLS handshake, no
 message. A host whose listener refuses (or does not accept within the probe timeout)
-``host_probe_failures`` times in a row is **down**; one accepted connection makes it up
-again. A down host's shards are
+``host_probe_failures`` times in a row is **down**; one accepted connection, or an
+advertisement it made after it went down (a restarted host re-advertises at once, before
+the next probe), makes it up again. A down host's shards are
 
 - **offline** in the node's status (`hearthnet status`, ``/status``, the web page,
   ``/v1/models`` coverage) with the reason (`reason`);
@@ -104,15 +105,19 @@ class HostLiveness:
         self._listeners.append(listener)
 
     def is_down(self, host: str) -> bool:
-        return self.prober.is_down(host)
+        since = self.prober.down_since.get(host)
+        if since is None:
+            return False
+        return not any(ad.descriptor.host == host and ad.seen_at > since
+                       for ad in self.store.live())
 
     def down_hosts(self) -> list[str]:
-        return sorted(self.prober.down_since)
+        return [h for h in sorted(self.prober.down_since) if self.is_down(h)]
 
     def reason(self, host: str, now: float | None = None) -> str | None:
         """Why `host` counts as down (None when it does not)."""
         since = self.prober.down_since.get(host)
-        if since is None:
+        if since is None or not self.is_down(host):
             return None
         now = time.time() if now is None else now
         return (f"host {host} refuses connections (TCP probe failed "

@@ -41,8 +41,9 @@ async def test_a_host_refusing_the_liveness_probe_is_offline_at_once():
     clock = [time.time()]
     node = _node(clock)
     node.health.heartbeat(SID, at=clock[0])
-    node.liveness = HostLiveness(SimpleNamespace(live=lambda: [_ad("node-c", free_port())]),
-                                 "node-a", interval_s=2.0, failures=2)
+    ads = [_ad("node-c", free_port(), seen_at=clock[0] - 1)]
+    node.liveness = HostLiveness(SimpleNamespace(live=lambda: ads), "node-a", interval_s=2.0,
+                                 failures=2)
     assert _state(node, SID, "node-c", {}, clock[0]) == ("online", None)
     seen: list[bool] = []
     node.liveness.on_change(lambda: seen.append(True))
@@ -52,11 +53,15 @@ async def test_a_host_refusing_the_liveness_probe_is_offline_at_once():
     assert state == "offline" and why == \
         "host node-c refuses connections (TCP probe failed 2x in a row, 3 s ago)"
     assert node.liveness.down_hosts() == ["node-c"]
+    # restarted: it re-advertises at once, before the next probe — online again
+    ads.append(_ad("node-c", free_port(), seen_at=time.time() + 1))
+    assert _state(node, SID, "node-c", {}, clock[0] + 3) == ("online", None)
+    assert node.liveness.down_hosts() == []
 
 
-def _ad(host: str, port: int) -> SimpleNamespace:
-    return SimpleNamespace(descriptor=SimpleNamespace(host=host,
-                                                      endpoint=f"wss://127.0.0.1:{port}"))
+def _ad(host: str, port: int, seen_at: float) -> SimpleNamespace:
+    return SimpleNamespace(seen_at=seen_at, descriptor=SimpleNamespace(
+        host=host, endpoint=f"wss://127.0.0.1:{port}"))
 
 
 def test_a_relay_lists_its_incoming_peers():
