@@ -30,8 +30,10 @@ import torch
 
 from hearthnet.distributed_inference.shard import OpenRequest, ShardServer
 
-MODES = ("exit", "nan", "garbage", "wrong_shape", "slow", "hang", "close_mid_frame", "gate")
-STREAM_MODES = ("close_mid_frame", "gate")  # faults of the session's stream, not the forward
+MODES = ("exit", "nan", "garbage", "wrong_shape", "slow", "hang", "close_mid_frame")
+"""The misbehaviours a caller must fail over from (`tests/integration/test_failover.py`)."""
+HOLD = "gate"  # not a failure: holds replies until the test opens the gate
+STREAM_MODES = ("close_mid_frame", HOLD)  # faults of the session's stream, not the forward
 GATE_POLL_S = 0.05
 
 
@@ -40,11 +42,11 @@ class Fault:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.mode = spec.get("mode")
-        if self.mode not in MODES:
-            raise ValueError(f"fault mode must be one of {MODES}, not {self.mode!r}")
+        if self.mode not in (*MODES, HOLD):
+            raise ValueError(f"fault mode must be one of {(*MODES, HOLD)}, not {self.mode!r}")
         self.after = int(spec.get("after_steps", 0))
         self.delay = float(spec.get("delay_s", 1.0))
-        self.gate = Path(spec["gate_file"]) if self.mode == "gate" else None
+        self.gate = Path(spec["gate_file"]) if self.mode == HOLD else None
         self._n = 0
         self._lock = threading.Lock()
 
