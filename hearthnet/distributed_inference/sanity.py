@@ -104,7 +104,8 @@ def calibrate(model_dir: Path, device: str | torch.device = "cpu",
     """Per-boundary norm bounds and magnitudes; cached in `activation_bounds.json`.
 
     Computed in fp32 on `device` (the orchestrator's head device: a GPU makes a 3B model's
-    calibration take a second, not minutes)."""
+    calibration take a second, not minutes), one decoder layer in memory at a time: its
+    peak is the embeddings plus one fp32 layer, not the whole model."""
     cached = model_dir / BOUNDS_FILE
     if cached.is_file():
         data = json.loads(cached.read_text())
@@ -119,19 +120,22 @@ def calibrate(model_dir: Path, device: str | torch.device = "cpu",
 
     entry = ModelEntry.load(model_dir)
     head = LayeredHead(entry, device=device)
-    stack = LayeredStack(entry, 0, entry.num_layers - 1, device=device)
-    peaks, absmax, embed_absmax = [0.0] * entry.num_layers, [0.0] * entry.num_layers, 0.0
-    for p in prompts:
-        ids = head.chat_prompt_ids([{"role": "user", "content": p}])
-        h = head.embed(ids)
-        embed_absmax = max(embed_absmax, float(h.abs().max()))
-        for i in range(entry.num_layers):
-            s = stack.open_session(i, i, len(ids))
-            h = s.forward(h, 0)
+    hidden = [head.embed(head.chat_prompt_ids([{"role": "user", "content": p}]))
+              for p in prompts]
+    del head  # only the embeddings were needed
+    embed_absmax = max(float(h.abs().max()) for h in hidden)
+    peaks, absmax = [0.0] * entry.num_layers, [0.0] * entry.num_layers
+    # One layer in memory at a time (issue 12): the orchestrator of a 7B model must not
+    # need the whole model in fp32 (30 GB) to calibrate; all prompts pass layer i together.
+    for i in range(entry.num_layers):
+        layer = LayeredStack(entry, i, i, device=device)
+        for j, h in enumerate(hidden):
+            s = layer.open_session(i, i, h.shape[1])
+            hidden[j] = h = s.forward(h, 0)
+            s.close()
             peaks[i] = max(peaks[i], float(h.float().norm(dim=-1).max()))
             absmax[i] = max(absmax[i], float(h.abs().max()))
-            s.close()
-    del stack, head
+        del layer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand the model's memory back for the shards on this GPU
     cal = Calibration([x * MARGIN for x in peaks], absmax, embed_absmax)

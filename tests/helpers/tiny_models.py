@@ -49,6 +49,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+TINY_QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 50000, "tie_word_embeddings": False,
+              "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
+              "torch_dtype": "bfloat16"}
+"""A tiny Qwen2 config.json for `write_synthetic` (models written in bf16, as `synth` does)."""
+
 def tiny_config(family: str, *, layers: int = 6, vocab_size: int = 49152,
                 head_dim: int = 16) -> Any:
     """The scaled-down transformers config of `family`."""

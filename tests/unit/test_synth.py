@@ -14,12 +14,9 @@ from hearthnet.errors import BadRequest
 from hearthnet.models.hashing import file_sha256, weights_sha256
 from hearthnet.models.store import ModelStore
 from hearthnet.models.synth import SHAPES, shape_config, tensor_plan, write_synthetic
+from tests.helpers.tiny_models import TINY_QWEN2
 
-TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 50000, "tie_word_embeddings": False,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
-        "torch_dtype": "bfloat16"}
+TINY = TINY_QWEN2
 
 
 def _tiny(store: ModelStore, smollm2, alias: str = "tiny", seed: int = 0, **kw):

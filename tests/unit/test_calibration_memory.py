@@ -1,0 +1,52 @@
+"""Calibration holds one decoder layer at a time (issue 12: an orchestrator of a 7B model
+must not need the whole model in fp32 to calibrate its sanity bounds and wire plan)."""
+
+from __future__ import annotations
+
+import torch
+
+from hearthnet.distributed_inference.backends import small_model_layered as sml
+from hearthnet.distributed_inference.sanity import CALIBRATION_PROMPTS, MARGIN, calibrate
+from hearthnet.models.store import ModelStore
+from hearthnet.models.synth import write_synthetic
+from tests.helpers.tiny_models import TINY_QWEN2
+
+TINY = {**TINY_QWEN2, "num_hidden_layers": 4}
+
+
+def _whole_model_reference(entry) -> tuple[list[float], list[float]]:
+    """Bounds and absmax computed the simple way: every layer of the model in one stack."""
+    head, stack = sml.LayeredHead(entry), sml.LayeredStack(entry, 0, entry.num_layers - 1)
+    peaks, absmax = [0.0] * entry.num_layers, [0.0] * entry.num_layers
+    for p in CALIBRATION_PROMPTS:
+        ids = head.chat_prompt_ids([{"role": "user", "content": p}])
+        h = head.embed(ids)
+        for i in range(entry.num_layers):
+            s = stack.open_session(i, i, len(ids))
+            h = s.forward(h, 0)
+            s.close()
+            peaks[i] = max(peaks[i], float(h.float().norm(dim=-1).max()))
+            absmax[i] = max(absmax[i], float(h.abs().max()))
+    return [x * MARGIN for x in peaks], absmax
+
+
+def test_calibration_loads_one_layer_at_a_time_and_matches_the_whole_model(
+        tmp_path, smollm2, monkeypatch):
+    torch.set_num_threads(1)
+    entry = write_synthetic(ModelStore(tmp_path), "tiny", TINY, seed=3,
+                            model_id="hearthnet-synthetic/tiny", tokenizer_from=smollm2.path,
+                            source="test")
+    ranges: list[tuple[int, int]] = []
+    real = sml.LayeredStack
+
+    class Spy(real):  # type: ignore[misc,valid-type]
+        def __init__(self, e, lo, hi, *a, **kw):
+            ranges.append((lo, hi))
+            super().__init__(e, lo, hi, *a, **kw)
+
+    monkeypatch.setattr(sml, "LayeredStack", Spy)
+    cal = calibrate(entry.path)
+    monkeypatch.setattr(sml, "LayeredStack", real)
+    assert ranges == [(i, i) for i in range(entry.num_layers)]  # never two layers at once
+    bounds, absmax = _whole_model_reference(entry)
+    assert cal.bounds == bounds and cal.absmax == absmax  # the same figures as before
