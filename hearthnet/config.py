@@ -188,6 +188,10 @@ class DistributedInferenceSection(_Section):
     # `weights` is the default minimum format of the shards a call accepts
     head_weights: WeightFormat = "fp32"
     weights: CallWeights = "int8"
+    # load every stored model's head (+ calibration) at start, so the first call does not
+    # wait; false on a host that only serves shards of a large model: its memory is for its
+    # layers (a 7B head in fp32 is 4.4 GB), and a call through it still loads the head then
+    prepare_heads_at_start: bool = True
     allow_self_as_shard: bool = False
     max_concurrent_pipelines: Annotated[int, Field(ge=1)] = 4
     fallback_after_failures: Annotated[int, Field(ge=1)] = 2  # M26 §5.4

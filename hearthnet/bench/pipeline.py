@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     on_device = {"extra_host": {"device": args.device, "weights": args.weights},
                  "extra_di": {"head_device": args.device, "head_weights": head}}
     specs = [NodeSpec("node-a", **on_device)] + [  # type: ignore[arg-type]
-        NodeSpec(f"node-{chr(ord('b') + i)}", [r], **on_device)  # type: ignore[arg-type]
+        NodeSpec(f"node-{chr(ord('b') + i)}", [r], extra_host=on_device["extra_host"],
+                 extra_di={**on_device["extra_di"], "prepare_heads_at_start": False})
         for i, r in enumerate(ranges)]
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="hearthnet-bench-"))

@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     ranges = split_layers(entry.num_layers, args.shards)
     whole = model_bytes(entry, args.weights) / 2**20
     specs = [NodeSpec("node-a", extra_di={"head_weights": head_format(args.weights)})] + [
-        NodeSpec(f"node-{chr(ord('b') + i)}", [r], extra_host={"weights": args.weights})
+        NodeSpec(f"node-{chr(ord('b') + i)}", [r], extra_host={"weights": args.weights},
+                 extra_di={"prepare_heads_at_start": False})  # a shard host: layers only
         for i, r in enumerate(ranges)]
     f: dict[str, Any] = {
         "benchmark": "reach", "model": args.model, "model_id": entry.model_id,

@@ -232,7 +232,8 @@ class Node:
                 self._metrics_server, _ = start_http_server(
                     cfg.node.metrics_port, addr=cfg.node.listen_host,
                     registry=self.metrics.registry)
-        if cfg.distributed_enabled:  # load heads + sanity bounds now, not in the first call
+        if cfg.distributed_enabled and cfg.di.prepare_heads_at_start:
+            # load heads + sanity bounds now, not in the first call
             self.supervisor.spawn("prepare", self._prepare_models)  # idempotent: retried
         await self._start_api()
         for w in cfg.warnings():

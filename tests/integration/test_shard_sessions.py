@@ -48,8 +48,10 @@ def reference(local_answer) -> list[int]:
 
 @pytest.fixture(scope="module")
 def mesh(smollm2):
-    with TestMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 14)]),
-                    NodeSpec("node-c", [(15, 29)])]) as m:
+    # node-b is a shard-only host: it loads no head at start (issue 12, `bench reach`)
+    with TestMesh([NodeSpec("node-a"),
+                   NodeSpec("node-b", [(0, 14)], extra_di={"prepare_heads_at_start": False}),
+                   NodeSpec("node-c", [(15, 29)])]) as m:
         yield m
 
 
@@ -211,3 +213,11 @@ async def test_killed_caller_process_frees_every_session(mesh):
     assert seen == [1, 1]  # each shard held the call's session when the caller died
     await _wait_for(lambda: _gauge(mesh, "node-b") == 0 and _gauge(mesh, "node-c") == 0,
               "the shards to free the dead caller's sessions")
+
+
+def test_a_shard_only_host_loads_no_head_at_start(mesh):
+    """`prepare_heads_at_start = false` keeps a shard host's memory for its layers (a 7B
+    head in fp32 is 4.4 GB); the orchestrating node still prepares its heads at start."""
+    assert "head_load_started" in mesh.log_text("node-a")
+    assert "head_load_started" not in mesh.log_text("node-b")
+    assert "head_load_started" in mesh.log_text("node-c")
