@@ -105,7 +105,7 @@ def calibrate(model_dir: Path, device: str | torch.device = "cpu",
 
     Computed in fp32 on `device` (the orchestrator's head device: a GPU makes a 3B model's
     calibration take a second, not minutes), one decoder layer in memory at a time: its
-    peak is the embeddings plus one fp32 layer, not the whole model."""
+    peak is the embeddings plus one fp32 layer, not the whole model (nor its lm_head)."""
     cached = model_dir / BOUNDS_FILE
     if cached.is_file():
         data = json.loads(cached.read_text())
@@ -119,10 +119,10 @@ def calibrate(model_dir: Path, device: str | torch.device = "cpu",
     from hearthnet.models.store import ModelEntry
 
     entry = ModelEntry.load(model_dir)
-    head = LayeredHead(entry, device=device)
+    head = LayeredHead(entry, device=device, lm_head=False)
     hidden = [head.embed(head.chat_prompt_ids([{"role": "user", "content": p}]))
               for p in prompts]
-    del head  # only the embeddings were needed
+    del head
     embed_absmax = max(float(h.abs().max()) for h in hidden)
     peaks, absmax = [0.0] * entry.num_layers, [0.0] * entry.num_layers
     # One layer in memory at a time (issue 12): the orchestrator of a 7B model must not

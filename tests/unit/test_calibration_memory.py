@@ -44,9 +44,20 @@ def test_calibration_loads_one_layer_at_a_time_and_matches_the_whole_model(
             ranges.append((lo, hi))
             super().__init__(e, lo, hi, *a, **kw)
 
+    heads: list[int] = []
+    real_head = sml.LayeredHead
+
+    class HeadSpy(real_head):  # type: ignore[misc,valid-type]
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            heads.append(self.lm_head_weight.numel())
+
     monkeypatch.setattr(sml, "LayeredStack", Spy)
+    monkeypatch.setattr(sml, "LayeredHead", HeadSpy)
     cal = calibrate(entry.path)
     monkeypatch.setattr(sml, "LayeredStack", real)
+    monkeypatch.setattr(sml, "LayeredHead", real_head)
     assert ranges == [(i, i) for i in range(entry.num_layers)]  # never two layers at once
+    assert heads == [0]  # embeddings only: no lm_head loaded to calibrate
     bounds, absmax = _whole_model_reference(entry)
     assert cal.bounds == bounds and cal.absmax == absmax  # the same figures as before

@@ -549,7 +549,9 @@ class LayeredHead:
     """The orchestrator's part of a model: tokenizer, embeddings, final norm, lm_head."""
 
     def __init__(self, entry: ModelEntry, weights: str | torch.dtype = "fp32",
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", *, lm_head: bool = True) -> None:
+        """`lm_head=False`: tokenizer, embeddings and norm only (calibration embeds prompts
+        and never needs logits; an untied 7B lm_head is 2.2 GB in fp32)."""
         from transformers import AutoTokenizer
 
         self.format = resolve_format(format_name(weights), entry.dtype)
@@ -579,7 +581,10 @@ class LayeredHead:
         # Gemma-2's final-logit soft-capping, applied as its CausalLM head does
         cap = getattr(self.config, "final_logit_softcapping", None)
         self.final_logit_softcapping: float | None = float(cap) if cap else None
-        self._load_lm_head(reader)
+        self.lm_head_q: Int8Linear | None = None
+        self.lm_head_weight: torch.Tensor = torch.empty(0)
+        if lm_head:
+            self._load_lm_head(reader)
         self.eos_token_ids = self._eos_ids()
         del base
 
@@ -599,8 +604,6 @@ class LayeredHead:
     def _load_lm_head(self, reader: _WeightsReader) -> None:
         tied = "lm_head.weight" not in reader.index or bool(
             getattr(self.config, "tie_word_embeddings", False))  # M26: lm_head tied or not
-        self.lm_head_q: Int8Linear | None = None
-        self.lm_head_weight: torch.Tensor = torch.empty(0)
         if self.format == "int8":
             self.lm_head_q = self.embed_q if tied else Int8Linear(
                 reader.read(["lm_head.weight"])["lm_head.weight"], None)
