@@ -20,8 +20,9 @@ async def mesh_status(node: Any) -> dict[str, Any]:
     """A JSON-safe snapshot of what `node` knows."""
     now = time.time()
     shards = []
-    nodes: dict[str, dict[str, Any]] = {node.node_id: {"node_id": node.node_id, "self": True,
-                                                      "endpoint": node.endpoint}}
+    nodes: dict[str, dict[str, Any]] = {node.node_id: {
+        "node_id": node.node_id, "self": True, "endpoint": node.endpoint, "online": True,
+        "reason": None}}
     links = getattr(node, "peer_links", {})
     for ad in node.store.live():
         d = ad.descriptor
