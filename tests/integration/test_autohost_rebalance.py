@@ -51,9 +51,11 @@ def gate(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def mesh(smollm2, tmp_path_factory, gate):
     di = {"allow_self_as_shard": True}
-    specs = [NodeSpec("node-a", trust="steward", auto={**BUDGET, "speed": 1.0}, extra_di=di),
-             NodeSpec("node-b", auto={**BUDGET, "speed": 1.0}, extra_di=di),
-             NodeSpec("node-c", auto={**BUDGET, "speed": 3.0}, extra_di=di)]
+    # a held session is idle on the stages before the gate: not "stalled" while held
+    host = {"session_idle_timeout_seconds": STATE_TIMEOUT_S * 5}
+    specs = [NodeSpec(n, trust="steward" if n == "node-a" else "trusted", extra_di=di,
+                      auto={**BUDGET, "speed": speed}, extra_host=host)
+             for n, speed in (("node-a", 1.0), ("node-b", 1.0), ("node-c", 3.0))]
     faults = {"node-b": {"mode": "gate", "shard": "15-29", "after_steps": HELD_AFTER_STEPS,
                          "gate_file": str(gate)}}
     m = TestMesh(specs, faults=faults, root=tmp_path_factory.mktemp("rebalance"))
