@@ -66,8 +66,12 @@ def _canonical(obj: Any, depth: int, max_depth: int) -> Any:
 
 
 def unpackb(data: bytes, *, max_depth: int = MAX_DEPTH) -> Any:
-    """Decode one msgpack object; `ValueError` when malformed or nested over `max_depth`."""
-    obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    """Decode one msgpack object; `ValueError` when malformed or nested over `max_depth`
+    (and never anything else: msgpack's own `UnpackException`s are ValueErrors here)."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except msgpack.UnpackException as e:
+        raise ValueError(f"malformed msgpack: {e}") from e
     check_depth(obj, max_depth)
     return obj
 

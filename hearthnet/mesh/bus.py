@@ -17,7 +17,6 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
-import msgpack
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
@@ -74,11 +73,7 @@ class CapabilityBus:
         capability = None
         label, result = "malformed", "error"
         try:
-            raw = await ws.recv()
-            req = safe_msgpack.unpackb(raw) if isinstance(raw, bytes) else None
-            if not isinstance(req, dict) or not isinstance(req.get("capability"), str) \
-                    or not isinstance(req.get("args", {}), dict):
-                raise BadRequest("a bus call is a msgpack map {capability, args}")
+            req = _request(await ws.recv())
             capability = req["capability"]
             label = capability if capability in self._handlers else "unknown"
             if authorize is not None:
@@ -100,8 +95,6 @@ class CapabilityBus:
             await _send_error(ws, e)
         except ConnectionClosed:
             log.info("bus_caller_gone")
-        except (ValueError, msgpack.UnpackException) as e:
-            await _send_error(ws, BadRequest(f"malformed bus call: {e}"))
         except Exception:  # a bug: the caller gets a typed ending, the log the traceback
             log.exception("bus_call_failed", capability=capability)
             await _send_error(ws, InternalError(
@@ -111,6 +104,18 @@ class CapabilityBus:
                 self.metrics.bus_calls_total.labels(label, caller or "local", result).inc()
             with contextlib.suppress(Exception):
                 await ws.close()
+
+
+def _request(raw: bytes | str) -> dict[str, Any]:
+    """A bus call's request map; `BadRequest` for anything else (before any work)."""
+    try:
+        req = safe_msgpack.unpackb(raw) if isinstance(raw, bytes) else None
+    except ValueError as e:
+        raise BadRequest(f"malformed bus call: {e}") from None
+    if not isinstance(req, dict) or not isinstance(req.get("capability"), str) \
+            or not isinstance(req.get("args", {}), dict):
+        raise BadRequest("a bus call is a msgpack map {capability, args}")
+    return req
 
 
 async def bus_call(uri: str, capability: str, args: dict[str, Any], *,
@@ -144,7 +149,7 @@ def _frame(raw: bytes | str) -> dict[str, Any]:
     """One frame of a bus reply; `ProtocolError` unless it is a msgpack map."""
     try:
         frame = safe_msgpack.unpackb(raw) if isinstance(raw, bytes) else None
-    except (ValueError, msgpack.UnpackException) as e:
+    except ValueError as e:
         raise ProtocolError(f"malformed bus frame: {e}") from None
     if not isinstance(frame, dict):
         raise ProtocolError("a bus frame is a msgpack map")

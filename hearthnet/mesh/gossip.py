@@ -131,7 +131,7 @@ def decode_message(data: bytes | str) -> GossipMessage:
         raise ProtocolError(f"gossip message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         msg = safe_msgpack.unpackb(data)
-    except Exception as e:  # msgpack raises several unrelated types
+    except ValueError as e:  # all that safe_msgpack raises for malformed input
         raise ProtocolError(f"gossip message is not msgpack: {type(e).__name__}") from None
     if not isinstance(msg, dict):
         raise ProtocolError("gossip message is not a map")

@@ -38,6 +38,7 @@ from hearthnet.errors import (
     BadRequest,
     FrameTooLarge,
     HearthNetError,
+    InternalError,
     ProtocolError,
     error_from_code,
 )
@@ -223,13 +224,16 @@ class PongReceived:
 
 @dataclass(frozen=True, slots=True)
 class ProtocolFailed:
-    """The peer broke the protocol; a fatal ERROR frame is queued for it (§7).
+    """The stream failed on received data; a fatal ERROR frame is queued for the peer (§7).
 
-    The I/O layer should send `StreamProtocol.data_to_send` and close the WebSocket with
-    ``close_code``.
+    ``error`` is a `ProtocolError` (or `FrameTooLarge`) when the peer broke the protocol,
+    and an `InternalError` (close code 1011, the unexpected exception as its
+    ``__cause__``) when this parser itself failed: a bug is never passed off as the
+    peer's fault. The I/O layer should send `StreamProtocol.data_to_send` and close the
+    WebSocket with ``close_code``.
     """
 
-    error: ProtocolError
+    error: ProtocolError | InternalError
     close_code: int
 
 
@@ -554,10 +558,13 @@ class StreamProtocol:
             self.state = nxt  # handlers raise on failure, so this runs only on success
         except ProtocolError as exc:
             self._fail_received(exc)
-        except Exception as exc:  # safety net: the receive path never raises (§7)
-            err = ProtocolError(f"could not process a frame from the peer: {exc!r}")
+        except Exception as exc:  # safety net: the receive path never raises (§7) ...
+            # ... but a bug is not the peer's protocol error: it fails the stream as
+            # `internal` (close 1011), its cause attached for the I/O layer's log
+            err = InternalError(f"this node could not process a frame: {type(exc).__name__}")
             err.__cause__ = exc
-            self._fail_received(err)
+            self.fail(err, CloseCode.INTERNAL_ERROR)
+            self._events.append(ProtocolFailed(err, CloseCode.INTERNAL_ERROR))
 
     def _receive_chunk(self, data: bytes | bytearray | memoryview) -> None:
         # PROTOCOL.md §6: the peer may only send while it holds credit.
@@ -732,7 +739,7 @@ def _unpack_map(data: bytes | bytearray | memoryview, offset: int, what: str) ->
     try:
         # msgpack caps every declared length at the input size: no allocation bombs.
         obj = safe_msgpack.unpackb(bytes(data[offset:]))
-    except Exception as exc:  # msgpack raises several unrelated types
+    except ValueError as exc:  # all that safe_msgpack raises for malformed input
         raise ProtocolError(f"{what} frame body is not valid msgpack: {exc}") from exc
     if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
         raise ProtocolError(f"{what} frame body is not a map with str keys")

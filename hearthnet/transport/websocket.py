@@ -246,8 +246,12 @@ class _Session:
             if fut is not None and not fut.done():
                 fut.set_result(None)
         elif type(event) is ProtocolFailed:
-            _log.warning("tensor stream protocol failure", stream_id=self._proto.stream_id,
-                         code=event.error.code, reason=event.error.message)
+            if isinstance(event.error, InternalError):  # our bug: its traceback in our log
+                _log.error("tensor stream parser failed", stream_id=self._proto.stream_id,
+                           exc_info=event.error.__cause__)
+            else:
+                _log.warning("tensor stream protocol failure", stream_id=self._proto.stream_id,
+                             code=event.error.code, reason=event.error.message)
             self._terminate(event.error, event.close_code, event.error.code)
         elif not self._handshake.done():  # OpenRequested or Accepted
             self._handshake.set_result(event)

@@ -126,3 +126,14 @@ async def test_an_unreachable_node_is_connection_lost() -> None:
     with pytest.raises(ConnectionLost, match="cannot reach"):
         [f async for f in bus_call(f"ws://127.0.0.1:{free_port()}", "ok", {},
                                    open_timeout=5)]
+
+
+async def test_a_handlers_value_error_is_internal_not_the_callers_bad_request() -> None:
+    """Only the request's own decoding makes a `bad_request`: a ValueError (or TypeError)
+    raised by a capability is a bug on this node, reported as ``internal``."""
+    bus = _bus()
+    bus.register("value_bug", lambda args: _frames(1, ValueError("not the caller's fault")))
+    bus.register("type_bug", lambda args: _frames(0, TypeError("unpackable")))
+    for capability in ("value_bug", "type_bug"):
+        frames = await _call(bus.serve_connection, capability)
+        assert frames[-1]["type"] == "error" and frames[-1]["code"] == "internal", frames
