@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,6 +27,7 @@ from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 from tests.helpers.browser import Browser, chromium_path
+from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -59,16 +59,6 @@ def _start(m: LocalMesh, ids: list[str]) -> None:
 def _cli(m: LocalMesh, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "hearthnet.cli", *args], text=True,
                           capture_output=True, timeout=60, env=dict(os.environ))
-
-
-def _wait_for(cond: Callable[[], Any], what: str, timeout: float = 90.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _ranges(st: dict[str, Any], hosts: set[str] | None = None) -> dict[str, list[list[int]]]:
@@ -110,8 +100,9 @@ def test_three_automatic_nodes_cover_the_model(mesh):
     r = _cli(mesh, "models", "serve", "smollm2", "--config", str(mesh.nodes["node-s"].config))
     assert r.returncode == 0, r.stderr
     assert "smollm2" in r.stdout
-    st = _wait_for(lambda: _covered_by(s := mesh.status("node-b"), set(ALL))
-                   and len(_ranges(s)) == 3 and s, "three automatic hosts to cover smollm2")
+    st = wait_for(lambda: _covered_by(s := mesh.status("node-b"), set(ALL))
+                  and len(_ranges(s)) == 3 and s, "three automatic hosts to cover smollm2",
+                  timeout=90)
     ranges = _ranges(st)
     assert sorted(ranges) == sorted(ALL)
     flat = sorted(r for rs in ranges.values() for r in rs)
@@ -129,8 +120,8 @@ async def test_killed_host_is_rehosted_within_the_goal(mesh):
     lost = _ranges(mesh.status("node-s"))[victim]
     t0 = time.monotonic()
     mesh.kill(victim)
-    _wait_for(lambda: _covered_by(mesh.status("node-s"), {"node-s", "node-b"}),
-              "the lost range to be re-hosted", timeout=90)
+    wait_for(lambda: _covered_by(mesh.status("node-s"), {"node-s", "node-b"}),
+             "the lost range to be re-hosted", timeout=90)
     took = time.monotonic() - t0
     print(f"\nre-hosted {lost} of {victim} in {took:.1f} s (goal {REHOST_GOAL_S} s)")
     assert took <= REHOST_GOAL_S
@@ -145,9 +136,9 @@ async def test_killed_host_is_rehosted_within_the_goal(mesh):
 
 def test_two_nodes_starting_together_take_different_ranges(mesh):
     _start(mesh, ["node-d", "node-e"])
-    st = _wait_for(lambda: (s := mesh.status("node-s")) and
-                   {"node-d", "node-e"} <= set(_ranges(s)) and s,
-                   "node-d and node-e to place")
+    st = wait_for(lambda: (s := mesh.status("node-s")) and
+                  {"node-d", "node-e"} <= set(_ranges(s)) and s,
+                  "node-d and node-e to place", timeout=90)
     got = _ranges(st, {"node-d", "node-e"})
     assert got["node-d"] != got["node-e"], got
 

@@ -12,25 +12,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from hearthnet.bench.pipeline import split_layers
+from tests.helpers.processes import alive, interrupt, wait_all_gone
 
 CLI = [sys.executable, "-m", "hearthnet.cli"]
 
 
 def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-
-
-def _alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie is not running)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _procs_mentioning(text: str) -> list[int]:
@@ -43,7 +34,7 @@ def _procs_mentioning(text: str) -> list[int]:
                     out.append(int(d.name))
             except OSError:
                 continue
-    return [p for p in out if _alive(p)]
+    return [p for p in out if alive(p)]
 
 
 def _frames(stdout: str) -> list[dict]:
@@ -83,7 +74,7 @@ def test_demo_json_streams_through_the_mesh_and_stops_every_node(smollm2):
         assert 0 < s["p50_ms"] <= s["p95_ms"]
     pids = [n["pid"] for n in mesh["nodes"].values()]
     assert sorted(frames[-1]["pids"]) == sorted(pids)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
     assert not _procs_mentioning(mesh["root"])
     assert not Path(mesh["root"]).exists()
 
@@ -97,19 +88,11 @@ def test_demo_ctrl_c_stops_every_node(smollm2):
         assert mesh["type"] == "demo_mesh"
         line = p.stdout.readline()  # the chat is under way
         assert line, p.stderr.read() if p.stderr else ""
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=120)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        out, err = interrupt(p)
     assert p.returncode == 130, err[-2000:]
     assert _frames(out)[-1]["type"] == "demo_stopped"
-    pids = [n["pid"] for n in mesh["nodes"].values()]
-    deadline = time.monotonic() + 30
-    while any(_alive(x) for x in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [x for x in pids if _alive(x)]
+    wait_all_gone([n["pid"] for n in mesh["nodes"].values()], "the demo's nodes to exit")
     assert not _procs_mentioning(mesh["root"])
 
 
@@ -162,7 +145,7 @@ def test_bench_failover_kills_the_last_stage_and_keeps_the_answer(smollm2, tmp_p
     f = _bench(["failover", "--tokens", "24", "--kill-after", "6"], tmp_path)
     (r,) = f["runs_detail"]
     assert r["victim"] in ("node-c", "node-d") and r["victim_exit"] == -signal.SIGKILL
-    assert not _alive(r["victim_pid"])
+    assert not alive(r["victim_pid"])
     assert r["frames"].get("shard_failover") == 1 and not r["fallback_to_local"]
     assert r["pipeline_after"][-1] != r["victim_shard"]
     assert r["kill_to_next_token_ms"] is not None and r["completion_tokens"] == 24

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import alive, interrupt, wait_all_gone
+
 pytestmark = pytest.mark.slow
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_demo_serve_keeps_the_mesh_until_ctrl_c(smollm2):
@@ -44,16 +36,9 @@ def test_demo_serve_keeps_the_mesh_until_ctrl_c(smollm2):
             assert [m["id"] for m in json.loads(r.read())["data"]] == ["smollm2"]
         with urllib.request.urlopen(page, timeout=30) as r:
             assert b"HearthNet" in r.read()
-        assert len(pids) == 3 and all(_alive(x) for x in pids)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=120)
+        assert len(pids) == 3 and all(alive(x) for x in pids)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        out, err = interrupt(p)
     assert p.returncode == 0, err[-2000:]
     assert "stopped 3 node processes" in out
-    deadline = time.monotonic() + 30
-    while any(_alive(x) for x in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [x for x in pids if _alive(x)]
+    wait_all_gone(pids, "the demo's node processes to exit")

@@ -34,6 +34,7 @@ from hearthnet.mesh.launcher import NodeSpec
 from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 from tests.helpers.faults import MODES
 from tests.helpers.mesh import TestMesh
+from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -113,15 +114,6 @@ def _shard_id(m: TestMesh, node_id: str) -> str:
     return str(entry["shard_id"])
 
 
-def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _seen_since(m: TestMesh, node_id: str, t: float, healthy: bool = False) -> bool:
     """node-a holds an advertisement of `node_id` made after `t` (and not suspect)."""
     st = m.status("node-a")
@@ -133,7 +125,7 @@ def _restart(m: TestMesh, ids: list[str]) -> None:
     t = time.time()
     _start(m, ids)
     for i in ids:
-        _wait_for(functools.partial(_seen_since, m, i, t), f"node-a to see {i} again")
+        wait_for(functools.partial(_seen_since, m, i, t), f"node-a to see {i} again")
 
 
 def _metric(m: TestMesh, node_id: str, name: str, **labels: str) -> float:
@@ -226,7 +218,7 @@ async def test_injected_fault_fails_over(mesh, reference, mode):
     t = time.time()
     mesh.start_node(node)
     try:
-        _wait_for(lambda: _seen_since(mesh, node, t, healthy=True), f"node-a to see {node}")
+        wait_for(lambda: _seen_since(mesh, node, t, healthy=True), f"node-a to see {node}")
         sid = _shard_id(mesh, node)
         corrupt0 = _metric(mesh, "node-a", P + "shard_corruption_detected_total",
                            shard_id=sid)
@@ -310,7 +302,7 @@ def _only_b_covers_layer_0(m: TestMesh) -> bool:
 
 
 async def test_kill_without_spare_falls_back_to_local(mesh, reference):
-    _wait_for(lambda: _only_b_covers_layer_0(mesh), "stale 0-29 advertisements to expire")
+    wait_for(lambda: _only_b_covers_layer_0(mesh), "stale 0-29 advertisements to expire")
     fb0 = _metric(mesh, "node-a", P + "fallback_to_local_total")
 
     def kill(n: int, frames: list[dict[str, Any]]) -> None:
@@ -330,20 +322,19 @@ async def test_kill_without_spare_falls_back_to_local(mesh, reference):
         _restart(mesh, ["node-b"])
 
 
-async def test_kill_without_spare_no_fallback_aborts_within_timeout(mesh, reference):
-    _wait_for(lambda: _only_b_covers_layer_0(mesh), "stale 0-29 advertisements to expire")
-    t: dict[str, float] = {}
+async def test_kill_without_spare_no_fallback_aborts_at_once(mesh, reference):
+    wait_for(lambda: _only_b_covers_layer_0(mesh), "stale 0-29 advertisements to expire")
 
     def kill(n: int, frames: list[dict[str, Any]]) -> None:
         if n == 6:
             mesh.kill("node-b")
-            t["kill"] = time.perf_counter()
 
     frames = await _chat(mesh, PROMPTS[1], on_token=kill, fallback_to_local=False)
-    elapsed = time.perf_counter() - t["kill"]
     assert [f["type"] for f in frames[-2:]] == ["pipeline_aborted", "error"], frames[-3:]
     assert frames[-2]["continuing"] is None
     assert frames[-1]["code"] == "shard_unavailable"
     toks = _tokens(frames)  # the answer so far, then nothing more
     assert len(toks) >= 6 and toks == reference[PROMPTS[1]][:len(toks)]
-    assert elapsed < TIMEOUT_S
+    # the kill was noticed as the lost connection, not by waiting out a step deadline
+    codes = [f["code"] for f in _of(frames, "shard_status", status="degraded")]
+    assert codes and codes[0] == "connection_lost" and "pipeline_stalled" not in codes

@@ -240,15 +240,20 @@ def _valid_messages(tmp: Path) -> list[bytes]:
         log.close()
 
 
-def test_valid_gossip_messages_decode(tmp_path: Path) -> None:
-    hello, batch = (_decode(m) for m in _valid_messages(tmp_path))
+@pytest.fixture(scope="module")
+def valid_messages(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    """A hello and a batch of two signed events, made once for every example."""
+    return _valid_messages(tmp_path_factory.mktemp("fuzz"))
+
+
+def test_valid_gossip_messages_decode(valid_messages: list[bytes]) -> None:
+    hello, batch = (_decode(m) for m in valid_messages)
     assert isinstance(hello, Hello) and hello.node == "node-a" and hello.vector == {"node-a": 2}
     assert isinstance(batch, Events) and len(batch.events) == 2 and batch.malformed == 0
 
 
 @FUZZ
 @given(st.data())
-def test_gossip_decoder_refuses_mutated_messages_typed(tmp_path_factory: Any,
+def test_gossip_decoder_refuses_mutated_messages_typed(valid_messages: list[bytes],
                                                        data: st.DataObject) -> None:
-    msgs = _valid_messages(tmp_path_factory.mktemp("fuzz"))
-    _decode(_mutate(data.draw(st.sampled_from(msgs)), data))
+    _decode(_mutate(data.draw(st.sampled_from(valid_messages)), data))

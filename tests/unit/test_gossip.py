@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from hearthnet.mesh.gossip import (
     handle_gossip_connection,
 )
 from hearthnet.observability import Metrics
+from tests.helpers.waiting import wait_until
 
 # ---- codec ----
 
@@ -86,12 +86,6 @@ async def node_server(log: EventLog, port: int = 0) -> AsyncIterator[int]:
         yield next(iter(server.sockets)).getsockname()[1]
 
 
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.01)
-
-
 def link(log: EventLog, port: int) -> GossipPeerLink:
     lk = GossipPeerLink(log, f"ws://127.0.0.1:{port}", min_backoff=0.02, max_backoff=0.2)
     lk.start()
@@ -108,14 +102,15 @@ async def test_catch_up_both_ways_then_live(tmp_path: Path) -> None:
         try:
             assert await lk.wait_connected(10)
             assert lk.peer_id == "node-a"
-            await until(lambda: a.vector() == b.vector() == {"node-a": 3, "node-b": 2})
+            await wait_until(lambda: a.vector() == b.vector() == {"node-a": 3, "node-b": 2},
+                             "both logs in sync")
             assert b.since({"node-b": 2}) == old_a
             assert a.since({"node-a": 3}) == old_b
             new = a.append("t", {"live": True})
-            await until(lambda: b.vector().get("node-a") == 4)
+            await wait_until(lambda: b.vector().get("node-a") == 4, "gossip state")
             assert b.all_events()[-1] == new
             mine = b.append("t", {"live": "back"})
-            await until(lambda: a.vector().get("node-b") == 3)
+            await wait_until(lambda: a.vector().get("node-b") == 3, "gossip state")
             assert a.all_events()[-1] == mine
         finally:
             await lk.stop()
@@ -127,10 +122,10 @@ async def test_events_are_relayed_through_an_intermediate_node(tmp_path: Path) -
         links = [link(a, port_b), link(c, port_b)]
         try:
             ev = a.append("t", {"hello": "c"})
-            await until(lambda: c.vector().get("node-a") == 1)
+            await wait_until(lambda: c.vector().get("node-a") == 1, "gossip state")
             assert c.all_events() == [ev]
             back = c.append("t", {"hello": "a"})
-            await until(lambda: a.vector().get("node-c") == 1)
+            await wait_until(lambda: a.vector().get("node-c") == 1, "gossip state")
             assert back in a.all_events()
         finally:
             for lk in links:
@@ -144,14 +139,14 @@ async def test_link_reconnects_and_catches_up_after_peer_restart(tmp_path: Path)
         lk = link(b, port)
         assert await lk.wait_connected(10)
     # server gone: the link keeps retrying; events made meanwhile are caught up later
-    await until(lambda: not lk.connected)
+    await wait_until(lambda: not lk.connected, "gossip state")
     a.append("t", {"while": "down"})
     b.append("t", {"while": "down"})
-    await asyncio.sleep(0.3)  # a few failed dials
-    assert lk.failures >= 1
+    await wait_until(lambda: lk.failures >= 1, "a failed dial while the peer is down")
     try:
         async with node_server(a, port):
-            await until(lambda: a.vector() == b.vector() == {"node-a": 1, "node-b": 1})
+            await wait_until(lambda: a.vector() == b.vector() == {"node-a": 1, "node-b": 1},
+                             "caught up after the restart")
     finally:
         await lk.stop()
 
@@ -170,7 +165,7 @@ async def test_malformed_messages_are_counted_and_do_not_crash(tmp_path: Path) -
             await ws.send("text")
             await ws.send(msgpack.packb({"k": "events", "events": [{"bad": 1}]}))
             await ws.send(encode_events([good]))
-            await until(lambda: a.vector() == {"node-x": 1})
+            await wait_until(lambda: a.vector() == {"node-x": 1}, "gossip state")
         rejected = metrics.registry.get_sample_value
         assert rejected("hearthnet_events_rejected_total", {"reason": "malformed_message"}) == 2
         assert rejected("hearthnet_events_rejected_total", {"reason": "malformed"}) == 1
@@ -178,7 +173,7 @@ async def test_malformed_messages_are_counted_and_do_not_crash(tmp_path: Path) -
         b = EventLog(tmp_path / "b.db", "node-b")
         lk = link(b, port)
         try:
-            await until(lambda: b.vector() == {"node-x": 1})
+            await wait_until(lambda: b.vector() == {"node-x": 1}, "gossip state")
         finally:
             await lk.stop()
 
@@ -225,7 +220,7 @@ async def test_live_queue_overflow_reconnects_and_catches_up(
             assert await lk.wait_connected(10)
             for i in range(50):  # synchronously: far more than the live queue holds
                 a.append("t", {"i": i})
-            await until(lambda: b.vector().get("node-a") == 50)
+            await wait_until(lambda: b.vector().get("node-a") == 50, "gossip state")
             assert [e.payload["i"] for e in b.all_events()] == list(range(50))
             assert ups[:3] == [True, False, True]  # dropped, then caught up on reconnect
         finally:
@@ -246,8 +241,8 @@ async def test_rejected_events_are_not_relayed(tmp_path: Path) -> None:
     async with node_server(b) as port:
         lk = link(c, port)
         try:
-            await until(lambda: c.vector() == {"node-a": 1})
-            await asyncio.sleep(0.05)
+            # c caught up with all b holds; b never took mallory's event, so c cannot have it
+            await wait_until(lambda: c.vector() == b.vector() == {"node-a": 1}, "c caught up")
             assert [e.origin for e in c.all_events()] == ["node-a"]
         finally:
             await lk.stop()

@@ -8,79 +8,10 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from hearthnet.errors import BadRequest, ModelStoreError
-from hearthnet.models import ModelStore, writer
-from hearthnet.models.importer import import_folder, import_gguf, smollm2_gguf_path
-from hearthnet.models.synth import write_synthetic
-from tests.unit.test_synth import TINY
-
-
-def test_gguf_imports_to_bf16_tensor_by_tensor_as_transformers_converts(tmp_path):
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    gguf = smollm2_gguf_path()
-    store = ModelStore(tmp_path)
-    seen: list[int] = []
-    e = import_gguf(store, gguf, alias="s", progress=seen.append)
-    assert e.dtype == "bfloat16" and e.num_layers == 30 and not e.synthetic
-    f = e.path / "model.safetensors"
-    header = int.from_bytes(f.read_bytes()[:8], "little")
-    assert sum(seen) == f.stat().st_size - 8 - header  # progress counted every tensor byte
-    ours = load_file(str(e.path / "model.safetensors"))
-    assert {v.dtype for v in ours.values()} == {torch.bfloat16}
-    ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                               dtype=torch.float32).state_dict()
-    for k, v in ours.items():  # the same values transformers' whole-model conversion gives
-        assert torch.equal(v, ref[k].to(torch.bfloat16)), k
-    # the folder loads with plain transformers, at its stored precision
-    assert AutoModelForCausalLM.from_pretrained(str(e.path)).dtype == torch.bfloat16
-
-
-def test_folder_keeps_its_precision_and_an_interrupted_import_resumes(tmp_path, smollm2,
-                                                                      monkeypatch):
-    calls = {"n": 0}
-    real = writer.SafetensorsWriter.write
-
-    def count(self, name, part):
-        calls["n"] += 1
-        return real(self, name, part)
-
-    monkeypatch.setattr(writer.SafetensorsWriter, "write", count)
-    src = write_synthetic(ModelStore(tmp_path / "src"), "tiny", TINY, model_id="t", seed=3,
-                          tokenizer_from=smollm2.path, source="test", max_file_bytes=2 << 20)
-    store = ModelStore(tmp_path / "dst")
-    copied: list[int] = []
-    e = import_folder(store, src.path, alias="t", progress=copied.append)
-    assert e.dtype == "bfloat16" and e.weights_sha256 == src.weights_sha256  # no up-cast
-    assert sum(copied) == sum(int(f["size"]) for f in src.files.values())
-
-    # an interrupted synth leaves only a hidden staging folder, then resumes from it
-    full, calls["n"] = calls["n"], 0
-
-    def dying(self, name, part):
-        calls["n"] += 1
-        if calls["n"] == 20:
-            raise KeyboardInterrupt
-        return real(self, name, part)
-
-    store2 = ModelStore(tmp_path / "again")
-    monkeypatch.setattr(writer.SafetensorsWriter, "write", dying)
-    with pytest.raises(KeyboardInterrupt):
-        write_synthetic(store2, "tiny", TINY, model_id="t", seed=3,
-                        tokenizer_from=smollm2.path, source="test", max_file_bytes=2 << 20)
-    assert store2.entries() == [] and (store2.root / "tiny.importing").is_dir()
-    kept = sorted(p.name for p in (store2.root / "tiny.importing").glob("*.safetensors"))
-    assert kept  # complete files survived the interruption
-    monkeypatch.setattr(writer.SafetensorsWriter, "write", count)
-    calls["n"] = 0
-    again = write_synthetic(store2, "tiny", TINY, model_id="t", seed=3,
-                            tokenizer_from=smollm2.path, source="test", max_file_bytes=2 << 20)
-    assert again.weights_sha256 == src.weights_sha256  # same model as uninterrupted
-    assert calls["n"] < full  # the kept files were not generated again
-    assert not (store2.root / "tiny.importing").exists()
+from hearthnet.models import ModelStore
+from hearthnet.models.importer import import_gguf
 
 
 def _gguf(path, arch: str, tensor: np.ndarray) -> str:

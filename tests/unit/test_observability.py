@@ -1,7 +1,14 @@
-"""Node metrics beyond the spec's (issue 15 §6): process, build, buckets that resolve."""
+"""Node metrics (issue 15 §6: process, build, buckets that resolve), one registry per
+node, JSON-line logging with context and plain tracebacks, progress lines (issue 10 §7)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+from typing import Any
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hearthnet import __version__
@@ -11,7 +18,11 @@ from hearthnet.observability import (
     OVERHEAD_BUCKETS_MS,
     TOKENS_PER_S_BUCKETS,
     Metrics,
+    configure_logging,
+    get_logger,
+    progress,
 )
+from tests.helpers.waiting import wait_until
 
 
 def _within(buckets: tuple[float, ...], lo: float, hi: float) -> int:
@@ -44,3 +55,61 @@ def test_process_and_build_info_and_hop_histogram_are_exported():
     le = {s.labels["le"]: s.value for s in hop.samples if s.name.endswith("_bucket")}
     assert le["1.5"] == 1 and le["1.25"] == 0
     Metrics()  # a second node in one process: its own registry, no clash
+
+
+class _Recorder:
+    """A logger that keeps (event, fields) of every info line."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.lines.append((event, fields))
+
+
+async def test_progress_logs_start_ticks_and_done_with_the_time_taken() -> None:
+    rec = _Recorder()
+    async with progress(rec, "load", every_s=0.01, shard="m:0-3"):
+        await wait_until(lambda: any(e == "load_progress" for e, _ in rec.lines),
+                         "a progress line")
+    events = [e for e, _ in rec.lines]
+    assert events[0] == "load_started" and events[-1] == "load_done"
+    assert all(f["shard"] == "m:0-3" for _, f in rec.lines)
+    assert rec.lines[-1][1]["seconds"] >= 0 and "elapsed_s" in rec.lines[1][1]
+    ticks = [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "tick"]
+    assert ticks and all(t.done() or t.cancelling() for t in ticks)  # no line after done
+
+
+def test_logging_is_json_lines_with_context_at_the_configured_level(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging("info", node="node-a")
+    log = get_logger("test")
+    log.debug("hidden_debug")
+    log.info("shown", n=1)
+    logging.getLogger("websockets").info("connection open")  # library chatter: hidden
+    logging.getLogger("websockets").warning("library warning")
+    try:
+        secret = 0.1234  # noqa: F841 - a local that must never reach the log
+        raise RuntimeError("boom")
+    except RuntimeError:
+        log.exception("failed")
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.strip()]
+    events = [x["event"] for x in lines]
+    assert events == ["shown", "library warning", "failed"]
+    shown = lines[0]
+    assert shown["node"] == "node-a" and shown["component"] == "test" and shown["n"] == 1
+    assert shown["level"] == "info" and shown["timestamp"].endswith("Z")
+    assert lines[1]["level"] == "warning" and lines[1]["node"] == "node-a"
+    assert "Traceback" in lines[2]["exception"] and "RuntimeError: boom" in lines[2]["exception"]
+    assert "0.1234" not in json.dumps(lines)  # plain tracebacks: no local variables
+    configure_logging()  # back to the defaults for the tests after this one
+
+
+def test_every_node_has_its_own_registry() -> None:
+    a, b = Metrics(), Metrics()
+    a.tokens_generated_total.inc(3)
+    assert a.registry.get_sample_value("hearthnet_distributed_inference_tokens_generated_total"
+                                       ) == 3
+    assert b.registry.get_sample_value("hearthnet_distributed_inference_tokens_generated_total"
+                                       ) == 0
+    assert b"tokens_generated_total 3.0" in a.render()

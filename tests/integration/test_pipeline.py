@@ -99,12 +99,17 @@ async def test_no_spare_no_fallback_aborts(smollm2, model_store):
     assert frames[-1]["type"] == "error" and frames[-1]["code"] == "shard_unavailable"
 
 
-async def test_nan_output_is_corruption_and_fails_over(smollm2, model_store, local_tokens):
+async def _with_spare(smollm2):
+    """B holds 0-14; C and D both hold 15-29: returns the mesh and whichever was chosen."""
     mesh = InProcessMesh(smollm2)
     mesh.add("node-b", 0, 14)
     mesh.add("node-c", 15, 29)
     mesh.add("node-d", 15, 29)
-    c = await _chosen(mesh, smollm2, 29)
+    return mesh, await _chosen(mesh, smollm2, 29)
+
+
+async def test_nan_output_is_corruption_and_fails_over(smollm2, model_store, local_tokens):
+    mesh, c = await _with_spare(smollm2)
     calls = {"n": 0}
 
     def poison(t: torch.Tensor) -> torch.Tensor:
@@ -121,11 +126,7 @@ async def test_nan_output_is_corruption_and_fails_over(smollm2, model_store, loc
 
 
 async def test_two_failures_fall_back(smollm2, model_store, local_tokens):
-    mesh = InProcessMesh(smollm2)
-    mesh.add("node-b", 0, 14)
-    mesh.add("node-c", 15, 29)
-    mesh.add("node-d", 15, 29)
-    c = await _chosen(mesh, smollm2, 29)
+    mesh, c = await _with_spare(smollm2)
     d = next(h for h in mesh.hosts.values() if h.node_id in ("node-c", "node-d") and h is not c)
     c.fail_after_steps = 5
     d.fail_after_steps = 3

@@ -1,0 +1,45 @@
+"""Processes a test starts (a `hearthnet demo`, a launcher) and the nodes they leave.
+
+`alive` tells a running process from a gone or zombie one; `interrupt` stops a command as
+Ctrl-C would and collects its output; `wait_all_gone` waits (on state, issue 10 §7) until
+every listed process has exited.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+from tests.helpers.waiting import wait_for
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie is not running)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def interrupt(p: subprocess.Popen[str], timeout: float = 120.0) -> tuple[str, str]:
+    """SIGINT `p` (Ctrl-C) and return its (stdout, stderr); killed if it outlives
+    `timeout`, so no test leaves it behind."""
+    try:
+        p.send_signal(signal.SIGINT)
+        return p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def wait_all_gone(pids: Iterable[int], what: str, timeout: float = 30.0) -> None:
+    """Wait until none of `pids` runs; `TimeoutError` naming `what` and the survivors."""
+    pids = list(pids)
+    try:
+        wait_for(lambda: not any(alive(x) for x in pids), what, timeout=timeout)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}: still running {[x for x in pids if alive(x)]}") from None
