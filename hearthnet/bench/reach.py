@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     f["every_shard_under_half_the_model"] = max(shard_peaks) < whole / 2
     if not args.no_local:
         ns = argparse.Namespace(model=args.model, weights=args.weights, tokens=args.tokens,
-                                runs=1, threads=2, prompt=args.prompt)
+                                runs=1, threads=2, prompt=args.prompt, device="cpu",
+                                dtype="fp32", no_cuda_graphs=False)
         loc = _child(ns, "full")
         f["local"] = {"tokens_per_second": loc["decode_tokens_per_s"][0],
                       "peak_rss_mb": loc["memory"]["peak_rss_mb"],

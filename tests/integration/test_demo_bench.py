@@ -141,6 +141,17 @@ def test_bench_pipeline_three_shards(smollm2, tmp_path):
                                "overhead_p95_ms"}
 
 
+def test_bench_reach_splits_the_model_and_matches_the_local_engine(smollm2, tmp_path):
+    f = _bench(["reach", "--model", "smollm2", "--weights", "int8", "--tokens", "6"], tmp_path)
+    assert f["layer_split"] == [[0, 14], [15, 29]] and f["whole_model_mb"] > 0
+    assert {n: v["layers"] for n, v in f["nodes"].items()} == {
+        "node-a": [], "node-b": [[0, 14]], "node-c": [[15, 29]]}
+    assert all(v["peak_rss_mb"] > 0 for v in f["nodes"].values())
+    assert f["distributed"]["formats"] == {"head": "int8", "stages": ["int8", "int8"]}
+    assert len(f["distributed"]["token_ids"]) == 6 and f["distributed"]["tokens_per_second"] > 0
+    assert f["local"]["peak_rss_mb"] > 0 and f["tokens_identical_to_local"]
+
+
 def test_bench_failover_kills_the_last_stage_and_keeps_the_answer(smollm2, tmp_path):
     f = _bench(["failover", "--tokens", "24", "--kill-after", "6"], tmp_path)
     (r,) = f["runs_detail"]
