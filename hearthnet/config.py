@@ -203,6 +203,10 @@ class DistributedInferenceSection(_Section):
     max_completion_tokens: Annotated[int, Field(ge=1, le=8192)] = 2048
     # a long prefill runs in chunks of this many positions (orchestrator and shards)
     prefill_chunk_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 256
+    # issue 16: a shard's decode steps (and an orchestrator's heads) from concurrent
+    # sessions run as one batched forward; a round waits up to this long for the other
+    # sessions' steps (0: batch only what is already queued)
+    batch_window_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
     # issue 13: the orchestrator's head (embeddings, norm, lm_head) and local fallback
     head_device: DeviceSpec = "auto"
     host: HostSection = Field(default_factory=HostSection)

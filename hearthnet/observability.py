@@ -37,6 +37,10 @@ CALL_BUCKETS_MS = (10, 25, 50, 75, 100, 150, 200, 250, 300, 400, 500, 650, 800, 
                    1500, 2000, 3000, 5000, 10000, 30000)
 TOKENS_PER_S_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20, 22.5, 25, 30, 35, 40, 50,
                         64, 80, 100, 128, 256)
+# issue 16: decode rows per batched forward (max_concurrent_streams is 8 by default) and
+# how long a row waited for its round (the collection window is 2 ms by default)
+BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
+BATCH_WAIT_BUCKETS_MS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 50, 100, 250, 1000)
 OVERHEAD_BUCKETS_MS = (0.1, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 15, 20,
                        50, 100, 500)
 
@@ -83,6 +87,18 @@ class Metrics:
         self.shard_queue_depth = Gauge(
             p + "shard_queue_depth", "Forwards waiting or running on a hosted shard",
             ["shard_id"], registry=r)
+        self.shard_batch_size = Histogram(
+            p + "shard_batch_size", "Decode steps of different sessions run as one forward "
+            "on a hosted shard", ["shard_id"], buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.shard_batch_wait_ms = Histogram(
+            p + "shard_batch_wait_ms", "Time a decode step waited for its batch on a hosted "
+            "shard (ms)", ["shard_id"], buckets=BATCH_WAIT_BUCKETS_MS, registry=r)
+        self.head_batch_size = Histogram(
+            p + "head_batch_size", "Concurrent chats whose norm + lm_head ran as one product "
+            "on this orchestrator", buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.head_batch_wait_ms = Histogram(
+            p + "head_batch_wait_ms", "Time a chat's head step waited for its batch (ms)",
+            buckets=BATCH_WAIT_BUCKETS_MS, registry=r)
         self.shard_active_sessions = Gauge(
             p + "shard_active_sessions", "Open sessions on a hosted shard", ["shard_id"],
             registry=r)

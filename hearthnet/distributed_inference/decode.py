@@ -1,6 +1,9 @@
 """The decode loop of a distributed chat (M26 §4.3 step 3; DESIGN.md "Hot path rules").
 
 Per step: embed → relay the hidden state through each stage → norm and lm_head → sample.
+The norm + lm_head of concurrent chats on one orchestrator run as one batched product per
+round (`RoundBatcher`, issue 16 §3): each call submits its last hidden state and gets its
+own logits back.
 The orchestrator relays between stages (DESIGN.md decision 1) and records every stage's
 input (`StageSession.history`) so that `Failover` can replay it into a replacement; a stage
 failure inside a step is handed to `Failover.replace` and the step is redone from the
@@ -9,14 +12,15 @@ replaced stage.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 
 import torch
 
 from hearthnet.distributed_inference.backends.base import ClientHead
+from hearthnet.distributed_inference.batcher import RoundBatcher
 from hearthnet.distributed_inference.calls import CallState, Frame, StageFailed
 from hearthnet.distributed_inference.failover import Failover
 from hearthnet.distributed_inference.frames import token_frame
@@ -30,10 +34,32 @@ class DecodeLoop:
     """Drives one call's `Generation` through its stages, token by token."""
 
     def __init__(self, *, metrics: Metrics, health: ShardHealthTracker, failover: Failover,
-                 executor: Executor, prefill_chunk_tokens: int = 256) -> None:
+                 executor: Executor, prefill_chunk_tokens: int = 256,
+                 batch_window_ms: float = 2.0) -> None:
         self.metrics, self.health, self.failover = metrics, health, failover
         self.executor = executor
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
+        self.batch_window_s = max(0.0, batch_window_ms) / 1000
+        self.running = 0  # calls in their decode loop: the head rows a round expects
+        self._heads: weakref.WeakKeyDictionary[
+            ClientHead, RoundBatcher[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+    def head_batcher(self, head: ClientHead) -> RoundBatcher[torch.Tensor, torch.Tensor]:
+        """The batcher of `head`'s norm + lm_head (one per loaded head)."""
+        batcher = self._heads.get(head)
+        if batcher is None:
+            def run(hs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+                return head.logits_batch(hs)
+
+            batcher = RoundBatcher(run, self.executor, window_s=self.batch_window_s,
+                                   expected=lambda: self.running, on_batch=self._observe)
+            self._heads[head] = batcher
+        return batcher
+
+    def _observe(self, size: int, waits_ms: list[float]) -> None:
+        self.metrics.head_batch_size.observe(size)
+        for w in waits_ms:
+            self.metrics.head_batch_wait_ms.observe(w)
 
     async def run(self, call: CallState, head: ClientHead, checker: SanityChecker,
                   t0: float) -> AsyncIterator[Frame]:
@@ -42,16 +68,28 @@ class DecodeLoop:
         Sets `call.first_ms` and `call.decode_t0`. Raises `FellBack` when the pipeline
         cannot go on; frames raised before that stay in `call.frames`.
         """
+        self.running += 1
+        try:
+            async for f in self._run(call, head, checker, t0):
+                yield f
+        finally:
+            self.running -= 1
+            for batcher in self._heads.values():  # a round waiting for this call goes on
+                batcher.expected_changed()
+
+    async def _run(self, call: CallState, head: ClientHead, checker: SanityChecker,
+                   t0: float) -> AsyncIterator[Frame]:
         gen = call.gen
-        loop = asyncio.get_running_loop()
+        heads = self.head_batcher(head)
         x = head.embed_host(gen.prompt_ids)
         pos = 0
         while not gen.done:
             h = await self.relay_chunked(call, x, pos, checker)
             for f in call.take_frames():
                 yield f
-            # lm_head (~7 ms for SmolLM2) runs off the loop: other calls' relays go on
-            ev = gen.step(await loop.run_in_executor(self.executor, head.logits, h))
+            # norm + lm_head (~7 ms for SmolLM2) run off the loop, batched with the other
+            # calls' heads of this round (issue 16 §3)
+            ev = gen.step(await heads.submit(h))
             if call.first_ms is None:
                 call.first_ms = (time.perf_counter() - t0) * 1000
                 self.metrics.first_token_ms.observe(call.first_ms)

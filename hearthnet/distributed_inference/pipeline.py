@@ -77,7 +77,8 @@ class PipelineOrchestrator:
                  defaults: DistributedChatParams | None = None, enabled: bool = True,
                  sign_open: OpenSigner | None = None, max_concurrent_pipelines: int = 4,
                  local_weights: str = "fp32", limits: PromptLimits | None = None,
-                 prefill_chunk_tokens: int = 256, head_device: str = "cpu") -> None:
+                 prefill_chunk_tokens: int = 256, head_device: str = "cpu",
+                 batch_window_ms: float = 2.0) -> None:
         self.models, self.router, self.health, self.metrics = models, router, health, metrics
         self.connect, self.executor = connect, executor
         self.defaults = defaults or DistributedChatParams()
@@ -95,7 +96,8 @@ class PipelineOrchestrator:
         self.failover = Failover(models=models, router=router, health=health,
                                  metrics=metrics, open_stage=self._open)
         self.decoder = DecodeLoop(metrics=metrics, health=health, failover=self.failover,
-                                  executor=executor, prefill_chunk_tokens=prefill_chunk_tokens)
+                                  executor=executor, prefill_chunk_tokens=prefill_chunk_tokens,
+                                  batch_window_ms=batch_window_ms)
 
     # ---- public API ----
 

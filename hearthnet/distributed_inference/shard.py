@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -42,8 +42,10 @@ from hearthnet.distributed_inference.backends.device import (
 )
 from hearthnet.distributed_inference.backends.memory import plan_shard
 from hearthnet.distributed_inference.backends.small_model_layered import (
+    LayeredSession,
     LayeredStack,
 )
+from hearthnet.distributed_inference.batcher import RoundBatcher
 from hearthnet.distributed_inference.descriptors import (
     ShardDescriptor,
     ShardHealth,
@@ -84,6 +86,19 @@ class ShardSettings:
     prefill_chunk_tokens: int = 256  # a long step runs in chunks of this many positions
     device: str = "cpu"  # auto | cpu | cuda | cuda:N | mps (issue 13 §1)
     cuda_graphs: bool = True
+    batch_window_ms: float = 2.0  # issue 16: wait this long for other sessions' steps
+
+
+@dataclass(frozen=True)
+class StepJob:
+    """One session's step (or prefill chunk) queued for the shard's batcher."""
+
+    session: LayerSession
+    staging: Staging | None
+    x: torch.Tensor
+    start_pos: int
+    step: int
+    wire: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -133,6 +148,9 @@ class ShardServer:
         self._latencies = LatencyWindow(256)
         self._streams: dict[ShardStream, str] = {}  # open session streams -> their caller
         self._good_stats = entry.manifest_stats()  # weights files as last verified
+        self.batcher: RoundBatcher[StepJob, torch.Tensor] = RoundBatcher(
+            self._run_steps, executor, window_s=settings.batch_window_ms / 1000,
+            expected=lambda: self.active, on_batch=self._observe_batch)
 
     def _refuse_over_budget(self, shard_id: str) -> None:
         """A shard over `shard_max_vram_mb` is refused before loading (issue 12 §4)."""
@@ -289,6 +307,7 @@ class ShardServer:
                 session.close()  # frees the KV cache also when the caller vanished (issue 6 §4)
             self._streams.pop(stream, None)
             self.active -= 1
+            self.batcher.expected_changed()  # a round waiting for this session goes on
             self.last_used = self.clock()
             self._gauge()
 
@@ -331,21 +350,105 @@ class ShardServer:
 
     async def _forward_chunked(self, session: LayerSession, staging: Staging, x: torch.Tensor,
                                start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:
-        """Run a step in chunks of `prefill_chunk_tokens` positions, each its own executor
-        job, so a long prefill yields the compute thread to other sessions' steps between
-        chunks (issue 14 §1). Chunks are just successive positions of the same session.
-        One chunk (every decode step) comes back through the session's pinned buffer."""
-        loop = asyncio.get_running_loop()
+        """Run a step through the shard's batcher (issue 16 §1): a decode step joins the
+        next round's batch; a longer step runs in chunks of `prefill_chunk_tokens`
+        positions, one chunk per round (issue 14 §1), so a long prefill yields the compute
+        thread to the other sessions' decode rows between chunks. One chunk (every decode
+        step) comes back through the session's pinned buffer."""
         n = self.settings.prefill_chunk_tokens
         if x.dim() != 3 or x.shape[1] <= n:
-            return await loop.run_in_executor(self.executor, self._forward, session, staging,
-                                              x, start_pos, step, wire)
+            return await self.batcher.submit(StepJob(session, staging, x, start_pos, step, wire),
+                                             batchable=x.dim() == 3 and x.shape[1] == 1)
         outs = []
         for at in range(0, int(x.shape[1]), n):
-            outs.append(await loop.run_in_executor(self.executor, self._forward, session,
-                                                   None, x[:, at:at + n], start_pos + at,
-                                                   step, wire))
+            job = StepJob(session, None, x[:, at:at + n], start_pos + at, step, wire)
+            outs.append(await self.batcher.submit(job, batchable=False))
         return torch.cat(outs, dim=1)
+
+    # ---- batched steps (issue 16 §1-2); these run on the compute executor ----
+
+    def _run_steps(self, jobs: Sequence[StepJob]) -> list[Any]:
+        """One round: decode rows of sessions over the same sub-range run as one forward;
+        every other job alone. One output or exception per job, in order."""
+        results: list[Any] = [None] * len(jobs)
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, job in enumerate(jobs):
+            key = self._batch_key(job)
+            if key is None:
+                results[i] = self._solo(job)
+            else:
+                groups.setdefault(key, []).append(i)
+        for rows in groups.values():
+            for i, out in zip(rows, self._batched([jobs[i] for i in rows]), strict=True):
+                results[i] = out
+        return results
+
+    @staticmethod
+    def _batch_key(job: StepJob) -> tuple[int, int, int] | None:
+        """Sessions that can share a forward: real layered sessions (a wrapped one runs
+        alone) over the same stack and sub-range. Different sub-ranges of one shard are
+        kept apart: their rows would enter and leave the layers at different points, and
+        an orchestrator's chats use the same stages anyway (DESIGN.md, issue 16)."""
+        s = job.session
+        if not isinstance(s, LayeredSession) or job.x.dim() != 3 or job.x.shape[1] != 1:
+            return None
+        return (id(s.stack), s.start, s.end)
+
+    def _solo(self, job: StepJob) -> Any:
+        try:
+            return self._forward(job.session, job.staging, job.x, job.start_pos, job.step,
+                                 job.wire)
+        except Exception as e:  # the row's own error, raised in its session's step loop
+            return e
+
+    def _batched(self, jobs: list[StepJob]) -> list[Any]:
+        """Rows that pass their session's checks run as one forward; a refused row gets its
+        `BadRequest` alone. When the batched forward itself fails (out of memory, a torch
+        error), each row is run alone, so only the sessions whose rows fail get an error."""
+        out: list[Any] = [None] * len(jobs)
+        ok: list[int] = []
+        for i, job in enumerate(jobs):
+            try:
+                assert isinstance(job.session, LayeredSession)  # `_batch_key` grouped it
+                job.session.check(job.x, job.start_pos)
+                ok.append(i)
+            except BadRequest as e:
+                out[i] = e
+        if len(ok) == 1:
+            out[ok[0]] = self._solo(jobs[ok[0]])
+        elif ok:
+            for i, res in zip(ok, self._decode_batch([jobs[i] for i in ok]), strict=True):
+                out[i] = res
+        return out
+
+    def _decode_batch(self, jobs: list[StepJob]) -> list[Any]:
+        sessions = [s for j in jobs if isinstance(s := j.session, LayeredSession)]
+        try:
+            h = sessions[0].stack.decode_batch(sessions, [j.x for j in jobs],
+                                               [j.start_pos for j in jobs])
+        except Exception as e:
+            log.warning("batch_failed_rows_run_alone", shard_id=self.shard_id, rows=len(jobs),
+                        error=type(e).__name__)
+            return [self._solo(j) for j in jobs]
+        return [self._row_out(j, h[r:r + 1]) for r, j in enumerate(jobs)]
+
+    def _row_out(self, job: StepJob, row: torch.Tensor) -> Any:
+        """One row of a batch in its session's wire dtype on the host; a non-finite row
+        fails its own session only (a typed step error; the orchestrator replays it)."""
+        if not bool(torch.isfinite(row).all()):
+            log.warning("batch_row_not_finite", shard_id=self.shard_id, step=job.step)
+            return StepFailed(f"shard {self.shard_id} computed non-finite values for step "
+                              f"{job.step}; retry elsewhere", step=job.step)
+        try:
+            wired = cast_to_wire(row, job.wire)
+        except WireOverflow as e:
+            return e
+        return job.staging.to_host(wired, job.wire) if job.staging else wired.cpu()
+
+    def _observe_batch(self, size: int, waits_ms: list[float]) -> None:
+        self.metrics.shard_batch_size.labels(self.shard_id).observe(size)
+        for w in waits_ms:
+            self.metrics.shard_batch_wait_ms.labels(self.shard_id).observe(w)
 
     def session_tensor_bytes(self, req: OpenRequest) -> int:
         """The largest tensor a session can legitimately send: all of its positions at

@@ -59,6 +59,7 @@ class NodeSpec:
     threads: int | None = None  # torch_threads of this node (default: the mesh's)
     api: dict[str, Any] = field(default_factory=dict)  # [api] (e.g. listen_port)
     model_shards: list[tuple[str, int, int]] = field(default_factory=list)  # other models
+    max_streams: int = 8  # every [[shards]] entry's max_concurrent_streams
 
 
 @dataclass
@@ -128,7 +129,7 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
         lines += [f"{k} = {_toml_value(v)}" for k, v in spec.auto.items()] + [""]
     for m, lo, hi in [(model, lo, hi) for lo, hi in spec.shards] + spec.model_shards:
         lines += ["[[shards]]", f'model = "{m}"', f"layers = [{lo}, {hi}]",
-                  "max_concurrent_streams = 8", ""]
+                  f"max_concurrent_streams = {spec.max_streams}", ""]
     lines += ["[security]", f"insecure_plaintext = {_toml_value(insecure_plaintext)}", ""]
     if spec.api:
         lines += ["[api]"] + [f"{k} = {_toml_value(v)}" for k, v in spec.api.items()] + [""]

@@ -206,6 +206,7 @@ class Node:
                                 max_prompt_tokens=cfg.di.max_prompt_tokens,
                                 max_completion_tokens=cfg.di.max_completion_tokens),
             prefill_chunk_tokens=cfg.di.prefill_chunk_tokens,
+            batch_window_ms=cfg.di.batch_window_ms,
             local_weights=cfg.di.head_weights,
             head_device=str(resolve_device(cfg.di.head_device)))  # absent: start-up error
         self.bus.register(CHAT_CAPABILITY, self._chat_capability)
@@ -273,7 +274,8 @@ class Node:
                 weights=weights or host.weights or host.compute_dtype,
                 max_vram_mb=host.shard_max_vram_mb,
                 prefill_chunk_tokens=self.cfg.di.prefill_chunk_tokens,
-                device=device or host.device, cuda_graphs=host.cuda_graphs),
+                device=device or host.device, cuda_graphs=host.cuda_graphs,
+                batch_window_ms=self.cfg.di.batch_window_ms),
             executor=self.executor, metrics=self.metrics)
         async with progress(log, "shard_load", model=entry.alias, layers=[lo, hi]):
             await shard.start()

@@ -336,6 +336,9 @@ def test_grafana_datasource_and_dashboard_structure():
     assert "process_cpu_seconds_total" in exprs_of("cpu per node")
     sess = exprs_of("active sessions")
     assert P + "shard_active_sessions" in sess and P + "shard_queue_depth" in sess
+    size, wait = exprs_of("batch size"), exprs_of("batch wait")  # issue 16
+    assert P + "shard_batch_size_bucket" in size and P + "head_batch_size_bucket" in size
+    assert P + "shard_batch_wait_ms_bucket" in wait and P + "head_batch_wait_ms_bucket" in wait
     used = dashboard_metrics()
     assert {exposed_name(n) for n in used} >= {*SPEC_HISTOGRAMS, *SPEC_COUNTERS,
                                                SPEC_CORRUPTION}
@@ -462,7 +465,8 @@ def test_failover_fallback_and_corruption_reach_metrics(smollm2):
     # every metric the dashboard queries now has a series on the orchestrator, but the
     # hosts' own gauges and histograms (declared there, with series on the hosts)
     host_side = {P + "shard_forward_ms_bucket", P + "shard_active_sessions",
-                 P + "shard_queue_depth", P + "shard_sessions_total"}
+                 P + "shard_queue_depth", P + "shard_sessions_total",
+                 P + "shard_batch_size_bucket", P + "shard_batch_wait_ms_bucket"}
     missing = sorted(n for n in dashboard_metrics() - host_side if not samples.get(n))
     assert not missing, missing
     assert {exposed_name(n) for n in host_side} <= declared

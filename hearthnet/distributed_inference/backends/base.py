@@ -9,7 +9,9 @@ A backend turns a model in the store into two kinds of objects:
   and the last hidden state into logits — tokenizer, chat template, embeddings, final
   norm, lm_head.
 
-Shapes: hidden states are `(batch, tokens, hidden)`; `batch` is 1 in this release.
+Shapes: hidden states are `(batch, tokens, hidden)`; `batch` is 1 per session. Concurrent
+sessions' decode steps are batched by the stack (`LayeredStack.decode_batch`, B rows of one
+position each) and their heads by `ClientHead.logits_batch` (issue 16).
 
 These Protocols are the interface the rest of the package holds backends by: the shard
 server (`shard.py`) holds a `LayerStack` and its `LayerSession`s, the orchestrator
@@ -20,6 +22,7 @@ handed to those holders (`ShardServer._load`, `PipelineOrchestrator._head`, `Loc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -107,4 +110,9 @@ class ClientHead(Protocol):
 
     def param_bytes(self) -> int:
         """Bytes of the head's weights in their held format."""
+        ...
+
+    def logits_batch(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """`logits` of several chats' final hidden states as one norm + lm_head product
+        (issue 16 §3), one (vocab,) tensor per chat."""
         ...

@@ -97,3 +97,47 @@ def attention_mask(positions: torch.Tensor, kv_idx: torch.Tensor, window: int | 
         return allowed
     zero = torch.zeros((), dtype=additive_dtype, device=positions.device)
     return torch.where(allowed, zero, torch.finfo(additive_dtype).min)
+
+
+class BatchKV:
+    """The `past_key_values` of one batched decode step over several sessions (issue 16 §1).
+
+    Row ``b`` is one position of session ``b``: its key/value is written into that
+    session's own `KVSlot` at its own position (the slots are never merged or moved), and
+    the layer attends over the rows' histories gathered into one zero-padded tensor of the
+    longest row's length. Padding is zeros, never a slot's stale entries (a slot reused
+    after a failed session may hold non-finite values, and ``0 · inf`` would poison a
+    row), and the per-row mask (`batch_attention_mask`) keeps every query inside its own
+    row's length.
+    """
+
+    def __init__(self, slots: list[KVSlot], positions: torch.Tensor, lengths: list[int]) -> None:
+        self.slots, self.positions, self.lengths = slots, positions, lengths
+        self.start = slots[0].start
+        self.kv_len = max(lengths)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each row at its position in its slot; (B, kv_heads, kv_len, head_dim)."""
+        i = layer_idx - self.start
+        b, heads, _, dim = key_states.shape
+        keys = key_states.new_zeros(b, heads, self.kv_len, dim)
+        values = value_states.new_zeros(b, heads, self.kv_len, dim)
+        for r, (slot, n) in enumerate(zip(self.slots, self.lengths, strict=True)):
+            k, v = slot.keys[i], slot.values[i]
+            at = self.positions[r:r + 1]
+            k.index_copy_(2, at, key_states[r:r + 1])
+            v.index_copy_(2, at, value_states[r:r + 1])
+            keys[r, :, :n] = k[0, :, :n]
+            values[r, :, :n] = v[0, :, :n]
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_len
+
+
+def batch_attention_mask(positions: torch.Tensor, kv_idx: torch.Tensor, window: int | None,
+                         additive_dtype: torch.dtype | None) -> torch.Tensor:
+    """(B, 1, 1, K) mask of one query per row at `positions` (B,): row ``b`` sees keys
+    ``≤ positions[b]`` (its own length; the zero padding beyond it never), windowed."""
+    return attention_mask(positions, kv_idx, window, additive_dtype).transpose(0, 2)

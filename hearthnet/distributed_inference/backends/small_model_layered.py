@@ -40,7 +40,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,10 @@ from hearthnet.distributed_inference.backends.device import (
     resolve_device,
 )
 from hearthnet.distributed_inference.backends.kv_cache import (
+    BatchKV,
     KVSlot,
     attention_mask,
+    batch_attention_mask,
     capacity_for,
     slot_bytes,
 )
@@ -376,7 +378,7 @@ class LayeredSession:
 
         Returns the output on the stack's device.
         """
-        t = self._check(hidden, start_pos)
+        t = self.check(hidden, start_pos)
         self._len = min(self._len, start_pos)  # redo: the cache is cut back (rewound)
         h = hidden.to(self.stack.device, self.stack.dtype)  # (1, T, H)
         if t == 1 and self.stack.graphs:
@@ -387,6 +389,14 @@ class LayeredSession:
         self._len = start_pos + t
         return out
 
+    def rewind(self, start_pos: int) -> None:
+        """Cut the cache back to `start_pos` before a step there (a redo, M26 §5.4)."""
+        self._len = min(self._len, start_pos)
+
+    def advance(self, length: int) -> None:
+        """The cache holds `length` positions after a step."""
+        self._len = length
+
     def _graph(self) -> _DecodeGraph:
         graph: _DecodeGraph | None = getattr(self.slot, "graph", None)
         if graph is None:
@@ -396,7 +406,8 @@ class LayeredSession:
             self.slot.nbytes += graph.nbytes
         return graph
 
-    def _check(self, hidden: torch.Tensor, start_pos: int) -> int:
+    def check(self, hidden: torch.Tensor, start_pos: int) -> int:
+        """`BadRequest` for a step this session cannot take; its number of positions."""
         if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != self.stack.hidden_size:
             raise BadRequest(f"hidden state has shape {tuple(hidden.shape)}; expected "
                              f"(1, tokens, {self.stack.hidden_size})")
@@ -521,6 +532,54 @@ class LayeredStack:
         if slots and self.device.type == "cuda":
             torch.cuda.empty_cache()
         return bool(slots)
+
+    @torch.inference_mode()
+    def decode_batch(self, sessions: list[LayeredSession], hidden: list[torch.Tensor],
+                     starts: list[int]) -> torch.Tensor:
+        """One decode position of each of several sessions over the same sub-range, run as
+        one forward (issue 16 §1): (B, 1, H) on the device, row ``b`` for ``sessions[b]``.
+
+        Weight reads dominate a decode step, so B rows cost about one. Each row keeps its
+        own cache (`BatchKV` writes into the session's slot), rotary position and length
+        (`batch_attention_mask`); rows never see each other. Eager on every device (a batch
+        of one takes the session's own, possibly graph-captured, `forward`).
+        """
+        first = sessions[0]
+        for s, h, p in zip(sessions, hidden, starts, strict=True):
+            if s.stack is not self or (s.start, s.end) != (first.start, first.end):
+                raise BadRequest("a decode batch holds sessions of one stack and sub-range")
+            if s.check(h, p) != 1:
+                raise BadRequest("a decode batch takes one position per session")
+            s.rewind(p)
+        h = torch.cat([x.to(self.device, self.dtype) for x in hidden])  # (B, 1, H)
+        positions = torch.tensor(starts, dtype=torch.long, device=self.device)
+        pe_table, kv_idx = self.tables(max(s.slot.capacity for s in sessions))
+        kv_idx = kv_idx[:max(starts) + 1]
+        cache = BatchKV([s.slot for s in sessions], positions, [p + 1 for p in starts])
+        masks = {kind: batch_attention_mask(
+            positions, kv_idx, self.sliding_window if kind == "sliding_attention" else None,
+            self.additive_mask) for kind in set(first._types)}
+        pe = self._batch_rotary(h, positions, first._types, pe_table)
+        pos_ids = positions.unsqueeze(1)
+        for layer, kind in zip(first.layers, first._types, strict=True):
+            h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
+                      past_key_values=cache, use_cache=True, position_embeddings=pe[kind])
+        for s, p in zip(sessions, starts, strict=True):
+            s.advance(p + 1)
+        return h
+
+    def _batch_rotary(self, h: torch.Tensor, positions: torch.Tensor, types: list[str],
+                      table: dict[str, Any]) -> dict[str, Any]:
+        """(cos, sin) of shape (B, 1, D) per layer type, row ``b`` at ``positions[b]``.
+        Rope whose frequencies depend on the step's longest position (dynamic, longrope)
+        is computed row by row, as each row's solo step would."""
+        if not self.rotary.dynamic:
+            return {kind: (cos[0, positions].unsqueeze(1), sin[0, positions].unsqueeze(1))
+                    for kind, (cos, sin) in table.items()}
+        rows = [self.rotary(h[r:r + 1], positions[r:r + 1].unsqueeze(0), types)
+                for r in range(int(h.shape[0]))]
+        return {kind: (torch.cat([r[kind][0] for r in rows]),
+                       torch.cat([r[kind][1] for r in rows])) for kind in rows[0]}
 
     def open_session(self, start: int, end: int, max_length: int) -> LayeredSession:
         """A new session over `[start, end]` ⊆ `[lo, hi]`; `BadRequest` outside it,
@@ -662,17 +721,23 @@ class LayeredHead:
         """`embed` as a host tensor the caller owns (sent to a shard, kept for replay)."""
         return self.embed(token_ids).cpu()
 
-    @torch.inference_mode()
     def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         """(vocab,) fp32 host logits of the last position of a (1, T, H) final hidden state
         (from any device): the sampler and its seeded generator stay on the host."""
-        h = self.norm(hidden_last[:, -1:, :].to(self.device, self.dtype))
+        return self.logits_batch([hidden_last])[0]
+
+    @torch.inference_mode()
+    def logits_batch(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """`logits` of several chats' final hidden states as one norm + lm_head product
+        (issue 16 §3): the lm_head's weights are read once for all rows."""
+        h = torch.cat([x[:, -1:, :].to(self.device, self.dtype) for x in hidden])  # (B, 1, H)
+        h = self.norm(h)
         if self.lm_head_q is not None:
-            logits = self.lm_head_q(h)[0, -1]
+            logits = self.lm_head_q(h)[:, -1]
         else:
-            logits = torch.nn.functional.linear(h, self.lm_head_weight)[0, -1]
+            logits = torch.nn.functional.linear(h, self.lm_head_weight)[:, -1]
         assert isinstance(logits, torch.Tensor)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        return logits.float().cpu()
+        return list(logits.float().cpu().unbind(0))

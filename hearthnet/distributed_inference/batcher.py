@@ -1,0 +1,147 @@
+"""`RoundBatcher`: steps of concurrent sessions run as one executor job per round (issue 16).
+
+Decode is bound by reading the weights, so B one-position steps cost about one when they run
+as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`). A shard
+(`ShardServer`) and an orchestrator's head (`HeadBatcher`) each own one `RoundBatcher`:
+
+- every caller `submit`s one job and awaits its own result; a session has at most one job
+  queued (it waits for its step before sending the next), so each round holds at most one
+  step per session and the queue is served first in, first out — nobody starves;
+- a round takes every queued batchable job (a decode step) as one batch; jobs arriving
+  while a round runs make the next round. With ``window_s`` > 0 a round first waits up to
+  that long for the steps of the other sessions expected (`expected()`: the open
+  sessions), and starts at once when every one of them has a job queued — a lone session
+  never waits;
+- non-batchable jobs (prefill chunks) run one per round, after the round's batch, each its
+  own executor job: a long prefill (already chunked, issue 14 §1) never stalls decode rows
+  for more than one chunk;
+- the owner's ``run_batch(jobs)`` returns one result or exception per job, so a bad row
+  fails only its own caller (shard.py and head batching decide how rows fail);
+- a session that stalls, errs or disconnects simply has no job in the next round; a caller
+  cancelled while its job is running waits for the job to end first (its cache is still
+  being written) and is then cancelled.
+
+The batcher's task runs only while jobs are queued, so an idle shard holds no task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+J = TypeVar("J")
+R = TypeVar("R")
+
+RunBatch = Callable[[Sequence[Any]], list[Any]]
+"""(jobs) -> one result or exception per job, in order; runs on the executor."""
+
+
+@dataclass
+class _Queued(Generic[J]):
+    job: J
+    future: asyncio.Future[Any]
+    queued_at: float = field(default_factory=time.perf_counter)
+    running: bool = False
+
+
+class RoundBatcher(Generic[J, R]):
+    """Runs submitted jobs in rounds on `executor`; see the module docstring."""
+
+    def __init__(self, run_batch: RunBatch, executor: Executor, *, window_s: float = 0.0,
+                 expected: Callable[[], int] = lambda: 1,
+                 on_batch: Callable[[int, list[float]], None] | None = None) -> None:
+        self.run_batch, self.executor = run_batch, executor
+        self.window_s = max(0.0, window_s)
+        self.expected = expected
+        self.on_batch = on_batch  # (batch size, each job's wait in ms) for the metrics
+        self._batch: deque[_Queued[J]] = deque()
+        self._solo: deque[_Queued[J]] = deque()
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def queued(self) -> int:
+        return len(self._batch) + len(self._solo)
+
+    def expected_changed(self) -> None:
+        """A session ended (or began): a round waiting for its step re-checks `expected`."""
+        self._arrived.set()
+
+    async def submit(self, job: J, *, batchable: bool = True) -> R:
+        """Queue `job` for the next round and return its result (or raise its error)."""
+        loop = asyncio.get_running_loop()
+        item: _Queued[J] = _Queued(job, loop.create_future())
+        (self._batch if batchable else self._solo).append(item)
+        self._arrived.set()
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._rounds())
+        try:
+            result: R = await asyncio.shield(item.future)
+            return result
+        except asyncio.CancelledError:
+            if item.running:  # its rows are being computed: let the round finish first
+                await asyncio.wait([item.future])
+            if item.future.done() and not item.future.cancelled():
+                item.future.exception()  # retrieved: nobody else will
+            item.future.cancel()
+            raise
+
+    async def _rounds(self) -> None:
+        while self._batch or self._solo:
+            await self._collect()
+            batch = self._take(self._batch, len(self._batch))
+            if batch:
+                await self._run(batch, observe=True)
+            await self._run(self._take(self._solo, 1), observe=False)
+
+    async def _collect(self) -> None:
+        """Wait up to the window for the expected sessions' steps; none once every expected
+        session has a job queued (a session in prefill has its next chunk queued)."""
+        if not self._batch or self.window_s <= 0:
+            return
+        deadline = self._batch[0].queued_at + self.window_s
+        while self.queued < self.expected():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                return
+
+    @staticmethod
+    def _take(queue: deque[_Queued[J]], n: int) -> list[_Queued[J]]:
+        """Up to `n` live jobs, oldest first (a cancelled caller's job is dropped)."""
+        out: list[_Queued[J]] = []
+        while queue and len(out) < n:
+            item = queue.popleft()
+            if not item.future.done():
+                item.running = True
+                out.append(item)
+        return out
+
+    async def _run(self, items: list[_Queued[J]], *, observe: bool) -> None:
+        if not items:
+            return
+        now = time.perf_counter()
+        if observe and self.on_batch is not None:  # batches, not prefill chunks
+            self.on_batch(len(items), [(now - i.queued_at) * 1000 for i in items])
+        jobs = [i.job for i in items]
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.run_batch, jobs)
+        except Exception as e:  # run_batch reports rows itself; this is a last resort
+            results = [e] * len(items)
+        for item, res in zip(items, results, strict=True):
+            if item.future.done():
+                continue
+            if isinstance(res, BaseException):
+                item.future.set_exception(res)
+            else:
+                item.future.set_result(res)

@@ -1,0 +1,83 @@
+"""Batched decode on a shard's stack (issue 16 §1): rows of different sessions in one forward.
+
+Tiny random-weight models of every family (sliding windows, eager soft-capped attention,
+dynamic rope): three sessions with prompts of different lengths decode together through
+`LayeredStack.decode_batch`, and every row equals the same session's solo step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
+from hearthnet.errors import BadRequest
+from tests.helpers.tiny_models import FAMILIES
+
+PROMPTS = [9, 3, 14]  # positions per session: shorter and longer than the sliding windows
+DECODE = 6
+
+
+@pytest.fixture(scope="module")
+def family_store(family_models):
+    return family_models[1]
+
+
+def _inputs(seed: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, n, 64, generator=g)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batched_rows_equal_solo_steps(family, family_store):
+    stack = LayeredStack(family_store[family], 1, 4)
+    solo = [stack.open_session(1, 4, 32) for _ in PROMPTS]
+    batch = [stack.open_session(1, 4, 32) for _ in PROMPTS]
+    for i, n in enumerate(PROMPTS):
+        x = _inputs(i, n)
+        torch.testing.assert_close(solo[i].forward(x, 0), batch[i].forward(x, 0))
+    for t in range(DECODE):
+        xs = [_inputs(100 + 10 * t + i, 1) for i in range(len(PROMPTS))]
+        starts = [n + t for n in PROMPTS]
+        want = torch.cat([s.forward(x, p) for s, x, p in zip(solo, xs, starts, strict=True)])
+        got = stack.decode_batch(batch, xs, starts)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert [s.length for s in batch] == [n + DECODE for n in PROMPTS]
+
+
+def test_batch_redo_rewinds_each_row(family_store):
+    """A row redone at an earlier position (failover replay) is cut back like a solo step."""
+    stack = LayeredStack(family_store["llama"], 0, 2)
+    a, b, ref = (stack.open_session(0, 2, 16) for _ in range(3))
+    for s in (a, b, ref):
+        s.forward(_inputs(1, 5), 0)
+    stack.decode_batch([a, b], [_inputs(2, 1), _inputs(3, 1)], [5, 5])
+    x = _inputs(4, 1)
+    got = stack.decode_batch([a, b], [x, x], [5, 6])  # a redoes 5, b goes on to 6
+    torch.testing.assert_close(got[0:1], ref.forward(x, 5), rtol=1e-5, atol=1e-5)
+    assert (a.length, b.length) == (6, 7)
+
+
+def test_batch_refuses_mixed_ranges_and_gaps(family_store):
+    stack = LayeredStack(family_store["llama"], 0, 3)
+    a, b = stack.open_session(0, 3, 16), stack.open_session(1, 3, 16)
+    with pytest.raises(BadRequest):
+        stack.decode_batch([a, b], [_inputs(0, 1)] * 2, [0, 0])
+    with pytest.raises(BadRequest):  # position 3 of an empty session is a gap
+        stack.decode_batch([a, stack.open_session(0, 3, 16)], [_inputs(0, 1)] * 2, [0, 3])
+
+
+@pytest.mark.parametrize(("family", "weights"), [("llama", "fp32"), ("gemma2", "fp32"),
+                                                 ("qwen3", "int8")])
+def test_head_batch_equals_each_chats_own_logits(family, weights, family_store):
+    """Issue 16 §3: several chats' norm + lm_head as one product, each row its own logits
+    (Gemma-2's soft-capping, an untied lm_head, an int8 head)."""
+    from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
+
+    head = LayeredHead(family_store[family], weights)
+    hidden = [_inputs(1, 5), _inputs(2, 1), _inputs(3, 2)]  # a prefill's last position too
+    got = head.logits_batch(hidden)
+    assert len(got) == 3
+    for g, h in zip(got, hidden, strict=True):
+        torch.testing.assert_close(g, head.logits(h), rtol=1e-5, atol=1e-5)
+        assert g.shape == (head.config.vocab_size,) and g.dtype == torch.float32

@@ -1,0 +1,99 @@
+"""`RoundBatcher` (issue 16 §1-2): rounds, fairness, prefill interleaving, per-row results.
+
+A fake `run_batch` records each executor job; nothing here waits on wall-clock time
+except the collection window bounds, which the tests set far beyond any real delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from hearthnet.distributed_inference.batcher import RoundBatcher
+
+
+class Recorder:
+    """run_batch: answers job * 10; a job named in `fail` gets its own exception."""
+
+    def __init__(self, fail: set[Any] | None = None) -> None:
+        self.rounds: list[list[Any]] = []
+        self.fail = fail or set()
+
+    def __call__(self, jobs: Sequence[Any]) -> list[Any]:
+        self.rounds.append(list(jobs))
+        return [ValueError(f"row {j}") if j in self.fail else j * 10 for j in jobs]
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(1) as p:
+        yield p
+
+
+async def test_concurrent_steps_form_one_batch_and_each_gets_its_row(pool):
+    rec = Recorder()
+    sizes: list[int] = []
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 4,
+                                             on_batch=lambda n, waits: sizes.append(n))
+    # the round starts when the 4 expected steps are in, not when the window ends
+    got = await asyncio.wait_for(asyncio.gather(*(b.submit(i) for i in range(4))), 20)
+    assert got == [0, 10, 20, 30]
+    assert rec.rounds == [[0, 1, 2, 3]] and sizes == [4]
+
+
+async def test_a_lone_session_never_waits_for_the_window(pool):
+    rec = Recorder()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=60.0, expected=lambda: 1)
+    assert await asyncio.wait_for(b.submit(7), 20) == 70
+
+
+async def test_a_stalled_session_does_not_hold_the_round_beyond_the_window(pool):
+    rec = Recorder()
+    # 3 sessions expected, 2 send: the round runs once the (short) window is over
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=0.05, expected=lambda: 3)
+    assert await asyncio.wait_for(asyncio.gather(b.submit(1), b.submit(2)), 20) == [10, 20]
+    assert rec.rounds == [[1, 2]]
+
+
+async def test_a_failing_row_fails_only_its_caller(pool):
+    rec = Recorder(fail={2})
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, expected=lambda: 3)
+    got = await asyncio.gather(*(b.submit(i) for i in (1, 2, 3)), return_exceptions=True)
+    assert got[0] == 10 and got[2] == 30
+    assert isinstance(got[1], ValueError) and str(got[1]) == "row 2"
+
+
+async def test_prefill_chunks_run_one_per_round_between_decode_batches(pool):
+    rec = Recorder()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, expected=lambda: 2)
+
+    async def prefill() -> list[int]:  # a 3-chunk prefill: one chunk at a time
+        return [await b.submit(100 + c, batchable=False) for c in range(3)]
+
+    async def decode(first: int) -> list[int]:
+        return [await b.submit(first + 2 * t) for t in range(3)]
+
+    out = await asyncio.gather(prefill(), decode(0), decode(1))
+    assert out == [[1000, 1010, 1020], [0, 20, 40], [10, 30, 50]]
+    chunks = [i for i, r in enumerate(rec.rounds) if r[0] >= 100]
+    assert all(len(rec.rounds[i]) == 1 for i in chunks)
+    # never two chunks in a row while decode rows are waiting: a batch between them
+    assert all(b - a > 1 for a, b in itertools.pairwise(chunks))
+    assert max(len(r) for r in rec.rounds) == 2  # the two decode sessions batched
+
+
+async def test_a_cancelled_caller_is_dropped_from_the_next_round(pool):
+    rec = Recorder()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3)
+    gone = asyncio.ensure_future(b.submit(5))
+    await asyncio.sleep(0)  # queued, the round waiting for the other two
+    gone.cancel()
+    got = await asyncio.wait_for(asyncio.gather(b.submit(1), b.submit(2)), 20)
+    assert got == [10, 20] and all(5 not in r for r in rec.rounds)
+    with pytest.raises(asyncio.CancelledError):
+        await gone

@@ -1,0 +1,167 @@
+"""A shard batches concurrent sessions' decode steps (issue 16 §1-2), over real transport.
+
+`ShardServer` hosting a tiny random-weight Llama (all 6 layers, fp32) on 127.0.0.1;
+several `TensorChannel` sessions step at once. Every answer equals the same session run
+alone on a separate stack; the batch size histogram shows the rows really shared a
+forward; a NaN row, a failing batched forward, a stalled and a vanished session each
+leave the other sessions' answers intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
+from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
+from hearthnet.errors import HearthNetError, StepFailed
+from hearthnet.observability import Metrics
+from hearthnet.transport.websocket import ServerStream, TensorChannel, serve
+from tests.helpers.waiting import wait_until
+
+PROMPTS = [5, 2, 9]  # positions each session prefills before decoding together
+
+
+@pytest.fixture(scope="module")
+def llama(family_models: Any) -> Any:
+    return family_models[1]["llama"]
+
+
+@pytest.fixture
+async def shard(llama: Any) -> AsyncIterator[tuple[ShardServer, str]]:
+    with ThreadPoolExecutor(1) as pool:
+        server = ShardServer(llama, 0, 5, node_id="node-s", endpoint="ws://127.0.0.1:1",
+                             settings=ShardSettings(batch_window_ms=30_000,
+                                                    prefill_chunk_tokens=4),
+                             executor=pool, metrics=Metrics())
+        await server.start()
+
+        async def handler(stream: ServerStream) -> None:
+            await server.serve_session(stream, server.validate_open(stream.open_params))
+
+        async with await serve(handler, "127.0.0.1", 0) as ws:
+            yield server, f"ws://127.0.0.1:{ws.sockets[0].getsockname()[1]}/shard"
+        await server.close_all()
+
+
+def _x(seed: int, n: int) -> torch.Tensor:
+    return torch.randn(1, n, 64, generator=torch.Generator().manual_seed(seed))
+
+
+async def _open(server: ShardServer, uri: str) -> TensorChannel:
+    params = {"shard_id": server.shard_id, "model_id": server.entry.model_id,
+              "weights_sha256": server.entry.weights_sha256, "start": 0, "end": 5,
+              "max_length": 32, "wire_dtype": "fp32"}
+    return await TensorChannel.connect(uri, params, deadline_s=30)
+
+
+def _solo(llama: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same steps on a stack of their own, one session, no batching."""
+    s = LayeredStack(llama, 0, 5).open_session(0, 5, 32)
+    pos, out = 0, []
+    for x in inputs:
+        out.append(s.forward(x, pos))
+        pos += x.shape[1]
+    return out
+
+
+def _batched_steps(server: ShardServer) -> tuple[float, float]:
+    """(rows, forwards) of the shard's batch size histogram."""
+    m = server.metrics.shard_batch_size.labels(server.shard_id)
+    samples = {s.name: s.value for s in m.collect()[0].samples}
+    return samples[m._name + "_sum"], samples[m._name + "_count"]  # type: ignore[attr-defined]
+
+
+def _assert_solo(llama: Any, runs: list[list[Any]]) -> None:
+    """Every output of every run equals its session's solo answer."""
+    for inputs, outs in runs:
+        for got, want in zip(outs, _solo(llama, inputs), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+async def _session(server: ShardServer, uri: str, i: int, steps: int,
+                   bad_at: int | None = None, together: asyncio.Barrier | None = None
+                   ) -> list[Any]:
+    """Prefill PROMPTS[i] positions, then `steps` decode steps; the inputs and outputs
+    (an exception in place of a failed step's output, after which it stops). With
+    `together`, the sessions start decoding only once all have prefilled."""
+    ch = await _open(server, uri)
+    inputs = [_x(i, PROMPTS[i])] + [_x(10 * i + t, 1) for t in range(steps)]
+    if bad_at is not None:
+        inputs[bad_at] = torch.full((1, 1, 64), float("nan"))
+    outs: list[Any] = []
+    pos = 0
+    try:
+        for k, x in enumerate(inputs):
+            try:
+                outs.append((await ch.step(k, pos, x)).tensor)
+            except HearthNetError as e:
+                outs.append(e)
+                break
+            pos += x.shape[1]
+            if k == 0 and together is not None:
+                await together.wait()
+    finally:
+        await ch.close()
+    return [inputs, outs]
+
+
+async def _together(server: ShardServer, uri: str, steps: int, bad: int | None = None
+                    ) -> list[list[Any]]:
+    """The 3 sessions at once, decoding in lockstep once all have prefilled (so their
+    rows share batches); session `bad` sends NaN at its second decode step."""
+    together = asyncio.Barrier(3)
+    return list(await asyncio.gather(*(
+        _session(server, uri, i, steps, bad_at=2 if i == bad else None, together=together)
+        for i in range(3))))
+
+
+async def test_concurrent_decode_steps_share_a_forward_and_match_solo(shard, llama):
+    server, uri = shard
+    runs = await _together(server, uri, 4)
+    _assert_solo(llama, runs)
+    rows, forwards = _batched_steps(server)
+    assert (rows, forwards) == (12, 4)  # 3 sessions × 4 decode steps: 4 forwards of 3 rows
+    await wait_until(lambda: server.active == 0, "every session closed")
+
+
+async def test_a_nan_row_fails_only_its_own_session(shard, llama):
+    server, uri = shard
+    # decoding in lockstep: the bad row is in a batch with the two others
+    runs = await _together(server, uri, 3, bad=1)
+    bad = runs[1][1]
+    assert isinstance(bad[-1], StepFailed) and "non-finite" in bad[-1].message
+    _assert_solo(llama, [runs[0], runs[2]])
+
+
+async def test_a_failed_batched_forward_runs_each_row_alone(shard, llama, monkeypatch):
+    server, uri = shard
+    assert server.stack is not None
+
+    def out_of_memory(*a: Any) -> None:
+        raise RuntimeError("simulated failure of the batched forward")
+
+    monkeypatch.setattr(server.stack, "decode_batch", out_of_memory)
+    runs = await _together(server, uri, 2)
+    _assert_solo(llama, runs)
+
+
+async def test_stalled_and_vanished_sessions_leave_the_others_going(shard, llama):
+    server, uri = shard
+    server.batcher.window_s = 0.05  # a stalled session holds a round this long at most
+    stalled = await _open(server, uri)
+    await stalled.step(0, 0, _x(7, 3))  # opened, then silent
+    vanished = await _open(server, uri)
+    await vanished.step(0, 0, _x(8, 3))
+    await vanished.close()  # gone mid-conversation
+    runs = await asyncio.gather(*(_session(server, uri, i, 3) for i in range(2)))
+    _assert_solo(llama, runs)
+    out = await stalled.step(1, 3, _x(9, 1))  # still served afterwards
+    torch.testing.assert_close(out.tensor, _solo(llama, [_x(7, 3), _x(9, 1)])[1],
+                               rtol=1e-5, atol=1e-5)
+    await stalled.close()
