@@ -12,8 +12,10 @@ the median of ``--runs``:
   ``--wire`` (fp16 by default) and, unless ``--no-fp32``, fp32 too; their ratios to local;
 - per-hop overhead (a stage's round trip minus the shard's own compute), first-token ms
   and construction ms, from the `done` frame's timings;
-- aggregate tokens/s at each ``--concurrency`` level: that many chats at once through the
-  same mesh, total completion tokens / wall time.
+- at each ``--concurrency`` level, that many chats at once through the same mesh
+  (issue 16, `hearthnet.bench.concurrency`): aggregate and per-chat tokens/s, inter-token
+  latency, the shards' and the head's batch sizes, tokens against each prompt run alone.
+  ``--concurrency-only`` measures just that (no local baseline, no wire comparison).
 
 Local and distributed runs alternate so a change in the machine's load hits both. Every
 node process runs ``--node-threads`` torch threads. The goals are those of issue 5.
@@ -31,6 +33,7 @@ from typing import Any
 
 from hearthnet.bench import (
     PROMPTS,
+    concurrency,
     machine,
     median,
     pid_memory,
@@ -62,7 +65,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per chat")
     p.add_argument("--runs", type=int, default=3, help="measured runs (median; default 3)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4],
-                   help="concurrent chats for the aggregate figure (default 1 2 4)")
+                   help="concurrent chats for the aggregate figure (default 1 2 4; issue "
+                        "16's goals compare 8 with 1)")
+    p.add_argument("--concurrency-only", action="store_true",
+                   help="only the concurrency levels: no local baseline, no wire comparison")
+    p.add_argument("--batch-window-ms", type=float, default=None,
+                   help="every node's batch_window_ms (default: the config default)")
     p.add_argument("--local-threads", type=int, default=2,
                    help="torch threads of the local baseline (this process)")
     p.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
@@ -98,7 +106,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import torch
 
     from hearthnet.distributed_inference.local import LocalEngine
-    from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+    from hearthnet.mesh.launcher import LocalMesh
     from hearthnet.models import ModelStore
 
     if args.runs < 1 or args.tokens < 2 or min(args.concurrency) < 1:
@@ -119,14 +127,10 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                      "sampling": "greedy", "prompt": args.prompt, "warmup_calls": 1}}
     torch.set_num_threads(args.local_threads)
     head = head_format(args.weights)
-    engine = LocalEngine(entry, args.weights, head_weights=head, device=args.device)
+    engine = None if args.concurrency_only else LocalEngine(
+        entry, args.weights, head_weights=head, device=args.device)
     figures["local_memory"] = proc_memory()  # this process: the local baseline's model
-    on_device = {"extra_host": {"device": args.device, "weights": args.weights},
-                 "extra_di": {"head_device": args.device, "head_weights": head}}
-    specs = [NodeSpec("node-a", **on_device)] + [  # type: ignore[arg-type]
-        NodeSpec(f"node-{chr(ord('b') + i)}", [r], extra_host=on_device["extra_host"],
-                 extra_di={**on_device["extra_di"], "prepare_heads_at_start": False})
-        for i, r in enumerate(ranges)]
+    specs = _specs(args, ranges, head)
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="hearthnet-bench-"))
     try:
@@ -135,7 +139,13 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         try:
             mesh.start(timeout=1800.0)  # multi-GB shards take minutes to load
             figures["mesh_start_s"] = round(time.perf_counter() - t0, 1)
-            figures.update(asyncio.run(_measure(mesh.nodes["node-a"].uri, engine, args)))
+            def scrape() -> dict[str, str]:
+                return {n: mesh.metrics(n) for n in mesh.nodes}
+
+            uri = mesh.nodes["node-a"].uri
+            if engine is not None:
+                figures.update(asyncio.run(_measure(uri, engine, args)))
+            figures.update(asyncio.run(concurrency.measure(uri, args, scrape)))
             figures["node_memory"] = {n: pid_memory(p.proc.pid) for n, p in mesh.nodes.items()
                                       if p.proc is not None}
         finally:
@@ -145,11 +155,31 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gpu = args.goals == "gpu" if args.goals else args.device != "cpu"
-    figures["goals"] = _goals(figures, GPU_GOALS if gpu else GOALS)
+    figures["goals"] = {} if engine is None else _goals(figures, GPU_GOALS if gpu else GOALS)
     name = f"pipeline-{args.shards}" if args.device == "cpu" else \
         f"pipeline-{args.device.replace(':', '')}-{args.shards}"
+    if engine is None:  # not the full benchmark's file
+        name = f"pipeline-concurrency-{args.model}-{args.weights}-{args.shards}"
     figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
     return figures, report(figures)
+
+
+def _specs(args: argparse.Namespace, ranges: list[tuple[int, int]], head: str
+           ) -> list[Any]:
+    """Node A (orchestrator, as many concurrent pipelines as the largest level) and one
+    shard node per range (as many sessions as that, and at least the default 8)."""
+    from hearthnet.mesh.launcher import NodeSpec
+
+    most = max(args.concurrency)
+    di: dict[str, Any] = {"head_device": args.device, "head_weights": head}
+    if args.batch_window_ms is not None:
+        di["batch_window_ms"] = args.batch_window_ms
+    host = {"device": args.device, "weights": args.weights}
+    return [NodeSpec("node-a", extra_host=host,
+                     extra_di={**di, "max_concurrent_pipelines": max(4, most)})] + [
+        NodeSpec(f"node-{chr(ord('b') + i)}", [r], extra_host=host,
+                 extra_di={**di, "prepare_heads_at_start": False},
+                 max_streams=max(8, most)) for i, r in enumerate(ranges)]
 
 
 def _log_tails(root: Path, chars: int = 2000) -> str:
@@ -218,7 +248,6 @@ async def _measure(uri: str, engine: Any, a: argparse.Namespace) -> dict[str, An
     out: dict[str, Any] = _summarise(local, dist, a.wire, local_1t)
     out["tokens_match_local"] = match
     out["completion_tokens"] = len(local_ids)
-    out["concurrency"] = [await _concurrent(uri, a, c) for c in a.concurrency]
     return out
 
 
@@ -273,23 +302,6 @@ def _hops(runs: list[dict[str, Any]], tps: float) -> dict[str, Any]:
             "orchestrator_ms_per_step_est": round(step_ms - rtt, 3)}
 
 
-async def _concurrent(uri: str, a: argparse.Namespace, c: int) -> dict[str, Any]:
-    """`c` chats at once, `runs` times: aggregate tokens/s = total tokens / wall time."""
-    aggs, per_call = [], []
-    for _ in range(a.runs):
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(chat_frames(uri, p, a.model, a.tokens,
-                                                     wire_dtype=a.wire) for p in prompts))
-        wall = time.perf_counter() - t0
-        n = sum(len(token_ids(frames)) for frames, _ in results)
-        aggs.append(n / wall)
-        per_call += [frames[-1]["timings"]["tokens_per_second"] for frames, _ in results]
-    return {"concurrency": c, "aggregate_tokens_per_second": round(median(aggs), 2),
-            "aggregate_runs": [round(x, 2) for x in aggs],
-            "per_call_decode_tokens_per_second": round(median(per_call), 2)}
-
-
 def _goals(f: dict[str, Any], goals: dict[str, float]) -> dict[str, Any]:
     d = f["distributed"]
     ratio = d["ratio_to_best_local"] or 0.0
@@ -310,6 +322,13 @@ def _goals(f: dict[str, Any], goals: dict[str, float]) -> dict[str, Any]:
 
 def report(f: dict[str, Any]) -> str:
     """The human-readable tables of a `run` result."""
+    conc = concurrency.report(f["concurrency"], f["concurrency_goals"])
+    if "local" not in f:  # --concurrency-only
+        mem = ", ".join(f"{n} {m['peak_rss_mb']} MiB" for n, m in f["node_memory"].items())
+        return (f"bench pipeline --concurrency-only: {f['model_id']}, {f['shards']} shards "
+                f"{f['layer_split']}, weights {f['settings']['weights']}, {f['tokens']} "
+                f"tokens per chat, median of {f['runs']} runs\n{conc}\npeak RSS: nodes {mem}"
+                f"\nwritten to {f['results_file']}")
     lo = f["local"]
     rows = [["local (1 process)", f["settings"]["local_torch_threads"],
              lo["tokens_per_second"], None, lo["first_token_ms"], None, None, None],
@@ -328,9 +347,6 @@ def report(f: dict[str, Any]) -> str:
                [[sid, f"{s['layers'][0]}-{s['layers'][1]}", s["p50_ms"], s["p95_ms"],
                  s["overhead_p50_ms"], s["overhead_p95_ms"]]
                 for sid, s in d["hops"]["stages"].items()])
-    t3 = table(["concurrent chats", "aggregate tok/s", "per-call decode tok/s"],
-               [[c["concurrency"], c["aggregate_tokens_per_second"],
-                 c["per_call_decode_tokens_per_second"]] for c in f["concurrency"]])
     goals = ", ".join(f"{k} {g['measured']} ({'met' if g['met'] else 'MISSED'}, goal "
                       f"{g['goal']})" for k, g in f["goals"].items())
     mem = ", ".join(f"{n} {m['peak_rss_mb']} MiB" for n, m in f["node_memory"].items())
@@ -339,6 +355,6 @@ def report(f: dict[str, Any]) -> str:
             f"{f['tokens']} tokens, median of {f['runs']} runs\n{t1}\n\n{t2}\n"
             f"peak RSS: local baseline {f['local_memory']['peak_rss_mb']} MiB; nodes {mem}\n"
             f"decode step {d['hops']['step_ms']} ms = stages {d['hops']['stages_rtt_p50_ms_sum']}"
-            f" ms + orchestrator ≈{d['hops']['orchestrator_ms_per_step_est']} ms\n\n{t3}\n\n"
+            f" ms + orchestrator ≈{d['hops']['orchestrator_ms_per_step_est']} ms\n\n{conc}\n\n"
             f"tokens identical to local: {f['tokens_match_local']}\ngoals: {goals}\n"
             f"written to {f['results_file']}")

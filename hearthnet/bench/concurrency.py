@@ -1,0 +1,202 @@
+"""The concurrency part of `hearthnet bench pipeline` (issue 16): continuous batching, measured.
+
+At each ``--concurrency`` level C, C greedy chats start at once through the orchestrating
+node (prompts cycled from `PROMPTS`), ``--runs`` times. Per level:
+
+- aggregate tokens/s: all chats' completion tokens over the wall time of the round;
+- per-chat decode tokens/s (median over chats, from each `done` frame);
+- p50 / p95 inter-token latency: the gaps between a chat's token frames as the caller
+  receives them (first token excluded: that is prefill), pooled over the level's chats;
+- the shard batch size histogram (rows per batched forward, from the shard nodes' own
+  ``shard_batch_size`` Prometheus histogram, the difference over the level) and the
+  orchestrator's head batch sizes (``head_batch_size``);
+- agreement: each chat's tokens against the same prompt run alone (the solo reference
+  pass before the levels): identical, or the index of the first divergence. In fp32 they
+  must all be identical; in bf16/int8 a batched matmul may round differently.
+
+Goals (issue 16, the 2-core CPU machine): aggregate tokens/s at 8 chats ≥ 4× the single
+chat's, with p95 inter-token latency ≤ 2× the single chat's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hearthnet.bench import PROMPTS, median, percentile, table
+from hearthnet.errors import HearthNetError
+
+GOALS = {"aggregate_ratio_min": 4.0, "itl_p95_ratio_max": 2.0, "at_concurrency": 8}
+
+Scrape = Callable[[], dict[str, str]]
+"""() -> {node id: its /metrics text}."""
+
+_P = "hearthnet_distributed_inference_"
+
+
+async def timed_chat(uri: str, prompt: str, model: str, tokens: int,
+                     **params: Any) -> dict[str, Any]:
+    """One greedy chat: its token ids, the arrival time of each token, its `done` frame."""
+    from hearthnet.distributed_inference.generation import SamplingParams
+    from hearthnet.mesh.bus import bus_call
+    from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+
+    args = chat_args(prompt, model, SamplingParams(max_tokens=tokens), **params)
+    ids: list[int] = []
+    times: list[float] = []
+    last: dict[str, Any] = {}
+    async for f in bus_call(uri, CHAT_CAPABILITY, args):
+        if f.get("type") == "token_delta":
+            ids.append(int(f["token_id"]))
+            times.append(time.perf_counter())
+        last = f
+    if last.get("type") != "done":
+        raise HearthNetError(f"the chat did not finish: {last}")
+    return {"ids": ids, "times": times, "done": last}
+
+
+def histogram(texts: dict[str, str], name: str) -> dict[str, dict[str, float]]:
+    """{series labels: {le: cumulative count, "sum": s}} of histogram `name` over nodes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {}
+    for node, text in texts.items():
+        for fam in text_string_to_metric_families(text):
+            if fam.name != _P + name:
+                continue
+            for s in fam.samples:
+                series = s.labels.get("shard_id", node)
+                row = out.setdefault(series, {})
+                if s.name.endswith("_bucket"):
+                    row[s.labels["le"]] = s.value
+                elif s.name.endswith("_sum"):
+                    row["sum"] = s.value
+    return out
+
+
+def size_histogram(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+                   ) -> dict[str, Any]:
+    """Per series: batches by size (upper bucket bound → count) and mean rows per batch,
+    over the interval between two scrapes."""
+    out: dict[str, Any] = {}
+    for series, row in after.items():
+        prev = before.get(series, {})
+        bounds = sorted((k for k in row if k != "sum"), key=float)
+        counts: dict[str, int] = {}
+        below = 0.0
+        for le in bounds:
+            cum = row[le] - prev.get(le, 0.0)
+            if cum - below > 0:
+                counts["+Inf" if le == "+Inf" else str(int(float(le)))] = int(cum - below)
+            below = cum
+        if below > 0:
+            rows = row.get("sum", 0.0) - prev.get("sum", 0.0)
+            out[series] = {"batches_by_size": counts, "batches": int(below),
+                           "mean_rows": round(rows / below, 2)}
+    return out
+
+
+def agreement(chats: list[dict[str, Any]], prompts: list[str],
+              solo: dict[str, list[int]]) -> dict[str, Any]:
+    """Tokens of each chat against its prompt's solo answer."""
+    firsts: list[int] = []
+    same = 0
+    for chat, p in zip(chats, prompts, strict=True):
+        ids, ref = chat["ids"], solo[p]
+        if ids == ref:
+            same += 1
+            continue
+        firsts.append(next((i for i, (a, b) in enumerate(zip(ids, ref, strict=False))
+                            if a != b), min(len(ids), len(ref))))
+    return {"identical": same, "chats": len(chats), "first_divergences": sorted(firsts)}
+
+
+async def solo_answers(uri: str, a: argparse.Namespace) -> dict[str, list[int]]:
+    """Each prompt alone (also the warm-up of the levels)."""
+    return {p: (await timed_chat(uri, p, a.model, a.tokens, wire_dtype=a.wire))["ids"]
+            for p in PROMPTS}
+
+
+async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
+                solo: dict[str, list[int]]) -> dict[str, Any]:
+    """`c` chats at once, `a.runs` times; see the module docstring."""
+    aggs, per_chat, gaps = [], [], []
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
+    agree: list[dict[str, Any]] = []
+    before = scrape()
+    for _ in range(a.runs):
+        t0 = time.perf_counter()
+        chats = await asyncio.gather(*(timed_chat(uri, p, a.model, a.tokens,
+                                                  wire_dtype=a.wire) for p in prompts))
+        wall = time.perf_counter() - t0
+        aggs.append(sum(len(ch["ids"]) for ch in chats) / wall)
+        per_chat += [ch["done"]["timings"]["tokens_per_second"] for ch in chats]
+        gaps += [(t1 - t0_) * 1000 for ch in chats
+                 for t0_, t1 in zip(ch["times"], ch["times"][1:], strict=False)]
+        agree.append(agreement(chats, prompts, solo))
+    after = scrape()
+    return {"concurrency": c, "aggregate_tokens_per_second": round(median(aggs), 2),
+            "aggregate_runs": [round(x, 2) for x in aggs],
+            "per_call_decode_tokens_per_second": round(median(per_chat), 2),
+            "inter_token_ms_p50": round(percentile(gaps, 0.5), 1),
+            "inter_token_ms_p95": round(percentile(gaps, 0.95), 1),
+            "shard_batches": size_histogram(histogram(before, "shard_batch_size"),
+                                            histogram(after, "shard_batch_size")),
+            "head_batches": size_histogram(histogram(before, "head_batch_size"),
+                                           histogram(after, "head_batch_size")),
+            "agreement": {"identical": sum(x["identical"] for x in agree),
+                          "chats": sum(x["chats"] for x in agree),
+                          "first_divergences": sorted(i for x in agree
+                                                      for i in x["first_divergences"])}}
+
+
+async def measure(uri: str, a: argparse.Namespace, scrape: Scrape) -> dict[str, Any]:
+    """Every level of ``--concurrency``, after the solo reference pass; and the goals."""
+    solo = await solo_answers(uri, a)
+    levels = [await level(uri, a, c, scrape, solo) for c in a.concurrency]
+    return {"concurrency": levels, "concurrency_goals": goals(levels)}
+
+
+def goals(levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 16's goals, where both the single chat and 8 chats were measured."""
+    by = {lv["concurrency"]: lv for lv in levels}
+    one, many = by.get(1), by.get(GOALS["at_concurrency"])
+    if one is None or many is None:
+        return {}
+    agg = many["aggregate_tokens_per_second"] / max(one["aggregate_tokens_per_second"], 1e-9)
+    itl = many["inter_token_ms_p95"] / max(one["inter_token_ms_p95"], 1e-9)
+    return {"aggregate_ratio_8_to_1": {"measured": round(agg, 2),
+                                      "goal": GOALS["aggregate_ratio_min"],
+                                      "met": agg >= GOALS["aggregate_ratio_min"]},
+            "itl_p95_ratio_8_to_1": {"measured": round(itl, 2),
+                                     "goal": GOALS["itl_p95_ratio_max"],
+                                     "met": itl <= GOALS["itl_p95_ratio_max"]}}
+
+
+def report(levels: list[dict[str, Any]], goal: dict[str, Any]) -> str:
+    """The concurrency table, batch sizes and the goals."""
+    def sizes(h: dict[str, Any]) -> str:
+        return "; ".join(f"{' '.join(f'{k}:{v}' for k, v in s['batches_by_size'].items())} "
+                         f"(mean {s['mean_rows']})" for s in h.values()) or "-"
+
+    t = table(["chats", "aggregate tok/s", "per-chat tok/s", "ITL p50 ms", "ITL p95 ms",
+               "identical to solo", "shard batches (size:count)", "head batches"],
+              [[c["concurrency"], c["aggregate_tokens_per_second"],
+                c["per_call_decode_tokens_per_second"], c["inter_token_ms_p50"],
+                c["inter_token_ms_p95"],
+                f"{c['agreement']['identical']}/{c['agreement']['chats']}",
+                sizes(c["shard_batches"]), sizes(c["head_batches"])] for c in levels])
+    lines = [t]
+    diverged = [(c["concurrency"], c["agreement"]["first_divergences"]) for c in levels
+                if c["agreement"]["first_divergences"]]
+    if diverged:
+        lines.append("first divergence from solo (token index): " + ", ".join(
+            f"{c} chats {d}" for c, d in diverged))
+    if goal:
+        lines.append("concurrency goals: " + ", ".join(
+            f"{k} {g['measured']} ({'met' if g['met'] else 'MISSED'}, goal {g['goal']})"
+            for k, g in goal.items()))
+    return "\n".join(lines)
