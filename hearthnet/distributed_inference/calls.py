@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from prometheus_client import Histogram
 
 from hearthnet.distributed_inference.descriptors import Pipeline, PipelineStage
 from hearthnet.distributed_inference.generation import Generation
@@ -68,6 +69,9 @@ class StageSession:
     stage: PipelineStage
     channel: Channel
     wire: str  # the wire dtype of this stage's stream (issue 11 §2)
+    # this shard's latency and hop-overhead histograms, bound once (issue 10 §8)
+    latency: Histogram
+    overhead: Histogram
     history: list[torch.Tensor] = field(default_factory=list)  # inputs, (1, T_i, H) each
     # the last steps' round trips and overheads (bounded: a long chat is many steps)
     rtt_ms: LatencyWindow = field(default_factory=LatencyWindow)

@@ -8,10 +8,16 @@ The orchestrator relays between stages (DESIGN.md decision 1) and records every 
 input (`StageSession.history`) so that `Failover` can replay it into a replacement; a stage
 failure inside a step is handed to `Failover.replace` and the step is redone from the
 replaced stage.
+
+Per-token path (issue 10 §8): a step's input is converted to the first stage's wire dtype
+once (`embed_for_wire`; the prompt's on the executor), so the transport sends it as is;
+each stage's histograms are bound once per session (`StageSession`), and a stage's step
+runs under one deadline (`Channel.step`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
@@ -28,6 +34,7 @@ from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.sanity import SanityChecker
 from hearthnet.errors import HearthNetError, PipelineStalled, StreamStalled, WireOverflow
 from hearthnet.observability import Metrics
+from hearthnet.transport.codec import cast_to_wire
 
 
 class DecodeLoop:
@@ -81,7 +88,11 @@ class DecodeLoop:
                    t0: float) -> AsyncIterator[Frame]:
         gen = call.gen
         heads = self.head_batcher(head)
-        x = head.embed_host(gen.prompt_ids)
+        loop = asyncio.get_running_loop()
+        # the prompt's embeddings and their one cast to the first stage's wire dtype run off
+        # the loop: a long prompt is thousands of rows (issue 10 §8)
+        x = await loop.run_in_executor(self.executor, embed_for_wire, head, gen.prompt_ids,
+                                       call.stages[0].channel.wire_dtype)
         pos = 0
         while not gen.done:
             h = await self.relay_chunked(call, x, pos, checker)
@@ -97,7 +108,8 @@ class DecodeLoop:
             self.metrics.tokens_generated_total.inc()
             yield token_frame(ev)
             pos += x.shape[1]
-            x = head.embed_host([ev.token_id])
+            # one row, looked up and cast once here: cheaper than an executor hop
+            x = embed_for_wire(head, [ev.token_id], call.stages[0].channel.wire_dtype)
 
     async def relay_chunked(self, call: CallState, x: torch.Tensor, pos: int,
                             checker: SanityChecker) -> torch.Tensor:
@@ -141,10 +153,23 @@ class DecodeLoop:
                 raise StageFailed(k, e, x) from e
             rtt = (time.perf_counter() - t) * 1000
             st.history.append(x)
+            overhead = rtt - res.compute_us / 1000
             st.rtt_ms.add(rtt)
-            st.overhead_ms.add(rtt - res.compute_us / 1000)
-            self.metrics.shard_latency_ms.labels(st.shard_id).observe(rtt)
-            self.metrics.hop_overhead_ms.labels(st.shard_id).observe(st.overhead_ms.last)
+            st.overhead_ms.add(overhead)
+            st.latency.observe(rtt)
+            st.overhead.observe(overhead)
             self.health.observe_latency(st.shard_id, rtt)
             x = res.tensor
         return x
+
+
+def embed_for_wire(head: ClientHead, token_ids: list[int], wire: torch.dtype) -> torch.Tensor:
+    """The embeddings of `token_ids` on the host, converted once to the first stage's wire
+    dtype (run on the executor). Left unconverted when the cast overflows: sending it then
+    reports the `WireOverflow` for that stage, which widens it (issue 11 §2)."""
+    x = head.embed_host(token_ids)
+    try:
+        return cast_to_wire(x, wire)
+    except WireOverflow:
+        return x
+

@@ -92,7 +92,8 @@ class Failover:
                                        call.params.timeout_s)
         except HearthNetError as e:  # the shard itself failed now: an ordinary failover
             closed = ClosedChannel(old.channel.wire_dtype)
-            call.stages[f.index] = StageSession(old.stage, closed, old.wire, old.history)
+            call.stages[f.index] = StageSession(old.stage, closed, old.wire, old.latency,
+                                                old.overhead, old.history)
             return await self.replace(call, StageFailed(f.index, e, f.x_in), pos)
         new.history, new.rtt_ms, new.overhead_ms = old.history, old.rtt_ms, old.overhead_ms
         call.stages[f.index] = new

@@ -269,7 +269,9 @@ class PipelineOrchestrator:
                 self.health.mark_suspect(stage.shard.shard_id, e.code)
             raise ShardUnavailable(f"could not open a session on {stage.shard.shard_id}: "
                                    f"{e.message}", shard_id=stage.shard.shard_id) from e
-        return StageSession(stage, ch, wire)
+        sid = stage.shard.shard_id
+        return StageSession(stage, ch, wire, self.metrics.shard_latency_ms.labels(sid),
+                            self.metrics.hop_overhead_ms.labels(sid))
 
     # ---- giving up (M26 §5.4) ----
 

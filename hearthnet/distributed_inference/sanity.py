@@ -23,6 +23,7 @@ caught by the sender (`wire_overflow`) and the step redone wider.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,17 +65,19 @@ class SanityChecker:
         if dtype is not None and hidden.dtype != dtype:
             raise ShardCorrupted(f"shard {shard_id} returned {hidden.dtype} activations; "
                                  f"expected {dtype}", shard_id=shard_id, check="dtype")
-        h = hidden.float()
-        if not bool(torch.isfinite(h).all()):
-            raise ShardCorrupted(f"shard {shard_id} returned NaN or Inf activations",
+        # one reduction answers both checks (issue 10 §8): a NaN or Inf anywhere makes the
+        # largest per-position norm non-finite; accumulated in fp32 without a copy
+        norm = float(torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32).amax())
+        if not math.isfinite(norm):
+            raise ShardCorrupted(f"shard {shard_id} returned NaN or Inf activations (or a "
+                                 f"position whose norm overflows fp32)",
                                  shard_id=shard_id, check="finite")
-        if self.bounds is not None and 0 <= end < len(self.bounds):
-            norm = float(h.norm(dim=-1).max())
-            if norm > self.bounds[end]:
-                raise ShardCorrupted(
-                    f"shard {shard_id} returned activations of norm {norm:.1f} after layer "
-                    f"{end}; the calibrated bound is {self.bounds[end]:.1f}",
-                    shard_id=shard_id, check="norm")
+        if self.bounds is not None and 0 <= end < len(self.bounds) \
+                and norm > self.bounds[end]:
+            raise ShardCorrupted(
+                f"shard {shard_id} returned activations of norm {norm:.1f} after layer "
+                f"{end}; the calibrated bound is {self.bounds[end]:.1f}",
+                shard_id=shard_id, check="norm")
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,12 @@ class ShardServer:
         self._refuse_over_budget(make_shard_id(entry.model_id, lo, hi, node_id))
         self.descriptor = self._describe(node_id, endpoint)
         self.shard_id = self.descriptor.shard_id
+        # the per-step metrics, bound to this shard's label once (issue 10 §8)
+        self._m_queue = self.metrics.shard_queue_depth.labels(self.shard_id)
+        self._m_forward = self.metrics.shard_forward_ms.labels(self.shard_id)
+        self._m_active = self.metrics.shard_active_sessions.labels(self.shard_id)
+        self._m_batch_size = self.metrics.shard_batch_size.labels(self.shard_id)
+        self._m_batch_wait = self.metrics.shard_batch_wait_ms.labels(self.shard_id)
         self.stack: LayerStack | None = None
         self._load_lock = asyncio.Lock()
         self.active = 0
@@ -319,7 +325,7 @@ class ShardServer:
             if inp is None:
                 return
             self.queue_depth += 1
-            self.metrics.shard_queue_depth.labels(self.shard_id).set(self.queue_depth)
+            self._m_queue.set(self.queue_depth)
             try:
                 t0 = time.perf_counter()
                 out = await self._forward_chunked(session, staging, inp.tensor,
@@ -342,9 +348,9 @@ class ShardServer:
                 raise self._forward_failed(inp.step, e) from e
             finally:
                 self.queue_depth -= 1
-                self.metrics.shard_queue_depth.labels(self.shard_id).set(self.queue_depth)
+                self._m_queue.set(self.queue_depth)
             self._latencies.add(dt * 1000)
-            self.metrics.shard_forward_ms.labels(self.shard_id).observe(dt * 1000)
+            self._m_forward.observe(dt * 1000)
             self.last_used = self.clock()
             await stream.send_step(inp.step, inp.start_pos, out, compute_us=int(dt * 1e6))
 
@@ -446,9 +452,9 @@ class ShardServer:
         return job.staging.to_host(wired, job.wire) if job.staging else wired.cpu()
 
     def _observe_batch(self, size: int, waits_ms: list[float]) -> None:
-        self.metrics.shard_batch_size.labels(self.shard_id).observe(size)
+        self._m_batch_size.observe(size)
         for w in waits_ms:
-            self.metrics.shard_batch_wait_ms.labels(self.shard_id).observe(w)
+            self._m_batch_wait.observe(w)
 
     def session_tensor_bytes(self, req: OpenRequest) -> int:
         """The largest tensor a session can legitimately send: all of its positions at
@@ -482,7 +488,7 @@ class ShardServer:
                           f"({type(exc).__name__}); see its log", step=step)
 
     def _gauge(self) -> None:
-        self.metrics.shard_active_sessions.labels(self.shard_id).set(self.active)
+        self._m_active.set(self.active)
 
 
 async def refuse(stream: ShardStream, err: HearthNetError) -> None:

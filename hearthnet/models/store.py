@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from hearthnet.models.writer import WrittenModel
 from hearthnet.paths import models_dir
 
 MANIFEST = "manifest.json"
+_RACY_NS = 2_000_000_000  # a folder list younger than this is listed again
 IMPORTING = ".importing"  # suffix of a folder being written (renamed when complete)
 
 
@@ -96,23 +98,49 @@ class ModelEntry:
 
 
 class ModelStore:
-    """The models under one folder (default `<data dir>/models`)."""
+    """The models under one folder (default `<data dir>/models`).
+
+    Manifests are parsed once and kept (issue 10 §8: a chat looks its model up without
+    re-reading every manifest): a cached entry is reused while its manifest file has the
+    same inode, size and mtime, and the folder list while the store folder's mtime is
+    unchanged (an import or a removal renames a folder, which changes it).
+    """
 
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root) if root else models_dir()
         self.root.mkdir(parents=True, exist_ok=True)
+        self._folders: tuple[int, list[Path]] = (-1, [])
+        self._manifests: dict[Path, tuple[tuple[int, int, int], ModelEntry]] = {}
 
     def entries(self) -> list[ModelEntry]:
         out = []
-        for d in sorted(self.root.iterdir()):
-            if d.name.endswith(IMPORTING):
-                continue  # an import under way or interrupted: not a model
-            if (d / MANIFEST).is_file():
+        for d in self._model_folders():
+            try:
+                st = (d / MANIFEST).stat()
+            except OSError:
+                continue
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            cached = self._manifests.get(d)
+            if cached is None or cached[0] != key:
                 try:
-                    out.append(ModelEntry.load(d))
+                    cached = (key, ModelEntry.load(d))
                 except (ValueError, TypeError, KeyError, OSError):
                     continue  # a half-written or foreign folder is not a model
+                self._manifests[d] = cached
+            out.append(cached[1])
         return out
+
+    def _model_folders(self) -> list[Path]:
+        """The store's folders, not those of imports under way; listed again only when the
+        store folder changed — or changed so recently that a second change could share its
+        coarse mtime (git's "racy" rule)."""
+        mtime = self.root.stat().st_mtime_ns
+        if self._folders[0] != mtime or time.time_ns() - mtime < _RACY_NS:
+            folders = [d for d in sorted(self.root.iterdir())
+                       if not d.name.endswith(IMPORTING)]  # an import under way: no model
+            self._folders = (mtime, folders)
+            self._manifests = {d: v for d, v in self._manifests.items() if d in folders}
+        return self._folders[1]
 
     def get(self, name: str) -> ModelEntry:
         """Find a model by alias, model id or weights hash.

@@ -77,6 +77,8 @@ DEFAULT_DEADLINE_S = DEFAULT_TIMEOUT_S
 SHARD_PATH = "/shard"
 """Request path of tensor sessions on a node's WebSocket server (PROTOCOL.md §1)."""
 
+_NOT_SENT = "step {step} could not be sent before the deadline: the peer returned no credit"
+_NOT_RECEIVED = "no complete step arrived before the deadline"
 _CLOSE_GRACE_S = 2.0  # how long a closing or failing session waits for the peer
 _log = get_logger("transport")
 _T = TypeVar("_T")
@@ -379,34 +381,44 @@ class _Session:
 
     async def _send_tensor(self, step: int, start_pos: int, tensor: torch.Tensor,
                            compute_us: int, deadline_at: float) -> None:
+        try:
+            async with asyncio.timeout_at(deadline_at):
+                await self._send_untimed(step, start_pos, tensor, compute_us)
+        except TimeoutError:
+            raise self._stalled(_NOT_SENT.format(step=step)) from None
+
+    async def _send_untimed(self, step: int, start_pos: int, tensor: torch.Tensor,
+                            compute_us: int) -> None:
+        """Queue one step and flush it, waiting for credit when the window is full; the
+        caller bounds it with its deadline."""
         self._check_usable()
         proto = self._proto
         seq = proto.send_step(step, start_pos, tensor, compute_us)
-        try:
-            async with asyncio.timeout_at(deadline_at):
-                while True:
-                    self._credit.clear()
-                    await self._flush()
-                    if proto.tensors_sent >= seq:
-                        return
-                    self._check_usable()
-                    await self._credit.wait()  # window exhausted: wait for CREDIT
-        except TimeoutError:
-            raise self._stalled(f"step {step} could not be sent before the deadline: the "
-                                "peer returned no credit") from None
+        while True:
+            self._credit.clear()
+            await self._flush()
+            if proto.tensors_sent >= seq:
+                return
+            self._check_usable()
+            await self._credit.wait()  # window exhausted: wait for CREDIT
 
     async def _recv_tensor(self, deadline_at: float) -> StepReceived | None:
         try:
             async with asyncio.timeout_at(deadline_at):
-                while not self._ready:
-                    if self._failure is not None:
-                        raise self._failure
-                    if self._peer_closed:
-                        return None
-                    self._wakeup = self._loop.create_future()
-                    await self._wakeup
+                return await self._recv_untimed()
         except TimeoutError:
-            raise self._stalled("no complete step arrived before the deadline") from None
+            raise self._stalled(_NOT_RECEIVED) from None
+
+    async def _recv_untimed(self) -> StepReceived | None:
+        """The next received step (None once the peer closed cleanly), giving credit back;
+        the caller bounds it with its deadline."""
+        while not self._ready:
+            if self._failure is not None:
+                raise self._failure
+            if self._peer_closed:
+                return None
+            self._wakeup = self._loop.create_future()
+            await self._wakeup
         item = self._ready.popleft()
         if isinstance(item, HearthNetError):
             raise item
@@ -523,10 +535,17 @@ class TensorChannel(_Session):
 
     async def step(self, step: int, start_pos: int, tensor: torch.Tensor,
                    deadline_s: float | None = None) -> StepResult:
-        """`send_step` then `recv_step` under one deadline for both."""
-        deadline_at = self._deadline_at(deadline_s)
-        await self._send_tensor(step, start_pos, tensor, 0, deadline_at)
-        ev = await self._recv_tensor(deadline_at)
+        """`send_step` then `recv_step` under one deadline — one timer — for both (the
+        decode loop's per-token path, issue 10 §8)."""
+        sent = False
+        try:
+            async with asyncio.timeout_at(self._deadline_at(deadline_s)):
+                await self._send_untimed(step, start_pos, tensor, 0)
+                sent = True
+                ev = await self._recv_untimed()
+        except TimeoutError:
+            raise self._stalled(_NOT_RECEIVED if sent else _NOT_SENT.format(step=step)
+                                ) from None
         if ev is None:  # pragma: no cover
             raise ConnectionLost("the shard closed the tensor stream")
         return StepResult(ev.step, ev.start_pos, ev.tensor, ev.compute_us)
