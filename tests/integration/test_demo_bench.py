@@ -154,6 +154,8 @@ def test_bench_reach_splits_the_model_and_matches_the_local_engine(smollm2, tmp_
     assert f["distributed"]["formats"] == {"head": "int8", "stages": ["int8", "int8"]}
     assert len(f["distributed"]["token_ids"]) == 6 and f["distributed"]["tokens_per_second"] > 0
     assert f["local"]["peak_rss_mb"] > 0 and f["tokens_identical_to_local"]
+    assert f["every_shard_under_half_one_process"] == (
+        f["max_shard_peak_rss_mb"] < f["local"]["peak_rss_mb"] / 2)
 
 
 def test_bench_failover_kills_the_last_stage_and_keeps_the_answer(smollm2, tmp_path):

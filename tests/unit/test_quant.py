@@ -45,3 +45,25 @@ def test_formats_and_routing_policy():
     assert formats.accepted_formats("bf16", "fp32") == ["fp32", "bf16", "fp16"]
     assert formats.accepted_formats("int4", "fp32") == list(formats.HELD_FORMATS)
     assert formats.accepted_formats("exact", "bf16") == ["bf16"]
+
+
+def test_quantisation_works_in_bounded_chunks_with_the_same_result(monkeypatch):
+    """A wide weight (a 7B down_proj is 3584 × 18944) is quantised a few Mi elements at a
+    time, so a shard's load transient stays small; the result does not depend on it."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 640).bfloat16()
+    whole = Int8Linear(w, None)
+    seen: list[int] = []
+    rows = quant._rows
+
+    def spy(t):
+        for r, chunk in rows(t):
+            seen.append(chunk.numel())
+            yield r, chunk
+
+    monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 4 * 640)
+    monkeypatch.setattr(quant, "_rows", spy)
+    chunked = Int8Linear(w, None)
+    assert max(seen) <= 4 * 640 and len(seen) == 96 // 4
+    assert torch.equal(chunked.weight_int8, whole.weight_int8)
+    assert torch.equal(chunked.scales, whole.scales)

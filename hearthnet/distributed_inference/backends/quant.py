@@ -35,7 +35,9 @@ from hearthnet.transport.codec import FLOAT_DTYPES
 
 INT4_GROUPS = (128, 64, 32)  # the largest that divides a matrix's input size
 _FLOAT = FLOAT_DTYPES  # the float formats are named as the wire dtypes
-_ROWS = 4096  # rows quantised at a time (bounds the fp32 temporary of one tensor)
+_CHUNK_ELEMENTS = 1 << 22  # quantise ≤ 4 Mi elements at a time: the fp32 temporaries of
+# one chunk stay ~16 MB each, whatever the tensor's shape (a 7B down_proj, 3584 × 18944,
+# in one chunk took 770 MB of transient memory — more than a shard's whole headroom)
 
 
 def format_name(name: str | torch.dtype) -> str:
@@ -51,8 +53,9 @@ def compute_dtype_of(fmt: str) -> torch.dtype:
 
 
 def _rows(w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-    for r in range(0, w.shape[0], _ROWS):
-        yield r, w[r:r + _ROWS].float()
+    rows = max(1, _CHUNK_ELEMENTS // max(1, w.shape[1]))
+    for r in range(0, w.shape[0], rows):
+        yield r, w[r:r + rows].float()
 
 
 class Int8Linear(nn.Module):
