@@ -60,6 +60,7 @@ from hearthnet.distributed_inference.backends.kv_cache import (
     capacity_for,
     slot_bytes,
 )
+from hearthnet.distributed_inference.backends.memory import release_free_heap
 from hearthnet.distributed_inference.backends.quant import (
     Int8Linear,
     compute_dtype_of,
@@ -472,6 +473,7 @@ class LayeredStack:
                   self.device)
             layer.eval()
             self.layers.append(layer)
+            release_free_heap()  # the layer's conversion temporaries, not kept resident
         self.rotary = _Rotary(self.config, base, str(entry.path), self.device)
         self.graphs = self.graphs and not self.rotary.dynamic  # data-dependent rope: eager
         del base
