@@ -209,8 +209,12 @@ def test_nodes_exit_when_their_launcher_is_killed(tmp_path):
     script = tmp_path / "launch.py"
     script.write_text(
         "import os\n"
+        "from pathlib import Path\n"
         "from hearthnet.mesh.launcher import LocalMesh, NodeSpec\n"
-        "m = LocalMesh([NodeSpec('node-o')])\n"
+        # under tmp_path: the killed launcher cannot remove its mesh folder itself
+        f"root = Path({str(tmp_path / 'mesh')!r})\n"
+        "root.mkdir()\n"
+        "m = LocalMesh([NodeSpec('node-o')], root=root)\n"
         "m.start(wait_cover=False)\n"
         "print(m.nodes['node-o'].proc.pid, flush=True)\n"
         "os.kill(os.getpid(), 9)\n")
