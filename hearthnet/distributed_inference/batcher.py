@@ -8,10 +8,15 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   queued (it waits for its step before sending the next), so each round holds at most one
   step per session and the queue is served first in, first out — nobody starves;
 - a round takes every queued batchable job (a decode step) as one batch; jobs arriving
-  while a round runs make the next round. With ``window_s`` > 0 a round first waits up to
-  that long for the steps of the other sessions expected (`expected()`: the open
-  sessions), and starts at once when every one of them has a job queued — a lone session
-  never waits;
+  while a round runs make the next round. With ``window_s`` > 0 a round first waits for
+  the steps of the other sessions expected — the open ones (`expected()`) that stepped in
+  the last `LIVE_ROUNDS` rounds — and starts at once when every one of them has a job
+  queued (a lone session never waits), else after ``max(window_s, the last batched
+  forward's duration)``. Waiting up to one forward for stragglers costs at most one
+  forward and saves one per straggler: concurrent chats that drifted apart in a pipeline
+  (one group at this shard, another at the next) fall back into one batch within a few
+  rounds instead of each group re-reading the weights. A session that stops stepping
+  (stalled caller) stops being waited for after `LIVE_ROUNDS` rounds;
 - non-batchable jobs (prefill chunks) run one per round, after the round's batch, each its
   own executor job: a long prefill (already chunked, issue 14 §1) never stalls decode rows
   for more than one chunk;
@@ -29,13 +34,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 J = TypeVar("J")
 R = TypeVar("R")
+
+LIVE_ROUNDS = 4
+"""A session that queued a job during the last this many batch rounds is waited for."""
+
+WAIT_FORWARDS = 1.5
+"""A round waits for missing expected sessions up to this many of its last batched forward's
+duration: enough for a group of chats one stage behind in a two-stage pipeline (its other
+shard's forward plus the head) to catch up and merge."""
 
 RunBatch = Callable[[Sequence[Any]], list[Any]]
 """(jobs) -> one result or exception per job, in order; runs on the executor."""
@@ -63,6 +76,10 @@ class RoundBatcher(Generic[J, R]):
         self._solo: deque[_Queued[J]] = deque()
         self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._round = 0
+        self._seen: dict[Hashable, int] = {}  # session -> the last round it queued a job in
+        self._last_batch_s = 0.0  # duration of the last batched executor job
+        self.waited_out = 0  # rounds that started at the window's end, someone missing
 
     @property
     def queued(self) -> int:
@@ -72,10 +89,12 @@ class RoundBatcher(Generic[J, R]):
         """A session ended (or began): a round waiting for its step re-checks `expected`."""
         self._arrived.set()
 
-    async def submit(self, job: J, *, batchable: bool = True) -> R:
-        """Queue `job` for the next round and return its result (or raise its error)."""
+    async def submit(self, job: J, *, batchable: bool = True, key: Hashable = None) -> R:
+        """Queue `job` of session `key` for the next round and return its result (or
+        raise its error)."""
         loop = asyncio.get_running_loop()
         item: _Queued[J] = _Queued(job, loop.create_future())
+        self._seen[key if key is not None else id(item)] = self._round
         (self._batch if batchable else self._solo).append(item)
         self._arrived.set()
         if self._task is None or self._task.done():
@@ -84,6 +103,8 @@ class RoundBatcher(Generic[J, R]):
             result: R = await asyncio.shield(item.future)
             return result
         except asyncio.CancelledError:
+            self._seen.pop(key, None)  # its caller is gone: not waited for any more
+            self._arrived.set()
             if item.running:  # its rows are being computed: let the round finish first
                 await asyncio.wait([item.future])
             if item.future.done() and not item.future.cancelled():
@@ -97,6 +118,9 @@ class RoundBatcher(Generic[J, R]):
             batch = self._take(self._batch, len(self._batch))
             if batch:
                 await self._run(batch, observe=True)
+                self._round += 1  # decode rounds only: prefill chunks make no one stale
+                self._seen = {k: r for k, r in self._seen.items()
+                              if self._round - r <= LIVE_ROUNDS}
             await self._run(self._take(self._solo, 1), observe=False)
 
     async def _collect(self) -> None:
@@ -104,15 +128,17 @@ class RoundBatcher(Generic[J, R]):
         session has a job queued (a session in prefill has its next chunk queued)."""
         if not self._batch or self.window_s <= 0:
             return
-        deadline = self._batch[0].queued_at + self.window_s
-        while self.queued < self.expected():
+        deadline = time.perf_counter() + max(self.window_s, WAIT_FORWARDS * self._last_batch_s)
+        while self.queued < min(self.expected(), len(self._seen)):
             left = deadline - time.perf_counter()
             if left <= 0:
+                self.waited_out += 1
                 return
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), left)
             except TimeoutError:
+                self.waited_out += 1
                 return
 
     @staticmethod
@@ -138,6 +164,8 @@ class RoundBatcher(Generic[J, R]):
                 self.executor, self.run_batch, jobs)
         except Exception as e:  # run_batch reports rows itself; this is a last resort
             results = [e] * len(items)
+        if observe:
+            self._last_batch_s = time.perf_counter() - now
         for item, res in zip(items, results, strict=True):
             if item.future.done():
                 continue

@@ -100,7 +100,7 @@ class DecodeLoop:
                 yield f
             # norm + lm_head (~7 ms for SmolLM2) run off the loop, batched with the other
             # calls' heads of this round (issue 16 §3)
-            ev = gen.step(await heads.submit(h))
+            ev = gen.step(await heads.submit(h, key=id(call)))
             if call.first_ms is None:
                 call.first_ms = (time.perf_counter() - t0) * 1000
                 self.metrics.first_token_ms.observe(call.first_ms)

@@ -364,11 +364,12 @@ class ShardServer:
         n = self.settings.prefill_chunk_tokens
         if x.dim() != 3 or x.shape[1] <= n:
             return await self.batcher.submit(StepJob(session, staging, x, start_pos, step, wire),
-                                             batchable=x.dim() == 3 and x.shape[1] == 1)
+                                             batchable=x.dim() == 3 and x.shape[1] == 1,
+                                             key=id(session))
         outs = []
         for at in range(0, int(x.shape[1]), n):
             job = StepJob(session, None, x[:, at:at + n], start_pos + at, step, wire)
-            outs.append(await self.batcher.submit(job, batchable=False))
+            outs.append(await self.batcher.submit(job, batchable=False, key=id(session)))
         return torch.cat(outs, dim=1)
 
     # ---- batched steps (issue 16 §1-2); these run on the compute executor ----

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hearthnet.distributed_inference.batcher import RoundBatcher
+from hearthnet.distributed_inference.batcher import LIVE_ROUNDS, RoundBatcher
 
 
 class Recorder:
@@ -87,13 +87,28 @@ async def test_prefill_chunks_run_one_per_round_between_decode_batches(pool):
     assert max(len(r) for r in rec.rounds) == 2  # the two decode sessions batched
 
 
-async def test_a_cancelled_caller_is_dropped_from_the_next_round(pool):
+async def test_a_cancelled_caller_is_dropped_and_not_waited_for(pool):
     rec = Recorder()
     b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3)
-    gone = asyncio.ensure_future(b.submit(5))
-    await asyncio.sleep(0)  # queued, the round waiting for the other two
+    # three sessions step together once, so each is expected in the next rounds
+    assert await asyncio.wait_for(asyncio.gather(
+        *(b.submit(i, key=k) for i, k in ((1, "a"), (2, "b"), (3, "c")))), 20) == [10, 20, 30]
+    gone = asyncio.ensure_future(b.submit(5, key="c"))
+    await asyncio.sleep(0)  # queued, the round waiting for a and b
     gone.cancel()
-    got = await asyncio.wait_for(asyncio.gather(b.submit(1), b.submit(2)), 20)
-    assert got == [10, 20] and all(5 not in r for r in rec.rounds)
+    # a and b go on at once: c's caller left, so the round does not wait for it
+    got = await asyncio.wait_for(asyncio.gather(b.submit(6, key="a"), b.submit(7, key="b")), 20)
+    assert got == [60, 70] and all(5 not in r for r in rec.rounds)
     with pytest.raises(asyncio.CancelledError):
         await gone
+
+
+async def test_a_session_that_stops_stepping_is_not_waited_for_after_a_few_rounds(pool):
+    rec = Recorder()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=0.05, expected=lambda: 3)
+    await asyncio.wait_for(asyncio.gather(
+        *(b.submit(i, key=k) for i, k in ((1, "a"), (2, "b"), (3, "c")))), 20)
+    for t in range(3 * LIVE_ROUNDS):  # c stalls; a and b step on
+        await asyncio.wait_for(asyncio.gather(b.submit(t, key="a"), b.submit(t, key="b")), 20)
+    # rounds waited for c (to the window's end) only while it was recently active
+    assert b.waited_out == LIVE_ROUNDS
