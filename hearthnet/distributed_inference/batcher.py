@@ -11,12 +11,15 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   while a round runs make the next round. With ``window_s`` > 0 a round first waits for
   the steps of the other sessions expected — the open ones (`expected()`) that stepped in
   the last `LIVE_ROUNDS` rounds — and starts at once when every one of them has a job
-  queued (a lone session never waits), else after ``max(window_s, the last batched
-  forward's duration)``. Waiting up to one forward for stragglers costs at most one
-  forward and saves one per straggler: concurrent chats that drifted apart in a pipeline
-  (one group at this shard, another at the next) fall back into one batch within a few
-  rounds instead of each group re-reading the weights. A session that stops stepping
-  (stalled caller) stops being waited for after `LIVE_ROUNDS` rounds;
+  queued (a lone session never waits). Otherwise it waits ``window_s``, or longer where a
+  missing session's own pace (the time between its last two jobs) says its next job is
+  due: until then (plus ``window_s``), and never more than one of its cycles. Concurrent
+  chats that drifted apart in a pipeline (one group at this shard while another is at the
+  next stage or the head) so merge into one batch — the wait costs the waiting group the
+  offset once, the merge saves a forward per round for good; a fixed short window leaves
+  them in 2-4 groups that each re-read the weights (measured, README). A session that is
+  late against its pace is not waited for beyond ``window_s``, and one that stops
+  stepping (stalled caller) is not expected after `LIVE_ROUNDS` rounds;
 - non-batchable jobs (prefill chunks) run one per round, after the round's batch, each its
   own executor job: a long prefill (already chunked, issue 14 §1) never stalls decode rows
   for more than one chunk;
@@ -45,11 +48,6 @@ R = TypeVar("R")
 LIVE_ROUNDS = 4
 """A session that queued a job during the last this many batch rounds is waited for."""
 
-WAIT_FORWARDS = 1.5
-"""A round waits for missing expected sessions up to this many of its last batched forward's
-duration: enough for a group of chats one stage behind in a two-stage pipeline (its other
-shard's forward plus the head) to catch up and merge."""
-
 RunBatch = Callable[[Sequence[Any]], list[Any]]
 """(jobs) -> one result or exception per job, in order; runs on the executor."""
 
@@ -58,6 +56,7 @@ RunBatch = Callable[[Sequence[Any]], list[Any]]
 class _Queued(Generic[J]):
     job: J
     future: asyncio.Future[Any]
+    key: Hashable
     queued_at: float = field(default_factory=time.perf_counter)
     running: bool = False
 
@@ -78,7 +77,7 @@ class RoundBatcher(Generic[J, R]):
         self._task: asyncio.Task[None] | None = None
         self._round = 0
         self._seen: dict[Hashable, int] = {}  # session -> the last round it queued a job in
-        self._last_batch_s = 0.0  # duration of the last batched executor job
+        self._pace: dict[Hashable, tuple[float, float | None]] = {}  # (last job at, cycle)
         self.waited_out = 0  # rounds that started at the window's end, someone missing
 
     @property
@@ -93,8 +92,11 @@ class RoundBatcher(Generic[J, R]):
         """Queue `job` of session `key` for the next round and return its result (or
         raise its error)."""
         loop = asyncio.get_running_loop()
-        item: _Queued[J] = _Queued(job, loop.create_future())
-        self._seen[key if key is not None else id(item)] = self._round
+        item: _Queued[J] = _Queued(job, loop.create_future(), key)
+        if key is None:
+            item.key = key = id(item)
+        self._seen[key] = self._round
+        self._keep_pace(key, item.queued_at)
         (self._batch if batchable else self._solo).append(item)
         self._arrived.set()
         if self._task is None or self._task.done():
@@ -104,6 +106,7 @@ class RoundBatcher(Generic[J, R]):
             return result
         except asyncio.CancelledError:
             self._seen.pop(key, None)  # its caller is gone: not waited for any more
+            self._pace.pop(key, None)
             self._arrived.set()
             if item.running:  # its rows are being computed: let the round finish first
                 await asyncio.wait([item.future])
@@ -121,16 +124,37 @@ class RoundBatcher(Generic[J, R]):
                 self._round += 1  # decode rounds only: prefill chunks make no one stale
                 self._seen = {k: r for k, r in self._seen.items()
                               if self._round - r <= LIVE_ROUNDS}
+                self._pace = {k: v for k, v in self._pace.items() if k in self._seen}
             await self._run(self._take(self._solo, 1), observe=False)
 
+    def _keep_pace(self, key: Hashable, now: float) -> None:
+        """Track the time between a session's jobs (smoothed)."""
+        last = self._pace.get(key)
+        cycle = None if last is None else now - last[0]
+        if last is not None and last[1] is not None and cycle is not None:
+            cycle = 0.5 * last[1] + 0.5 * cycle
+        self._pace[key] = (now, cycle)
+
+    def _deadline(self, start: float) -> float:
+        """When to stop waiting: `window_s` after `start`, or when the last missing
+        session is due by its pace (plus `window_s`), at most one of its cycles."""
+        queued = {i.key for i in self._batch} | {i.key for i in self._solo}
+        due = [(last + cycle, cycle) for k in self._seen if k not in queued
+               for last, cycle in [self._pace.get(k, (0.0, None))] if cycle is not None]
+        deadline = start + self.window_s
+        if due:
+            latest = max(d for d, _ in due) + self.window_s
+            deadline = max(deadline, min(latest, start + max(c for _, c in due)))
+        return deadline
+
     async def _collect(self) -> None:
-        """Wait up to the window for the expected sessions' steps; none once every expected
-        session has a job queued (a session in prefill has its next chunk queued)."""
+        """Wait for the expected sessions' steps (see the module docstring); not at all once
+        every one has a job queued (a session in prefill has its next chunk queued)."""
         if not self._batch or self.window_s <= 0:
             return
-        deadline = time.perf_counter() + max(self.window_s, WAIT_FORWARDS * self._last_batch_s)
+        start = time.perf_counter()
         while self.queued < min(self.expected(), len(self._seen)):
-            left = deadline - time.perf_counter()
+            left = self._deadline(start) - time.perf_counter()
             if left <= 0:
                 self.waited_out += 1
                 return
@@ -164,8 +188,6 @@ class RoundBatcher(Generic[J, R]):
                 self.executor, self.run_batch, jobs)
         except Exception as e:  # run_batch reports rows itself; this is a last resort
             results = [e] * len(items)
-        if observe:
-            self._last_batch_s = time.perf_counter() - now
         for item, res in zip(items, results, strict=True):
             if item.future.done():
                 continue
