@@ -2,7 +2,8 @@
 
 Decode is bound by reading the weights, so B one-position steps cost about one when they run
 as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`). A shard
-(`ShardServer`) and an orchestrator's head (`HeadBatcher`) each own one `RoundBatcher`:
+(`ShardServer`) and an orchestrator's head (`DecodeLoop.head_batcher`) each own one
+`RoundBatcher`:
 
 - every caller `submit`s one job and awaits its own result; a session has at most one job
   queued (it waits for its step before sending the next), so each round holds at most one
