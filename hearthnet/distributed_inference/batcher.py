@@ -14,7 +14,7 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   the last `LIVE_ROUNDS` rounds — and starts at once when every one of them has a job
   queued (a lone session never waits). Otherwise it waits ``window_s``, or longer where a
   missing session's own pace (the time between its last two jobs) says its next job is
-  due: until then (plus ``window_s``), and never more than one of its cycles. Concurrent
+  due: until then (plus a tenth of its cycle), and never more than one of its cycles. Concurrent
   chats that drifted apart in a pipeline (one group at this shard while another is at the
   next stage or the head) so merge into one batch — the wait costs the waiting group the
   offset once, the merge saves a forward per round for good; a fixed short window leaves
@@ -48,6 +48,10 @@ R = TypeVar("R")
 
 LIVE_ROUNDS = 4
 """A session that queued a job during the last this many batch rounds is waited for."""
+
+PACE_SLACK = 0.1
+"""A session due by its pace is waited for this fraction of its cycle beyond its due time:
+one that misses its round waits a whole round more (a doubled gap between its tokens)."""
 
 RunBatch = Callable[[Sequence[Any]], list[Any]]
 """(jobs) -> one result or exception per job, in order; runs on the executor."""
@@ -138,13 +142,14 @@ class RoundBatcher(Generic[J, R]):
 
     def _deadline(self, start: float) -> float:
         """When to stop waiting: `window_s` after `start`, or when the last missing
-        session is due by its pace (plus `window_s`), at most one of its cycles."""
+        session is due by its pace (plus `PACE_SLACK` of its cycle, at least `window_s`),
+        at most one of its cycles."""
         queued = {i.key for i in self._batch} | {i.key for i in self._solo}
         due = [(last + cycle, cycle) for k in self._seen if k not in queued
                for last, cycle in [self._pace.get(k, (0.0, None))] if cycle is not None]
         deadline = start + self.window_s
-        if due:
-            latest = max(d for d, _ in due) + self.window_s
+        if due:  # a tenth of a cycle of slack: a step due "now" may be a little late
+            latest = max(d + max(self.window_s, PACE_SLACK * c) for d, c in due)
             deadline = max(deadline, min(latest, start + max(c for _, c in due)))
         return deadline
 
