@@ -192,6 +192,10 @@ class RoundBatcher(Generic[J, R]):
         try:
             results = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.run_batch, jobs)
+        except asyncio.CancelledError:  # the loop is shutting down: release every waiter,
+            for item in items:  # which would otherwise wait for a round that never reports
+                item.future.cancel()
+            raise
         except Exception as e:  # run_batch reports rows itself; this is a last resort
             results = [e] * len(items)
         for item, res in zip(items, results, strict=True):

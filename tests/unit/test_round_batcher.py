@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -112,3 +113,26 @@ async def test_a_session_that_stops_stepping_is_not_waited_for_after_a_few_round
         await asyncio.wait_for(asyncio.gather(b.submit(t, key="a"), b.submit(t, key="b")), 20)
     # rounds waited for c (to the window's end) only while it was recently active
     assert b.waited_out == LIVE_ROUNDS
+
+
+async def test_a_round_cancelled_at_shutdown_releases_its_cancelled_callers():
+    """Loop shutdown cancels the rounds task and every caller while a forward still runs
+    (a node stopping with a busy compute thread, issue 14 §1): no caller may keep waiting
+    for a round that will never report."""
+    started, release = threading.Event(), threading.Event()
+
+    def busy(jobs: Sequence[Any]) -> list[Any]:
+        started.set()
+        release.wait(30)
+        return list(jobs)
+
+    with ThreadPoolExecutor(1) as ex:
+        b: RoundBatcher[int, int] = RoundBatcher(busy, ex)
+        caller = asyncio.create_task(b.submit(1))
+        await asyncio.to_thread(started.wait, 10)  # the round's forward is running
+        assert b._task is not None
+        caller.cancel()
+        b._task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(caller, 5)  # before the fix: waited for the forward
+        release.set()
