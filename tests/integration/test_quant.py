@@ -72,7 +72,10 @@ def test_formats_load_and_stay_close_to_fp32(fam_store, fp32_ref, family, fmt, t
         assert not [m for m in stack.layers.modules() if isinstance(m, nn.Linear)]
     if fmt == "int8":  # held bytes ≈ a quarter of fp32 (plus scales and fp32 norms)
         assert 0.25 < stack.param_bytes() / ref_stack_bytes < 0.32
-        assert head.param_bytes() < ref_head_bytes / 3
+        # a head whose lm_head is tied to its embeddings holds the int8 matrix twice where
+        # oneDNN runs the product: plain rows for lookups, packed for the lm_head
+        twice = head.lm_head_q is head.embed_q and head.embed_q.packed
+        assert head.param_bytes() < ref_head_bytes / (1.9 if twice else 3)
 
 
 def test_loading_reads_one_tensor_at_a_time(fam_store, monkeypatch):

@@ -16,9 +16,10 @@ def test_int8_and_int4_linear_match_the_float_product():
     w, b, x = torch.randn(96, 256) * 0.05, torch.randn(96), torch.randn(3, 5, 256)
     ref = torch.nn.functional.linear(x, w, b)
     q8, q4 = Int8Linear(w, b), Int4Linear(w, b)
-    assert q8.weight_int8.dtype == torch.int8 and q8.weight_int8.shape == (96, 256)
+    plain = Int8Linear(w, b, keep_rows=True).weight_int8
+    assert plain.dtype == torch.int8 and plain.shape == (96, 256)
     # per-output-channel symmetric: each row's largest |w| maps to ±127
-    assert bool((q8.weight_int8.abs().amax(1) == 127).all())
+    assert bool((plain.abs().amax(1) == 127).all())
     assert (q8.dequantised() - w).abs().max() <= w.abs().amax(1).max() / 127
     for m, tol in ((q8, 0.02), (q4, 0.12)):
         y = m(x)
@@ -52,7 +53,7 @@ def test_quantisation_works_in_bounded_chunks_with_the_same_result(monkeypatch):
     time, so a shard's load transient stays small; the result does not depend on it."""
     torch.manual_seed(0)
     w = torch.randn(96, 640).bfloat16()
-    whole = Int8Linear(w, None)
+    whole = Int8Linear(w, None, keep_rows=True)
     seen: list[int] = []
     rows = quant._rows
 
@@ -63,7 +64,103 @@ def test_quantisation_works_in_bounded_chunks_with_the_same_result(monkeypatch):
 
     monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 4 * 640)
     monkeypatch.setattr(quant, "_rows", spy)
-    chunked = Int8Linear(w, None)
+    chunked = Int8Linear(w, None, keep_rows=True)
     assert max(seen) <= 4 * 640 and len(seen) == 96 // 4
     assert torch.equal(chunked.weight_int8, whole.weight_int8)
     assert torch.equal(chunked.scales, whole.scales)
+
+
+def test_activation_digits_keep_fifteen_bits_of_each_row():
+    """`split_rows` writes each row as two int8 digits against its own largest value."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 300) * torch.tensor([[1.0], [1e-3], [50.0], [0.0]])
+    x[2, 7] = 4000.0  # an outlier channel costs only its own row's resolution
+    xq, s = quant.split_rows(x)
+    assert xq.dtype == torch.int8 and xq.shape == (8, 300) and s.shape == (4, 1)
+    assert int(xq.abs().max()) <= 127
+    back = s * (xq[:4].float() + xq[4:].float() / 254)
+    assert torch.equal(back[3], torch.zeros(300))  # an all-zero row stays zero
+    # error ≤ half a lo digit: s / 508 = max |x| / 64516 per row
+    assert bool(((back - x).abs() <= s / 508 * 1.001 + 1e-30).all())
+
+
+@pytest.mark.skipif(not quant.ONEDNN_INT8, reason="this torch build has no oneDNN int8 GEMM")
+def test_onednn_int8_is_held_once_exact_per_row_and_close_to_the_float_product():
+    torch.manual_seed(0)
+    w, b = torch.randn(160, 384) * 0.05, torch.randn(160)
+    q8 = Int8Linear(w, b)
+    plain = Int8Linear(w, b, keep_rows=True)
+    assert q8.packed and not plain.packed and "weight_int8" not in q8._buffers
+    # the weights are held once: int8 values + bf16 scales + the fp32 bias
+    assert quant.held_bytes(q8) == 160 * 384 + 160 * 2 + 160 * 4
+    assert torch.equal(q8.dequantised(), plain.dequantised())
+    x = torch.randn(5, 384)
+    y = q8(x)
+    ref = torch.nn.functional.linear(x, q8.dequantised(), b)
+    assert float((y - ref).abs().max() / ref.abs().max()) < 1e-4  # ~15-bit activations
+    # int32 accumulation: a row's result does not depend on the batch it runs in
+    for i in range(5):
+        assert torch.equal(q8(x[i:i + 1]), y[i:i + 1])
+    # a tied head: rows for the embedding lookup, then packed for the lm_head product
+    plain.pack()
+    assert plain.packed and torch.equal(plain(x), y)
+    assert torch.equal(plain.rows(torch.tensor([3])), plain.dequantised()[3:4])
+
+
+def test_int8_without_onednn_runs_torchs_int8pack_kernel(monkeypatch):
+    monkeypatch.setattr(quant, "ONEDNN_INT8", False)
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 128) * 0.05, torch.randn(3, 128)
+    q8 = Int8Linear(w, None)
+    assert not q8.packed and q8.weight_int8.shape == (64, 128)
+    q8.pack()  # nothing to pack into
+    assert not q8.packed
+    ref = torch.nn.functional.linear(x, q8.dequantised())
+    assert float((q8(x) - ref).norm() / ref.norm()) < 0.01  # bf16 activations
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(64, 64)
+        self.k_proj = torch.nn.Linear(64, 16)
+        self.v_proj = torch.nn.Linear(64, 16)
+        self.o_proj = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.o_proj(self.q_proj(x)) + torch.cat([self.k_proj(x), self.v_proj(x)], -1).sum()
+
+
+@pytest.mark.skipif(not quant.ONEDNN_INT8, reason="this torch build has no oneDNN int8 GEMM")
+def test_siblings_reading_one_input_run_as_one_fused_gemm(monkeypatch):
+    """q/k/v (and gate/up) are packed as one matrix: one GEMM per input, the same results
+    as each linear on its own, each member's output taken once and then let go."""
+    torch.manual_seed(0)
+    ref = _Attn()
+    with torch.device("meta"):
+        held = _Attn()
+    quant.load_module(held, iter(ref.state_dict().items()), "int8", "test")
+    assert isinstance(held.q_proj, quant.Int8Member) and held.q_proj.group is held.v_proj.group
+    assert isinstance(held.o_proj, Int8Linear) and held.o_proj.packed
+    group = held.q_proj.group
+    assert "weight_int8" not in group.inner._buffers and group.splits == [64, 16, 16]
+    # held once: int8 q|k|v + bf16 scales + fp32 bias, and o_proj
+    assert quant.held_bytes(held) == 96 * 64 + 96 * 2 + 96 * 4 + 64 * 64 + 64 * 2
+    x = torch.randn(3, 64)
+    solo = {n: Int8Linear(getattr(ref, n).weight.detach(), getattr(ref, n).bias.detach())(x)
+            for n in ("q_proj", "k_proj", "v_proj")}
+    calls = []
+    real = quant._qlinear
+    monkeypatch.setattr(quant, "_qlinear", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        outs = {n: getattr(held, n)(x) for n in ("k_proj", "q_proj", "v_proj")}
+        assert len(calls) == 1 and getattr(group._last, "v", None) is None  # all taken
+        for n, y in outs.items():
+            assert y.is_contiguous() and torch.allclose(y, solo[n], rtol=0, atol=1e-5)
+        y2 = held.k_proj(x.clone())  # another input: computed afresh
+        assert len(calls) == 2 and torch.allclose(y2, outs["k_proj"], rtol=0, atol=1e-5)
+        held.k_proj(x)  # and a member asked twice for one input
+        held.k_proj(x)
+        assert len(calls) == 4
+        want = torch.nn.functional.linear(x, ref.q_proj.weight, ref.q_proj.bias)
+        assert float((outs["q_proj"] - want).norm() / want.norm()) < 0.02

@@ -5,10 +5,17 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
 - `fp32`, `bf16`, `fp16`: every tensor held in that dtype, and the layers compute in it.
 - `native`: the stored dtype of the model (a bf16 import is held in bf16); resolved to
   one of the three above when the weights are loaded, so advertisements name a real one.
-- `int8`: weight-only int8. Every `nn.Linear` weight is quantised at load time from the
-  stored weights, symmetric per output channel (scale = max |w| / 127, bf16); the matrix
-  product runs in torch's fused CPU kernel `torch._weight_int8pack_mm` with bf16
-  activations; everything else (norms, attention, residuals) stays fp32.
+- `int8`: int8 weights. Every `nn.Linear` weight is quantised at load time from the
+  stored weights, symmetric per output channel (scale = max |w| / 127, bf16); everything
+  else (norms, attention, residuals) stays fp32. The matrix product runs in oneDNN's int8
+  GEMM (`torch.ops.onednn.qlinear_pointwise`, VNNI/AMX, with int32 accumulation) where
+  torch has it: each activation row is written as two int8 digits, `x ≈ s·(hi + lo/254)`
+  with s = max |x| / 127 per row (`split_rows`), both digits go through the GEMM as one
+  batch (the weights are read once) and are recombined in fp32. The activations keep ~15
+  bits against each row's largest value — finer than the bf16 activations of torch's
+  `_weight_int8pack_mm`, the fallback where oneDNN is missing — and the weights stream at
+  about twice that kernel's rate on this CPU (README "Weight formats"). Integer
+  accumulation is exact, so a row's result does not depend on the batch it runs in.
 - `int4`: weight-only int4, asymmetric in groups of 128 (64, 32 where 128 does not divide)
   along the input dimension (gpt-fast's layout), torch's `_weight_int4pack_mm_for_cpu`;
   compute as for int8. Not in a call's default accepted set (README "Weight formats").
@@ -23,6 +30,7 @@ Format names and the routing policy live in `distributed_inference/formats.py`.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,41 +66,119 @@ def _rows(w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         yield r, w[r:r + rows].float()
 
 
+def _onednn_int8() -> bool:
+    """Whether torch has oneDNN's int8 GEMM here, and it computes a known product exactly."""
+    try:
+        w = torch.tensor([[1, -2, 3], [127, -127, 5]], dtype=torch.int8)
+        x = torch.tensor([[3, 1, -1], [-127, 127, 2]], dtype=torch.int8)
+        y = _qlinear(x, torch.ops.onednn.qlinear_prepack(w, [1, 3]), torch.ones(2),
+                     torch.zeros(2, dtype=torch.long))
+        return bool(torch.equal(y, (x.float() @ w.float().t())))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _qlinear(xq: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+             zeros: torch.Tensor) -> torch.Tensor:
+    """fp32 `xq @ w.T * scales` of int8 rows `xq` and a oneDNN-packed int8 `w`."""
+    y: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
+        xq, 1.0, 0, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], "")
+    return y
+
+
+ONEDNN_INT8 = _onednn_int8()  # False: `_weight_int8pack_mm` (ARM builds, old torch)
+_DIGIT = 254.0  # lo digit's unit: s / 254, so |lo| ≤ 127 (|x/s - hi| ≤ 1/2)
+
+
+def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of fp32 `x` (n, k) as int8 digits (2n, k) — hi rows then lo rows — and the
+    per-row scale s (n, 1), with x ≈ s·(hi + lo/254): ~15 bits of each row's range."""
+    s = x.abs().amax(1, keepdim=True).clamp_(min=1e-30).div_(127)  # (vector_norm: slower)
+    u = x / s
+    hi = u.round()
+    lo = u.sub_(hi).mul_(_DIGIT).round_()
+    return torch.cat((hi, lo)).to(torch.int8), s
+
+
 class Int8Linear(nn.Module):
-    """`nn.Linear` with int8 weights and per-output-channel bf16 scales."""
+    """`nn.Linear` with int8 weights and per-output-channel bf16 scales.
+
+    With oneDNN (`ONEDNN_INT8`) the weights are held once, in oneDNN's packed layout
+    (`weight_packed`). `keep_rows=True` holds the plain matrix `weight_int8` instead, for
+    embedding lookups; `pack()` adds the packed copy when the same matrix is also a
+    product's weight (a head whose lm_head is tied to its embeddings holds both). Without
+    oneDNN, or unpacked, the product runs in `_weight_int8pack_mm` on `weight_int8`.
+    """
 
     weight_int8: torch.Tensor
+    weight_packed: torch.Tensor
     scales: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                 keep_rows: bool = False, scales: torch.Tensor | None = None) -> None:
+        """Quantise float `weight`, or take int8 `weight` quantised with `scales`."""
         super().__init__()
         n, k = weight.shape
-        q = torch.empty((n, k), dtype=torch.int8)
-        scales = torch.empty(n, dtype=torch.float32)
-        for r, w in _rows(weight):
-            # the kernel multiplies by bf16 scales: quantise with exactly those
-            s = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).bfloat16().float()
-            q[r:r + len(w)] = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
-            scales[r:r + len(w)] = s
+        if scales is None:
+            q = torch.empty((n, k), dtype=torch.int8)
+            scales = torch.empty(n, dtype=torch.float32)
+            for r, w in _rows(weight):
+                # the kernel multiplies by bf16 scales: quantise with exactly those
+                s = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).bfloat16().float()
+                q[r:r + len(w)] = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+                scales[r:r + len(w)] = s
+        else:
+            q = weight
         self.in_features, self.out_features = k, n
-        self.register_buffer("weight_int8", q)
         self.register_buffer("scales", scales.to(torch.bfloat16))
+        if keep_rows or not ONEDNN_INT8:
+            self.register_buffer("weight_int8", q)
+        else:
+            self.pack(q)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None \
             else None
 
+    @property
+    def packed(self) -> bool:
+        """Whether products run in oneDNN's int8 GEMM."""
+        return "weight_packed" in self._buffers
+
+    def pack(self, q: torch.Tensor | None = None, *, drop_rows: bool = False) -> None:
+        """Hold the weights (`q`, else `weight_int8`) packed for oneDNN, where torch has it;
+        `drop_rows`: then let the plain matrix go (held once)."""
+        if not ONEDNN_INT8 or self.packed:
+            return
+        w = self.weight_int8 if q is None else q
+        self.register_buffer("weight_packed", torch.ops.onednn.qlinear_prepack(
+            w, [1, self.in_features]))
+        self._scales32 = self.scales.float()  # the GEMM's output scales: fp32
+        self._zeros = torch.zeros(self.out_features, dtype=torch.long)
+        if drop_rows:
+            self._buffers.pop("weight_int8", None)
+
     def dequantised(self) -> torch.Tensor:
         """The fp32 weight this module computes with (tests, quality checks)."""
-        w: torch.Tensor = self.weight_int8.float() * self.scales.float()[:, None]
-        return w
+        if "weight_int8" in self._buffers:
+            w: torch.Tensor = self.weight_int8.float() * self.scales.float()[:, None]
+            return w
+        eye = torch.eye(self.in_features, dtype=torch.int8)  # x = I: the product is w.T
+        return _qlinear(eye, self.weight_packed, self._scales32, self._zeros).t()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 rows `ids` of the weight (an int8 embedding lookup)."""
+        """fp32 rows `ids` of the weight (an int8 embedding lookup; needs `keep_rows`)."""
         out: torch.Tensor = self.weight_int8[ids].float() * self.scales[ids].float()[..., None]
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales).to(x.dtype)
+        if self.packed:
+            x2 = x.reshape(-1, self.in_features).float()
+            xq, s = split_rows(x2)
+            yy = _qlinear(xq, self.weight_packed, self._scales32, self._zeros)
+            n = x2.shape[0]
+            y = torch.add(yy[:n], yy[n:], alpha=1 / _DIGIT).mul_(s).to(x.dtype)
+        else:
+            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -136,6 +222,78 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read
+# the same input in every family's decoder layer (Phi-3's are fused in its checkpoint)
+_FUSED_NAMES = {n for names in FUSE for n in names}
+
+
+class Int8Fused(nn.Module):
+    """Sibling int8 linears that read the same input (`FUSE`), held as one packed matrix:
+    one activation split and one GEMM for all of them (its small members — k_proj and
+    v_proj are 256 rows in a 1.5B — no longer pay a call's fixed cost each).
+
+    The first member called with an input computes every member's output; the others
+    take theirs for the same input object (per thread), and the outputs are let go once
+    all are taken. A member called with another input, or twice, computes afresh.
+    """
+
+    def __init__(self, parts: list[Int8Linear]) -> None:
+        super().__init__()
+        biases = [p.bias for p in parts]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(p.out_features) for b, p in
+             zip(biases, parts, strict=True)])
+        q = torch.cat([p.weight_int8 for p in parts])
+        for p in parts:
+            del p._buffers["weight_int8"]  # the load's transient: the group twice, not 3×
+        self.inner = Int8Linear(q, bias, scales=torch.cat([p.scales.float() for p in parts]))
+        del q
+        self.splits = [p.out_features for p in parts]
+        self._last = threading.local()
+
+    def output(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        last: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = getattr(
+            self._last, "v", None)
+        if last is None or last[0] is not x or i in last[2]:
+            last = (x, self.inner(x).split(self.splits, dim=-1), set())
+            self._last.v = last
+        last[2].add(i)
+        if len(last[2]) == len(self.splits):
+            self._last.v = None
+        y: torch.Tensor = last[1][i].contiguous()
+        return y
+
+
+class Int8Member(nn.Module):
+    """One member of an `Int8Fused` group, in its linear's place."""
+
+    def __init__(self, group: Int8Fused, index: int, in_features: int) -> None:
+        super().__init__()
+        self.group, self.index = group, index
+        self.in_features, self.out_features = in_features, group.splits[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(x, self.index)
+
+
+def pack_int8(module: nn.Module) -> None:
+    """Pack `module`'s plain int8 linears for oneDNN, `FUSE` siblings as one matrix."""
+    if not ONEDNN_INT8:
+        return
+    for parent in list(module.modules()):
+        for names in FUSE:
+            parts = [getattr(parent, n, None) for n in names]
+            if all(isinstance(p, Int8Linear) and not p.packed and "weight_int8" in p._buffers
+                   and (p.bias is None or not p.bias.is_meta) for p in parts) \
+                    and len({p.in_features for p in parts}) == 1:  # type: ignore[union-attr]
+                group = Int8Fused(parts)  # type: ignore[arg-type]
+                for i, n in enumerate(names):
+                    setattr(parent, n, Int8Member(group, i, group.inner.in_features))
+    for m in module.modules():
+        if isinstance(m, Int8Linear) and not m.packed:
+            m.pack(drop_rows=True)
+
+
 _QUANT_LINEAR: dict[str, type[Int8Linear] | type[Int4Linear]] = {
     "int8": Int8Linear, "int4": Int4Linear}
 
@@ -166,11 +324,17 @@ def load_module(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], 
                                   f"(unexpected {name!r})") from None
         if quant is not None and isinstance(owner, nn.Linear) and attr == "weight":
             bias = owner.bias if owner.bias is not None and not owner.bias.is_meta else None
-            module.set_submodule(owner_name, quant(t, bias))
+            # int8: packed at once, but `FUSE` siblings stay plain until the module is
+            # whole, then are packed as one matrix (`pack_int8`)
+            module.set_submodule(owner_name, Int8Linear(
+                t, bias, keep_rows=owner_name.rpartition(".")[2] in _FUSED_NAMES)
+                if quant is Int8Linear else quant(t, bias))
             if owner.bias is not None and bias is None:
                 _meta_bias(module.get_submodule(owner_name), owner.bias)
             continue
         _assign(owner, attr, _place(t.to(dtype)), name, where)
+    if quant is Int8Linear:
+        pack_int8(module)
 
 
 def _meta_bias(qmod: nn.Module, meta: torch.Tensor) -> None:

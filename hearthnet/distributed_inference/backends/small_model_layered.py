@@ -597,8 +597,8 @@ class LayeredStack:
 def check_device_format(fmt: str, device: torch.device) -> None:
     """`BadRequest` for a held format with no kernel on `device` (int8/int4: CPU only)."""
     if fmt in QUANTISED and device.type != "cpu":
-        raise BadRequest(f"weights held as {fmt} run on torch's CPU kernels only "
-                         f"(_weight_int8pack_mm / _weight_int4pack_mm_for_cpu); on {device} "
+        raise BadRequest(f"weights held as {fmt} run on torch's CPU kernels only (oneDNN, "
+                         f"_weight_int8pack_mm, _weight_int4pack_mm_for_cpu); on {device} "
                          f"use bf16 or fp16", format=fmt, device=str(device))
 
 
@@ -658,7 +658,8 @@ class LayeredHead:
             _fill(self.embed_tokens, reader, [prefix + "weight"], prefix, self.format, where,
                   base, self.device)
             return
-        self.embed_q = Int8Linear(reader.read([prefix + "weight"])[prefix + "weight"], None)
+        self.embed_q = Int8Linear(reader.read([prefix + "weight"])[prefix + "weight"], None,
+                                  keep_rows=True)
         self.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         _materialise_buffers(self.embed_tokens, base, where, self.device)
 
@@ -666,6 +667,8 @@ class LayeredHead:
         tied = "lm_head.weight" not in reader.index or bool(
             getattr(self.config, "tie_word_embeddings", False))  # M26: lm_head tied or not
         if self.format == "int8":
+            if tied and self.embed_q is not None:
+                self.embed_q.pack()  # rows for embeddings, packed for the product
             self.lm_head_q = self.embed_q if tied else Int8Linear(
                 reader.read(["lm_head.weight"])["lm_head.weight"], None)
         elif tied:
