@@ -33,6 +33,7 @@ import math
 import random
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -136,8 +137,12 @@ class AutoHost:
 
     def __init__(self, cfg: NodeConfig, *, log_: EventLog, store: ShardStore,
                  models: ModelStore, host: ShardHost, view: PlacementView,
-                 liveness: HostLiveness, rng: random.Random | None = None) -> None:
+                 liveness: HostLiveness, rng: random.Random | None = None,
+                 executor: Executor | None = None) -> None:
+        """`executor`: where the speed probe computes — the node's compute thread, so the
+        process keeps one OpenMP team (node/threads.py); None: asyncio's default."""
         self.cfg, self.auto = cfg, cfg.di.auto
+        self.executor = executor
         self.node_id = cfg.node.id
         self.events, self.store, self.models = log_, store, models
         self.host, self.view = host, view
@@ -209,7 +214,7 @@ class AutoHost:
             fmt = resolve_format(self.format, entry.dtype)  # `native`: the stored dtype
             params = layer_params(entry)
             speed = self.auto.speed or await asyncio.get_running_loop().run_in_executor(
-                None, lambda: measure_speed(params, entry.hidden_size,
+                self.executor, lambda: measure_speed(params, entry.hidden_size,
                                             dtype=compute_dtype_of(fmt)))
             got = ModelCost(layer_bytes(entry, fmt), params, float(speed))
             self._costs[entry.model_id] = got

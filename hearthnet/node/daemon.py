@@ -92,6 +92,7 @@ from hearthnet.mesh.gossip import (
 from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.node.guard import NodeGuard, remove_state, write_state
 from hearthnet.node.supervise import Supervisor
+from hearthnet.node.threads import serial_torch_here
 from hearthnet.observability import Metrics, get_logger, progress
 from hearthnet.security import note_refusal, split_open
 from hearthnet.transport.codec import max_frame_bytes
@@ -138,7 +139,8 @@ class Node:
 
     async def start(self) -> None:
         cfg = self.cfg
-        torch.set_num_threads(cfg.node.torch_threads)
+        torch.set_num_threads(cfg.node.torch_threads)  # the compute thread's
+        serial_torch_here()  # the event loop's: one OpenMP team per process (node/threads.py)
         data = cfg.effective_data_dir()
         data.mkdir(parents=True, exist_ok=True)
         self.guard = NodeGuard(cfg, self.metrics)  # key, members, TLS, limits (issue 7)
@@ -249,7 +251,8 @@ class Node:
         print(json.dumps(ready), flush=True)
         if cfg.auto_hosting:  # shards = "auto" (issue 17)
             self.auto = AutoHost(cfg, log_=self.log, store=self.store, models=self.models,
-                                 host=self, view=self.placement, liveness=self.liveness)
+                                 host=self, view=self.placement, liveness=self.liveness,
+                                 executor=self.executor)
             self.auto.start()
 
     async def _start_shards(self) -> None:
