@@ -87,6 +87,7 @@ class PipelineOrchestrator:
         self._prepared: dict[str, _Prepared] = {}
         self._unusable: dict[str, HearthNetError] = {}
         self._locals: dict[str, LocalEngine] = {}
+        self._local_locks: dict[str, asyncio.Lock] = {}
         self._head_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(max_concurrent_pipelines)
         self.local_weights = local_weights  # the head's and local engine's format
@@ -320,14 +321,19 @@ class PipelineOrchestrator:
                          fallback=True)
 
     async def _local(self, entry: ModelEntry) -> LocalEngine:
-        if entry.weights_sha256 not in self._locals:
-            head = (await self._head(entry)).head
-            loop = asyncio.get_running_loop()
-            self._locals[entry.weights_sha256] = await loop.run_in_executor(
-                self.executor, lambda: LocalEngine(
-                    entry, self.local_weights, head=head, limits=self.limits,
-                    prefill_chunk_tokens=self.prefill_chunk_tokens))
-        return self._locals[entry.weights_sha256]
+        """The one local engine of `entry`, built by the first caller: calls falling back
+        at once wait for it (each building its own held the whole model once per call —
+        eight chats falling back together OOM-killed a 1.5B orchestrator)."""
+        key = entry.weights_sha256
+        async with self._local_locks.setdefault(key, asyncio.Lock()):
+            if key not in self._locals:
+                head = (await self._head(entry)).head
+                loop = asyncio.get_running_loop()
+                self._locals[key] = await loop.run_in_executor(
+                    self.executor, lambda: LocalEngine(
+                        entry, self.local_weights, head=head, limits=self.limits,
+                        prefill_chunk_tokens=self.prefill_chunk_tokens))
+        return self._locals[key]
 
     # ---- endings ----
 
