@@ -10,11 +10,10 @@ this 2-core machine that made 18 int8 layers of a 3B shape 67 → 72 ms per toke
 (README "Weight formats").
 
 `serial_torch_here()` makes the calling thread's torch ops serial (its OpenMP ICV
-nthreads-var and MKL's thread-local count are 1, so `parallel_for` and MKL run inline
-and open no team) and releases the team
-it may already hold (`omp_pause_resource_all`), while every other thread keeps
-`torch.set_num_threads`'s count. The event loop only converts, checks and relays tensors,
-so it loses nothing.
+nthreads-var and MKL's thread-local count are 1, so `parallel_for` and MKL run inline and
+open no team) and releases the team it may already hold (`omp_pause_resource_all`), while
+every other thread keeps `torch.set_num_threads`'s count. The event loop only converts,
+checks and relays tensors, so it loses nothing.
 """
 
 from __future__ import annotations

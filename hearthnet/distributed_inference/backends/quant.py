@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -267,13 +267,19 @@ class Int8Fused(nn.Module):
 class Int8Member(nn.Module):
     """One member of an `Int8Fused` group, in its linear's place."""
 
-    def __init__(self, group: Int8Fused, index: int, in_features: int) -> None:
+    def __init__(self, group: Int8Fused, index: int) -> None:
         super().__init__()
         self.group, self.index = group, index
-        self.in_features, self.out_features = in_features, group.splits[index]
+        self.in_features, self.out_features = group.inner.in_features, group.splits[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.output(x, self.index)
+
+
+def _plain(m: object) -> TypeGuard[Int8Linear]:
+    """An unpacked int8 linear whose weights and bias are all loaded."""
+    return isinstance(m, Int8Linear) and not m.packed and "weight_int8" in m._buffers \
+        and (m.bias is None or not m.bias.is_meta)
 
 
 def pack_int8(module: nn.Module) -> None:
@@ -282,13 +288,11 @@ def pack_int8(module: nn.Module) -> None:
         return
     for parent in list(module.modules()):
         for names in FUSE:
-            parts = [getattr(parent, n, None) for n in names]
-            if all(isinstance(p, Int8Linear) and not p.packed and "weight_int8" in p._buffers
-                   and (p.bias is None or not p.bias.is_meta) for p in parts) \
-                    and len({p.in_features for p in parts}) == 1:  # type: ignore[union-attr]
-                group = Int8Fused(parts)  # type: ignore[arg-type]
+            parts = [p for n in names if _plain(p := getattr(parent, n, None))]
+            if len(parts) == len(names) and len({p.in_features for p in parts}) == 1:
+                group = Int8Fused(parts)
                 for i, n in enumerate(names):
-                    setattr(parent, n, Int8Member(group, i, group.inner.in_features))
+                    setattr(parent, n, Int8Member(group, i))
     for m in module.modules():
         if isinstance(m, Int8Linear) and not m.packed:
             m.pack(drop_rows=True)
