@@ -21,9 +21,13 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   them in 2-4 groups that each re-read the weights (measured, README). A session that is
   late against its pace is not waited for beyond ``window_s``, and one that stops
   stepping (stalled caller) is not expected after `LIVE_ROUNDS` rounds;
-- non-batchable jobs (prefill chunks) run one per round, after the round's batch, each its
-  own executor job: a long prefill (already chunked, issue 14 §1) never stalls decode rows
-  for more than one chunk;
+- non-batchable jobs (prefill chunks, each ``tokens`` positions) join the round (mixed
+  rounds, as vLLM's and Sarathi's chunked prefill): oldest first, as many as fit in
+  ``prefill_budget`` positions (at least one chunk per round), in the same ``run_batch``
+  call as the decode rows, so the owner can run them as one forward (the shard packs them,
+  `LayeredStack.forward_packed`): while other chats prefill, a decoding chat's round costs
+  about one forward, not two, and a long prefill (already chunked, issue 14 §1) never
+  stalls decode rows for more than one budget of positions;
 - the owner's ``run_batch(jobs)`` returns one result or exception per job, so a bad row
   fails only its own caller (shard.py and head batching decide how rows fail);
 - a session that stalls, errs or disconnects simply has no job in the next round; a caller
@@ -62,6 +66,7 @@ class _Queued(Generic[J]):
     job: J
     future: asyncio.Future[Any]
     key: Hashable
+    tokens: int = 1
     queued_at: float = field(default_factory=time.perf_counter)
     running: bool = False
 
@@ -70,10 +75,11 @@ class RoundBatcher(Generic[J, R]):
     """Runs submitted jobs in rounds on `executor`; see the module docstring."""
 
     def __init__(self, run_batch: RunBatch, executor: Executor, *, window_s: float = 0.0,
-                 expected: Callable[[], int] = lambda: 1,
+                 expected: Callable[[], int] = lambda: 1, prefill_budget: int = 0,
                  on_batch: Callable[[int, list[float]], None] | None = None) -> None:
         self.run_batch, self.executor = run_batch, executor
         self.window_s = max(0.0, window_s)
+        self.prefill_budget = prefill_budget  # positions of prefill chunks per round
         self.expected = expected
         self.on_batch = on_batch  # (batch size, each job's wait in ms) for the metrics
         self._batch: deque[_Queued[J]] = deque()
@@ -93,11 +99,12 @@ class RoundBatcher(Generic[J, R]):
         """A session ended (or began): a round waiting for its step re-checks `expected`."""
         self._arrived.set()
 
-    async def submit(self, job: J, *, batchable: bool = True, key: Hashable = None) -> R:
-        """Queue `job` of session `key` for the next round and return its result (or
-        raise its error)."""
+    async def submit(self, job: J, *, batchable: bool = True, key: Hashable = None,
+                     tokens: int = 1) -> R:
+        """Queue `job` of session `key` (a prefill chunk of `tokens` positions when not
+        `batchable`) for the next round and return its result (or raise its error)."""
         loop = asyncio.get_running_loop()
-        item: _Queued[J] = _Queued(job, loop.create_future(), key)
+        item: _Queued[J] = _Queued(job, loop.create_future(), key, tokens)
         if key is None:
             item.key = key = id(item)
         self._seen[key] = self._round
@@ -124,13 +131,12 @@ class RoundBatcher(Generic[J, R]):
         while self._batch or self._solo:
             await self._collect()
             batch = self._take(self._batch, len(self._batch))
+            await self._run(batch, self._take(self._solo, self.prefill_budget, by_tokens=True))
             if batch:
-                await self._run(batch, observe=True)
                 self._round += 1  # decode rounds only: prefill chunks make no one stale
                 self._seen = {k: r for k, r in self._seen.items()
                               if self._round - r <= LIVE_ROUNDS}
                 self._pace = {k: v for k, v in self._pace.items() if k in self._seen}
-            await self._run(self._take(self._solo, 1), observe=False)
 
     def _keep_pace(self, key: Hashable, now: float) -> None:
         """Track the time between a session's jobs (smoothed)."""
@@ -172,22 +178,32 @@ class RoundBatcher(Generic[J, R]):
                 return
 
     @staticmethod
-    def _take(queue: deque[_Queued[J]], n: int) -> list[_Queued[J]]:
-        """Up to `n` live jobs, oldest first (a cancelled caller's job is dropped)."""
+    def _take(queue: deque[_Queued[J]], limit: int, *, by_tokens: bool = False
+              ) -> list[_Queued[J]]:
+        """Live jobs, oldest first, up to `limit` jobs (or `limit` positions, `by_tokens`;
+        at least one job); a cancelled caller's job is dropped."""
         out: list[_Queued[J]] = []
-        while queue and len(out) < n:
-            item = queue.popleft()
+        used = 0
+        while queue:
+            item = queue[0]
+            cost = item.tokens if by_tokens else 1
+            if out and used + cost > limit and not item.future.done():
+                break
+            queue.popleft()
             if not item.future.done():
                 item.running = True
                 out.append(item)
+                used += cost
         return out
 
-    async def _run(self, items: list[_Queued[J]], *, observe: bool) -> None:
+    async def _run(self, batch: list[_Queued[J]], chunks: list[_Queued[J]]) -> None:
+        """One round: the decode rows `batch` and prefill `chunks` in one executor job."""
+        items = batch + chunks
         if not items:
             return
         now = time.perf_counter()
-        if observe and self.on_batch is not None:  # batches, not prefill chunks
-            self.on_batch(len(items), [(now - i.queued_at) * 1000 for i in items])
+        if batch and self.on_batch is not None:  # decode rows, not prefill chunks
+            self.on_batch(len(batch), [(now - i.queued_at) * 1000 for i in batch])
         jobs = [i.job for i in items]
         try:
             results = await asyncio.get_running_loop().run_in_executor(

@@ -120,6 +120,19 @@ class OpenRequest:
 
 
 
+PACKED_ATTENTION_MAX = 1 << 22
+"""Query × key positions above which a round's prefill chunks are not packed with its
+decode rows: a packed forward attends every query over every packed session's history (the
+mask hides the others), so long histories would make its attention cost more than the
+shared weight reads save."""
+
+
+def _packed_cost(jobs: Sequence[StepJob]) -> int:
+    """Query × key positions of `jobs`' packed attention (`PackedKV`)."""
+    queries = sum(int(j.x.shape[1]) for j in jobs)
+    return queries * sum(j.start_pos + int(j.x.shape[1]) for j in jobs)
+
+
 class ShardServer:
     """Hosts layers `[lo, hi]` of one stored model; see the module docstring."""
 
@@ -156,7 +169,8 @@ class ShardServer:
         self._good_stats = entry.manifest_stats()  # weights files as last verified
         self.batcher: RoundBatcher[StepJob, torch.Tensor] = RoundBatcher(
             self._run_steps, executor, window_s=settings.batch_window_ms / 1000,
-            expected=lambda: self.active, on_batch=self._observe_batch)
+            expected=lambda: self.active, prefill_budget=settings.prefill_chunk_tokens,
+            on_batch=self._observe_batch)
 
     def _refuse_over_budget(self, shard_id: str) -> None:
         """A shard over `shard_max_vram_mb` is refused before loading (issue 12 §4)."""
@@ -358,25 +372,29 @@ class ShardServer:
                                start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:
         """Run a step through the shard's batcher (issue 16 §1): a decode step joins the
         next round's batch; a longer step runs in chunks of `prefill_chunk_tokens`
-        positions, one chunk per round (issue 14 §1), so a long prefill yields the compute
-        thread to the other sessions' decode rows between chunks. One chunk (every decode
-        step) comes back through the session's pinned buffer."""
+        positions (issue 14 §1), which join the rounds' forwards within a budget of
+        `prefill_chunk_tokens` positions per round (mixed rounds), so a long prefill never
+        holds the other sessions' decode rows for more than one chunk. One chunk (every
+        decode step) comes back through the session's pinned buffer."""
         n = self.settings.prefill_chunk_tokens
-        if x.dim() != 3 or x.shape[1] <= n:
+        t = int(x.shape[1]) if x.dim() == 3 else 1
+        if x.dim() != 3 or t <= n:
             return await self.batcher.submit(StepJob(session, staging, x, start_pos, step, wire),
-                                             batchable=x.dim() == 3 and x.shape[1] == 1,
-                                             key=id(session))
+                                             batchable=x.dim() == 3 and t == 1,
+                                             key=id(session), tokens=t)
         outs = []
-        for at in range(0, int(x.shape[1]), n):
+        for at in range(0, t, n):
             job = StepJob(session, None, x[:, at:at + n], start_pos + at, step, wire)
-            outs.append(await self.batcher.submit(job, batchable=False, key=id(session)))
+            outs.append(await self.batcher.submit(job, batchable=False, key=id(session),
+                                                  tokens=int(job.x.shape[1])))
         return torch.cat(outs, dim=1)
 
     # ---- batched steps (issue 16 §1-2); these run on the compute executor ----
 
     def _run_steps(self, jobs: Sequence[StepJob]) -> list[Any]:
-        """One round: decode rows of sessions over the same sub-range run as one forward;
-        every other job alone. One output or exception per job, in order."""
+        """One round: the decode rows and prefill chunks of sessions over the same
+        sub-range run as one forward; every other job alone. One output or exception per
+        job, in order."""
         results: list[Any] = [None] * len(jobs)
         groups: dict[tuple[int, int, int], list[int]] = {}
         for i, job in enumerate(jobs):
@@ -397,7 +415,7 @@ class ShardServer:
         kept apart: their rows would enter and leave the layers at different points, and
         an orchestrator's chats use the same stages anyway (DESIGN.md, issue 16)."""
         s = job.session
-        if not isinstance(s, LayeredSession) or job.x.dim() != 3 or job.x.shape[1] != 1:
+        if not isinstance(s, LayeredSession) or job.x.dim() != 3:
             return None
         return (id(s.stack), s.start, s.end)
 
@@ -410,8 +428,10 @@ class ShardServer:
 
     def _batched(self, jobs: list[StepJob]) -> list[Any]:
         """Rows that pass their session's checks run as one forward; a refused row gets its
-        `BadRequest` alone. When the batched forward itself fails (out of memory, a torch
-        error), each row is run alone, so only the sessions whose rows fail get an error."""
+        `BadRequest` alone. A lone row takes its session's own forward (a CUDA graph on a
+        GPU), decode rows alone `decode_batch`, decode rows with prefill chunks
+        `forward_packed` — unless the packed attention would be too large
+        (`PACKED_ATTENTION_MAX`), when the chunks run alone after the decode rows."""
         out: list[Any] = [None] * len(jobs)
         ok: list[int] = []
         for i, job in enumerate(jobs):
@@ -421,23 +441,37 @@ class ShardServer:
                 ok.append(i)
             except BadRequest as e:
                 out[i] = e
-        if len(ok) == 1:
-            out[ok[0]] = self._solo(jobs[ok[0]])
-        elif ok:
-            for i, res in zip(ok, self._decode_batch([jobs[i] for i in ok]), strict=True):
+        decode = [i for i in ok if jobs[i].x.shape[1] == 1]
+        parts = [ok] if _packed_cost([jobs[i] for i in ok]) <= PACKED_ATTENTION_MAX \
+            else [decode] + [[i] for i in ok if i not in decode]
+        for part in parts:
+            for i, res in zip(part, self._forward_rows([jobs[i] for i in part]), strict=True):
                 out[i] = res
         return out
 
-    def _decode_batch(self, jobs: list[StepJob]) -> list[Any]:
+    def _forward_rows(self, jobs: list[StepJob]) -> list[Any]:
+        """`jobs` (distinct sessions, checked) as one forward; when it fails (out of
+        memory, a torch error) or a row comes out non-finite — packed rows share their
+        attention, so one session's non-finite history would spoil the others' — each
+        row runs alone, so only the sessions whose rows fail get an error."""
+        if len(jobs) <= 1:
+            return [self._solo(j) for j in jobs]
         sessions = [s for j in jobs if isinstance(s := j.session, LayeredSession)]
+        stack = sessions[0].stack
+        xs, starts = [j.x for j in jobs], [j.start_pos for j in jobs]
         try:
-            h = sessions[0].stack.decode_batch(sessions, [j.x for j in jobs],
-                                               [j.start_pos for j in jobs])
+            if all(j.x.shape[1] == 1 for j in jobs):
+                h = stack.decode_batch(sessions, xs, starts)
+                rows = [h[r:r + 1] for r in range(len(jobs))]
+            else:
+                rows = stack.forward_packed(sessions, xs, starts)
+                if not all(bool(torch.isfinite(r).all()) for r in rows):
+                    raise FloatingPointError("a packed row is not finite")
         except Exception as e:
             log.warning("batch_failed_rows_run_alone", shard_id=self.shard_id, rows=len(jobs),
                         error=type(e).__name__)
             return [self._solo(j) for j in jobs]
-        return [self._row_out(j, h[r:r + 1]) for r, j in enumerate(jobs)]
+        return [self._row_out(j, row) for j, row in zip(jobs, rows, strict=True)]
 
     def _row_out(self, job: StepJob, row: torch.Tensor) -> Any:
         """One row of a batch in its session's wire dtype on the host; a non-finite row

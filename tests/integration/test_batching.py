@@ -7,6 +7,8 @@ dynamic rope): three sessions with prompts of different lengths decode together 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -81,3 +83,57 @@ def test_head_batch_equals_each_chats_own_logits(family, weights, family_store):
     for g, h in zip(got, hidden, strict=True):
         torch.testing.assert_close(g, head.logits(h), rtol=1e-5, atol=1e-5)
         assert g.shape == (head.config.vocab_size,) and g.dtype == torch.float32
+
+
+# mixed rounds (issue 16 §1): (history already held, positions of this step) per session —
+# decode rows, a fresh prefill, and a prefill chunk continuing an existing history, around
+# and beyond the sliding windows (4-7 positions in the tiny families)
+PACKED = [(9, 1), (0, 6), (3, 5), (12, 1)]
+
+
+def _slot_equal(a: Any, b: Any, n: int) -> None:
+    for ka, kb, va, vb in zip(a.slot.keys, b.slot.keys, a.slot.values, b.slot.values,
+                              strict=True):
+        torch.testing.assert_close(ka[:, :, :n], kb[:, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(va[:, :, :n], vb[:, :, :n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_rows_equal_solo_steps(family, family_store):
+    """Decode rows and prefill chunks of four sessions as one packed forward: each
+    session's output and cache equal its own solo steps."""
+    stack = LayeredStack(family_store[family], 1, 4)
+    solo = [stack.open_session(1, 4, 32) for _ in PACKED]
+    packed = [stack.open_session(1, 4, 32) for _ in PACKED]
+    for i, (held, _) in enumerate(PACKED):
+        if held:
+            x = _inputs(i, held)
+            solo[i].forward(x, 0)
+            packed[i].forward(x, 0)
+    xs = [_inputs(50 + i, n) for i, (_, n) in enumerate(PACKED)]
+    starts = [held for held, _ in PACKED]
+    got = stack.forward_packed(packed, xs, starts)
+    for i, (held, n) in enumerate(PACKED):
+        want = solo[i].forward(xs[i], held)
+        assert got[i].shape == (1, n, 64)
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+        assert packed[i].length == held + n
+        _slot_equal(packed[i], solo[i], held + n)
+    # and the sessions go on decoding from their packed caches as from solo ones
+    for i, (held, n) in enumerate(PACKED):
+        x = _inputs(90 + i, 1)
+        torch.testing.assert_close(packed[i].forward(x, held + n), solo[i].forward(x, held + n),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_packed_forward_refuses_bad_rows(family_store):
+    """A wrong shape, a gap, or one session twice is a `BadRequest` before any work."""
+    stack = LayeredStack(family_store["llama"], 0, 3)
+    a, b = stack.open_session(0, 3, 16), stack.open_session(0, 3, 16)
+    a.forward(_inputs(0, 3), 0)
+    for xs, starts, sessions in [([_inputs(1, 1), torch.zeros(1, 2, 65)], [3, 0], [a, b]),
+                                 ([_inputs(1, 1), _inputs(2, 2)], [3, 1], [a, b]),
+                                 ([_inputs(1, 1), _inputs(2, 2)], [3, 3], [a, a])]:
+        with pytest.raises(BadRequest):
+            stack.forward_packed(sessions, xs, starts)
+    assert (a.length, b.length) == (3, 0)

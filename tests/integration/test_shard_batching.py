@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
-from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
-from hearthnet.errors import HearthNetError, StepFailed
+from hearthnet.distributed_inference.shard import ShardServer, ShardSettings, StepJob
+from hearthnet.errors import BadRequest, HearthNetError, StepFailed
 from hearthnet.observability import Metrics
 from hearthnet.transport.websocket import ServerStream, TensorChannel, serve
 from tests.helpers.waiting import wait_until
@@ -165,3 +165,43 @@ async def test_stalled_and_vanished_sessions_leave_the_others_going(shard, llama
     torch.testing.assert_close(out.tensor, _solo(llama, [_x(7, 3), _x(9, 1)])[1],
                                rtol=1e-5, atol=1e-5)
     await stalled.close()
+
+
+async def test_a_mixed_round_packs_prefill_chunks_with_decode_rows(shard, llama, monkeypatch):
+    """Issue 16 §1 (mixed rounds): one round of two decode rows, a fresh prefill, a prefill
+    chunk after an existing history and a bad chunk (a gap) runs as ONE packed forward;
+    the bad row gets its `BadRequest` alone and every other row equals its solo step.
+    A non-finite chunk then makes the round's rows run alone: only its session is hurt."""
+    server, _ = shard
+    stack = server.stack
+    assert isinstance(stack, LayeredStack)
+    calls: list[int] = []
+    packed = stack.forward_packed
+
+    def spy(sessions: Any, xs: Any, starts: Any) -> Any:
+        calls.append(len(sessions))
+        return packed(sessions, xs, starts)
+
+    monkeypatch.setattr(stack, "forward_packed", spy)
+    held = [5, 9, 0, 3, 2]
+    sessions = [stack.open_session(0, 5, 32) for _ in held]
+    for i, n in enumerate(held):
+        if n:
+            sessions[i].forward(_x(i, n), 0)
+    xs = [_x(20, 1), _x(21, 1), _x(22, 6), _x(23, 4), _x(24, 3)]
+    starts = [5, 9, 0, 3, 7]  # the last one is a gap: its session holds 2 positions
+    jobs = [StepJob(s, None, x, p, 1, torch.float32)
+            for s, x, p in zip(sessions, xs, starts, strict=True)]
+    out = server._run_steps(jobs)
+    assert calls == [4] and isinstance(out[4], BadRequest)
+    for i in range(4):
+        want = _solo(llama, [_x(i, held[i]), xs[i]] if held[i] else [xs[i]])[-1]
+        torch.testing.assert_close(out[i], want, rtol=1e-5, atol=1e-5)
+    nan = StepJob(sessions[4], None, torch.full((1, 2, 64), float("nan")), 2, 2, torch.float32)
+    good = StepJob(sessions[0], None, _x(25, 1), 6, 2, torch.float32)
+    out = server._run_steps([good, nan])
+    assert len(calls) == 2  # packed, found non-finite, then each row alone
+    want = _solo(llama, [_x(0, 5), xs[0], _x(25, 1)])[-1]
+    torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+    for s in sessions:
+        s.close()

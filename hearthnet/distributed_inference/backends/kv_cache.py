@@ -88,14 +88,24 @@ def attention_mask(positions: torch.Tensor, kv_idx: torch.Tensor, window: int | 
 
     Boolean (True = attend) for sdpa; additive (0 / dtype min) for eager attention.
     """
+    return _as_mask(_allowed(positions, kv_idx, window), additive_dtype)
+
+
+def _allowed(positions: torch.Tensor, kv_idx: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(T, K) boolean: a query at `positions` may see the key at `kv_idx` (causal, windowed)."""
     q = positions.unsqueeze(1)  # (T, 1)
     allowed = kv_idx.unsqueeze(0) <= q  # (T, K)
     if window is not None:
         allowed = allowed & (kv_idx.unsqueeze(0) > q - window)  # transformers' overlay
+    return allowed
+
+
+def _as_mask(allowed: torch.Tensor, additive_dtype: torch.dtype | None) -> torch.Tensor:
+    """(1, 1, T, K): boolean for sdpa, additive (0 / dtype min) for eager attention."""
     allowed = allowed[None, None]
     if additive_dtype is None:
         return allowed
-    zero = torch.zeros((), dtype=additive_dtype, device=positions.device)
+    zero = torch.zeros((), dtype=additive_dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(additive_dtype).min)
 
 
@@ -141,3 +151,63 @@ def batch_attention_mask(positions: torch.Tensor, kv_idx: torch.Tensor, window: 
     """(B, 1, 1, K) mask of one query per row at `positions` (B,): row ``b`` sees keys
     ``≤ positions[b]`` (its own length; the zero padding beyond it never), windowed."""
     return attention_mask(positions, kv_idx, window, additive_dtype).transpose(0, 2)
+
+
+class PackedKV:
+    """The `past_key_values` of one packed forward over several sessions (issue 16 §1:
+    mixed rounds, chunked prefill inside the decode forward as vLLM/Sarathi do).
+
+    The rows' positions lie one after another along the sequence dimension, ``(1, N, H)``:
+    segment ``r`` is ``counts[r]`` positions of session ``r`` from ``starts[r]`` on (a
+    decode row is one, a prefill chunk many). `update` writes each segment's keys/values
+    into its own session's `KVSlot` at its positions (the slots are never merged or
+    moved) and returns the sessions' histories, ``starts[r] + counts[r]`` positions each,
+    concatenated along the sequence dimension; `packed_attention_mask` keeps every query
+    inside its own session's history (block-diagonal, causal, windowed).
+    """
+
+    def __init__(self, slots: list[KVSlot], starts: list[int], counts: list[int],
+                 device: torch.device) -> None:
+        self.slots, self.counts = slots, counts
+        self.start = slots[0].start
+        self.lengths = [p + t for p, t in zip(starts, counts, strict=True)]
+        self.at = [torch.arange(p, p + t, device=device)
+                   for p, t in zip(starts, counts, strict=True)]
+        self.kv_len = sum(self.lengths)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each segment into its slot; (1, kv_heads, sum of histories, head_dim)."""
+        i = layer_idx - self.start
+        keys, values, off = [], [], 0
+        for slot, at, t, n in zip(self.slots, self.at, self.counts, self.lengths, strict=True):
+            k, v = slot.keys[i], slot.values[i]
+            k.index_copy_(2, at, key_states[:, :, off:off + t])
+            v.index_copy_(2, at, value_states[:, :, off:off + t])
+            keys.append(k[:, :, :n])
+            values.append(v[:, :, :n])
+            off += t
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_len
+
+    def mask(self, window: int | None, additive_dtype: torch.dtype | None) -> torch.Tensor:
+        """`packed_attention_mask` of this forward's segments."""
+        return packed_attention_mask(self.at, self.lengths, window, additive_dtype)
+
+
+def packed_attention_mask(query_positions: list[torch.Tensor], lengths: list[int],
+                          window: int | None, additive_dtype: torch.dtype | None
+                          ) -> torch.Tensor:
+    """(1, 1, N, K) block-diagonal mask of packed segments: segment ``r``'s queries at
+    ``query_positions[r]`` see only keys of segment ``r``'s history (``lengths[r]``
+    positions, in `PackedKV`'s concatenated order), causally and within the window."""
+    device = query_positions[0].device
+    q_pos = torch.cat(query_positions)
+    q_seg = torch.cat([torch.full_like(q, r) for r, q in enumerate(query_positions)])
+    k_pos = torch.cat([torch.arange(n, device=device) for n in lengths])
+    k_seg = torch.cat([torch.full((n,), r, dtype=torch.long, device=device)
+                       for r, n in enumerate(lengths)])
+    allowed = _allowed(q_pos, k_pos, window) & (k_seg.unsqueeze(0) == q_seg.unsqueeze(1))
+    return _as_mask(allowed, additive_dtype)

@@ -55,6 +55,7 @@ from hearthnet.distributed_inference.backends.device import (
 from hearthnet.distributed_inference.backends.kv_cache import (
     BatchKV,
     KVSlot,
+    PackedKV,
     attention_mask,
     batch_attention_mask,
     capacity_for,
@@ -547,12 +548,8 @@ class LayeredStack:
         of one takes the session's own, possibly graph-captured, `forward`).
         """
         first = sessions[0]
-        for s, h, p in zip(sessions, hidden, starts, strict=True):
-            if s.stack is not self or (s.start, s.end) != (first.start, first.end):
-                raise BadRequest("a decode batch holds sessions of one stack and sub-range")
-            if s.check(h, p) != 1:
-                raise BadRequest("a decode batch takes one position per session")
-            s.rewind(p)
+        if self._check_rows(sessions, hidden, starts) != [1] * len(sessions):
+            raise BadRequest("a decode batch takes one position per session")
         h = torch.cat([x.to(self.device, self.dtype) for x in hidden])  # (B, 1, H)
         positions = torch.tensor(starts, dtype=torch.long, device=self.device)
         pe_table, kv_idx = self.tables(max(s.slot.capacity for s in sessions))
@@ -569,6 +566,67 @@ class LayeredStack:
         for s, p in zip(sessions, starts, strict=True):
             s.advance(p + 1)
         return h
+
+    def _check_rows(self, sessions: list[LayeredSession], hidden: list[torch.Tensor],
+                    starts: list[int]) -> list[int]:
+        """`BadRequest` unless every row is a valid step of a distinct session of this
+        stack over one sub-range; each row's number of positions. Rewinds a redo's cache."""
+        first = sessions[0]
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise BadRequest("a batch holds at most one step per session")
+        counts = []
+        for s, h, p in zip(sessions, hidden, starts, strict=True):
+            if s.stack is not self or (s.start, s.end) != (first.start, first.end):
+                raise BadRequest("a batch holds sessions of one stack and sub-range")
+            counts.append(s.check(h, p))
+        for s, p in zip(sessions, starts, strict=True):
+            s.rewind(p)
+        return counts
+
+    @torch.inference_mode()
+    def forward_packed(self, sessions: list[LayeredSession], hidden: list[torch.Tensor],
+                       starts: list[int]) -> list[torch.Tensor]:
+        """Steps of several sessions over one sub-range — decode rows and prefill chunks
+        alike — as one forward (issue 16 §1, mixed rounds): their positions are packed
+        along the sequence dimension, ``(1, N, H)``, each with its own rotary position; a
+        `PackedKV` writes each session's keys/values into its own slot and a block-diagonal
+        mask keeps every token inside its own session's history. The layers' weights are
+        read once for all rows. Returns each session's output, ``(1, T_r, H)`` on the
+        device. Eager on every device."""
+        first = sessions[0]
+        counts = self._check_rows(sessions, hidden, starts)
+        h = torch.cat([x.to(self.device, self.dtype) for x in hidden], dim=1)  # (1, N, H)
+        cache = PackedKV([s.slot for s in sessions], starts, counts, self.device)
+        positions = torch.cat(cache.at)
+        masks = {kind: cache.mask(self.sliding_window if kind == "sliding_attention" else None,
+                                  self.additive_mask) for kind in set(first._types)}
+        pe = self._packed_rotary(h, cache.at, first._types,
+                                 max(s.slot.capacity for s in sessions))
+        pos_ids = positions.unsqueeze(0)
+        for layer, kind in zip(first.layers, first._types, strict=True):
+            h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
+                      past_key_values=cache, use_cache=True, position_embeddings=pe[kind])
+        for s, n in zip(sessions, cache.lengths, strict=True):
+            s.advance(n)
+        return list(torch.split(h, counts, dim=1))
+
+    def _packed_rotary(self, h: torch.Tensor, segments: list[torch.Tensor], types: list[str],
+                       capacity: int) -> dict[str, Any]:
+        """(cos, sin) of shape (1, N, D) per layer type, each position its own. Rope whose
+        frequencies depend on the step's longest position (dynamic, longrope) is computed
+        segment by segment, as each session's solo step would."""
+        positions = torch.cat(segments)
+        if not self.rotary.dynamic:
+            table, _ = self.tables(capacity)
+            return {kind: (cos[:, positions], sin[:, positions])
+                    for kind, (cos, sin) in table.items()}
+        parts, off = [], 0
+        for seg in segments:
+            n = int(seg.shape[0])
+            parts.append(self.rotary(h[:, off:off + n], seg.unsqueeze(0), types))
+            off += n
+        return {kind: (torch.cat([p[kind][0] for p in parts], dim=1),
+                       torch.cat([p[kind][1] for p in parts], dim=1)) for kind in parts[0]}
 
     def _batch_rotary(self, h: torch.Tensor, positions: torch.Tensor, types: list[str],
                       table: dict[str, Any]) -> dict[str, Any]:
