@@ -207,6 +207,10 @@ class DistributedInferenceSection(_Section):
     # sessions run as one batched forward; a round waits up to this long for the other
     # sessions' steps (0: batch only what is already queued)
     batch_window_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
+    # issue 16 §1 (mixed rounds): positions of prefill chunks a shard's round packs with
+    # its decode rows (at least one chunk); a round with no decode rows takes up to
+    # prefill_chunk_tokens. Small keeps decoding chats' gaps short on compute-bound CPUs
+    mixed_prefill_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 32
     # issue 13: the orchestrator's head (embeddings, norm, lm_head) and local fallback
     head_device: DeviceSpec = "auto"
     host: HostSection = Field(default_factory=HostSection)

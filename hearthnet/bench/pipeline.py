@@ -71,6 +71,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="only the concurrency levels: no local baseline, no wire comparison")
     p.add_argument("--batch-window-ms", type=float, default=None,
                    help="every node's batch_window_ms (default: the config default)")
+    p.add_argument("--mixed-prefill-tokens", type=int, default=None,
+                   help="every node's mixed_prefill_tokens (default: the config default)")
     p.add_argument("--local-threads", type=int, default=2,
                    help="torch threads of the local baseline (this process)")
     p.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
@@ -123,7 +125,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                      "processes": f"1 orchestrator node + {args.shards} shard nodes, "
                                   "each its own process on 127.0.0.1",
                      "wire_dtype": args.wire, "weights": args.weights,
-                     "device": args.device,
+                     "device": args.device, "batch_window_ms": args.batch_window_ms,
+                     "mixed_prefill_tokens": args.mixed_prefill_tokens,
                      "sampling": "greedy", "prompt": args.prompt, "warmup_calls": 1}}
     torch.set_num_threads(args.local_threads)
     head = head_format(args.weights)
@@ -174,6 +177,8 @@ def _specs(args: argparse.Namespace, ranges: list[tuple[int, int]], head: str
     di: dict[str, Any] = {"head_device": args.device, "head_weights": head}
     if args.batch_window_ms is not None:
         di["batch_window_ms"] = args.batch_window_ms
+    if args.mixed_prefill_tokens is not None:
+        di["mixed_prefill_tokens"] = args.mixed_prefill_tokens
     host = {"device": args.device, "weights": args.weights}
     return [NodeSpec("node-a", extra_host=host,
                      extra_di={**di, "max_concurrent_pipelines": max(4, most)})] + [

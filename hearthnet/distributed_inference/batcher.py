@@ -23,11 +23,12 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   stepping (stalled caller) is not expected after `LIVE_ROUNDS` rounds;
 - non-batchable jobs (prefill chunks, each ``tokens`` positions) join the round (mixed
   rounds, as vLLM's and Sarathi's chunked prefill): oldest first, as many as fit in
-  ``prefill_budget`` positions (at least one chunk per round), in the same ``run_batch``
-  call as the decode rows, so the owner can run them as one forward (the shard packs them,
+  ``mixed_budget`` positions beside decode rows, ``prefill_budget`` in a round without
+  any (at least one chunk per round), in the same ``run_batch`` call as the decode rows,
+  so the owner can run them as one forward (the shard packs them,
   `LayeredStack.forward_packed`): while other chats prefill, a decoding chat's round costs
   about one forward, not two, and a long prefill (already chunked, issue 14 §1) never
-  stalls decode rows for more than one budget of positions;
+  stalls decode rows for more than one chunk;
 - the owner's ``run_batch(jobs)`` returns one result or exception per job, so a bad row
   fails only its own caller (shard.py and head batching decide how rows fail);
 - a session that stalls, errs or disconnects simply has no job in the next round; a caller
@@ -76,10 +77,13 @@ class RoundBatcher(Generic[J, R]):
 
     def __init__(self, run_batch: RunBatch, executor: Executor, *, window_s: float = 0.0,
                  expected: Callable[[], int] = lambda: 1, prefill_budget: int = 0,
+                 mixed_budget: int | None = None,
                  on_batch: Callable[[int, list[float]], None] | None = None) -> None:
         self.run_batch, self.executor = run_batch, executor
         self.window_s = max(0.0, window_s)
-        self.prefill_budget = prefill_budget  # positions of prefill chunks per round
+        # positions of prefill chunks per round: without / beside decode rows
+        self.prefill_budget = prefill_budget
+        self.mixed_budget = prefill_budget if mixed_budget is None else mixed_budget
         self.expected = expected
         self.on_batch = on_batch  # (batch size, each job's wait in ms) for the metrics
         self._batch: deque[_Queued[J]] = deque()
@@ -131,7 +135,8 @@ class RoundBatcher(Generic[J, R]):
         while self._batch or self._solo:
             await self._collect()
             batch = self._take(self._batch, len(self._batch))
-            await self._run(batch, self._take(self._solo, self.prefill_budget, by_tokens=True))
+            budget = self.mixed_budget if batch else self.prefill_budget
+            await self._run(batch, self._take(self._solo, budget, by_tokens=True))
             if batch:
                 self._round += 1  # decode rounds only: prefill chunks make no one stale
                 self._seen = {k: r for k, r in self._seen.items()

@@ -3,7 +3,9 @@
 Per call: pick a pipeline (timed as construction), open one session per stage concurrently,
 then run the decode loop (`decode.py`), which fails stages over by replay (`failover.py`).
 After `fallback_after_failures` failures in one call, or when no replacement exists, the
-*same* `Generation` continues on the local engine when `fallback_to_local` is set.
+*same* `Generation` continues on the local engine when `fallback_to_local` is set. A shard at
+its `max_concurrent_streams` is busy, not gone: construction waits for a slot (up to the
+call's `timeout_s`) rather than falling back (issue 16 §2).
 
 The parts: request parsing (`request.py`), per-call state (`calls.py`), the decode loop
 (`decode.py`), failover replay (`failover.py`), the frames (`frames.py`). This module
@@ -56,6 +58,11 @@ from hearthnet.transport.websocket import SHARD_PATH
 log = get_logger("pipeline")
 
 _OPEN_ATTEMPTS = 3
+_BUSY_BACKOFF_S = 0.05
+"""First wait for a busy shard's slot (doubled per try, up to `_BUSY_BACKOFF_MAX_S`); one of
+this node's own pipelines released ends a wait at once."""
+_BUSY_BACKOFF_MAX_S = 1.0
+
 # Adds caller authentication to open params (issue 7); identity when security is off.
 OpenSigner = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -219,18 +226,35 @@ class PipelineOrchestrator:
                          params: DistributedChatParams, wire: WirePlan) -> CallState:
         """Pick a pipeline and open every stage concurrently (M26 §4.3 steps 1-2).
 
-        A shard that refuses the open (e.g. at `max_concurrent_streams`, M26 §5.6) or cannot
-        be reached is excluded and the router picks again, up to `_OPEN_ATTEMPTS` times.
+        A shard that cannot be reached or refuses the open is excluded and the router picks
+        again, up to `_OPEN_ATTEMPTS` failures. A shard at its `max_concurrent_streams`
+        (M26 §5.6) is busy, not gone (issue 16 §2): another cover is tried first, and when
+        only busy shards cover a layer the call waits for a slot — until one of this node's
+        pipelines is released, or a short back-off for other callers' sessions — up to its
+        `timeout_s`, instead of continuing on the local engine.
         """
         max_len = len(gen.prompt_ids) + params.sampling.max_tokens + 1
         exclude: set[str] = set()
+        busy: set[str] = set()
         reasons: list[str] = []
         own = resolve_format(self.local_weights, entry.dtype)
         formats = frozenset(accepted_formats(params.weights, own))
-        for _ in range(_OPEN_ATTEMPTS):
-            pipeline = await self.router.pick(entry.model_id, entry.weights_sha256,
-                                              entry.num_layers, exclude=exclude,
-                                              formats=formats)
+        deadline = time.monotonic() + params.timeout_s
+        backoff, failures = _BUSY_BACKOFF_S, 0
+        while failures < _OPEN_ATTEMPTS:
+            releases = self.router.releases
+            try:
+                pipeline = await self.router.pick(entry.model_id, entry.weights_sha256,
+                                                  entry.num_layers, exclude=exclude | busy,
+                                                  formats=formats)
+            except ShardUnavailable as e:
+                left = deadline - time.monotonic()
+                if not (busy or e.details.get("busy")) or left <= 0:
+                    raise
+                await self.router.wait_for_release(releases, min(left, backoff))
+                backoff = min(2 * backoff, _BUSY_BACKOFF_MAX_S)
+                busy.clear()  # busy a moment ago: worth another try
+                continue
             if len(pipeline.stages) > params.max_shards:
                 self.router.release(pipeline)
                 raise ShardUnavailable(f"the cover needs {len(pipeline.stages)} shards; "
@@ -245,12 +269,16 @@ class PipelineOrchestrator:
                 with contextlib.suppress(Exception):
                     await st.channel.close()
             self.router.release(pipeline)
+            failed = False
             for stage, o in zip(pipeline.stages, opened, strict=True):
                 if isinstance(o, BaseException) and not isinstance(o, HearthNetError):
                     raise o
                 if isinstance(o, HearthNetError):
-                    exclude.add(stage.shard.shard_id)
                     reasons.append(o.message)
+                    refused = busy if o.details.get("busy") else exclude
+                    refused.add(stage.shard.shard_id)
+                    failed = failed or refused is exclude
+            failures += failed
         raise ShardUnavailable(f"could not open sessions in {_OPEN_ATTEMPTS} attempts: "
                                + "; ".join(reasons[-3:]))
 
@@ -269,7 +297,8 @@ class PipelineOrchestrator:
             if not isinstance(e, ShardUnavailable):  # busy is healthy; unreachable is not
                 self.health.mark_suspect(stage.shard.shard_id, e.code)
             raise ShardUnavailable(f"could not open a session on {stage.shard.shard_id}: "
-                                   f"{e.message}", shard_id=stage.shard.shard_id) from e
+                                   f"{e.message}", shard_id=stage.shard.shard_id,
+                                   busy=bool(e.details.get("busy"))) from e
         sid = stage.shard.shard_id
         return StageSession(stage, ch, wire, self.metrics.shard_latency_ms.labels(sid),
                             self.metrics.hop_overhead_ms.labels(sid))

@@ -21,8 +21,10 @@ Eligible means: same model and hash, hosted range inside the model (``hi < N``),
 `exclude`, its host not probed down (`host_down`, the node's `HostLiveness`: a ``kill -9``ed
 host refuses connections long before its heartbeats are missed; issue 15 §6), and below its
 `max_concurrent_streams` (M26 §5.6): a shard's load is
-``max(advertised active_sessions, sessions reserved here)`` — the advertisement already
-counts our open sessions when it was made, so the two are not added. Unless
+``max(advertised active_sessions - our sessions there ended since, sessions reserved
+here)`` — the advertisement already counts our open sessions when it was made, so the two
+are not added, and one made while our previous calls ran (re-advertised only every
+heartbeat) does not keep the shard "full" once they have ended (issue 16 §2). Unless
 `allow_self_as_shard`, a shard of this node is never the **first** stage (embedding and
 sampling stay on the orchestrator, M26 §5.2).
 
@@ -31,7 +33,10 @@ the minimum-stage cover (furthest reach first); if even that is too long it fail
 
 Failure: `WeightsMismatch` when every uncovered layer is covered only by shards with
 another weights hash; otherwise `ShardUnavailable` naming the uncovered layers and why the
-shards there were not usable. Both carry ``uncovered=[[lo, hi], ...]`` in `details`.
+shards there were not usable. Both carry ``uncovered=[[lo, hi], ...]`` in `details`;
+``busy=True`` when every uncovered layer has a shard that is only at its
+`max_concurrent_streams` (busy, not gone: the orchestrator waits for a slot).
+`wait_for_release` returns when one of this node's pipelines is released.
 
 Reservations: `pick` and `repick` reserve one session on each chosen shard (unless
 ``reserve=False``) so that concurrent pipelines from this node respect
@@ -47,6 +52,8 @@ ones); if repick fails, the old reservations are left as they were.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import uuid
 from collections.abc import Callable, Collection, Sequence
@@ -129,6 +136,9 @@ class ShardRouter:
         self.health = health
         self.self_node_id = self_node_id
         self._in_use: dict[ShardID, int] = {}
+        self._ended: dict[ShardID, list[float]] = {}  # when our sessions there were released
+        self._released = asyncio.Event()
+        self.releases = 0  # pipelines released so far (`wait_for_release`)
 
     # ---- reservations (M26 §5.6) ----
 
@@ -149,12 +159,32 @@ class ShardRouter:
             self._in_use[sid] = self._in_use.get(sid, 0) + 1
 
     def _release_ids(self, ids: Sequence[ShardID]) -> None:
+        now = self.store.clock()
         for sid in ids:
             n = self._in_use.get(sid, 0) - 1
             if n > 0:
                 self._in_use[sid] = n
             else:
                 self._in_use.pop(sid, None)
+            self._ended.setdefault(sid, []).append(now)
+        self.releases += 1
+        self._released.set()
+
+    async def wait_for_release(self, since: int, timeout_s: float) -> None:
+        """Return once a pipeline of this node has been released after `releases` was
+        `since` (at once if one was already), or after `timeout_s`."""
+        if self.releases > since:
+            return
+        self._released.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._released.wait(), max(0.0, timeout_s))
+
+    def _ended_since(self, ad: Advertisement) -> int:
+        """Our sessions on `ad`'s shard released since the advertisement arrived (it
+        counted them, if they were open when it was made)."""
+        ended = [t for t in self._ended.get(ad.shard_id, ()) if t >= ad.seen_at]
+        self._ended[ad.shard_id] = ended  # older ones are in every later advertisement
+        return len(ended)
 
     # ---- picking ----
 
@@ -247,12 +277,16 @@ class ShardRouter:
                     formats: Collection[str] | None) -> list[_Cand]:
         out = []
         for ad in self.store.candidates(model, sha):
-            d = ad.descriptor
-            if d.shard_id in excl or d.hi >= total or self._full(ad) or self._down(d.host) \
-                    or not self._trusted(d.host) or not _format_ok(d, formats):
-                continue
-            out.append(self._cand(ad))
+            if self._usable(ad, total, excl, formats) and not self._full(ad):
+                out.append(self._cand(ad))
         return out
+
+    def _usable(self, ad: Advertisement, total: int, excl: set[ShardID],
+                formats: Collection[str] | None) -> bool:
+        """Eligible but for its load (see the module docstring)."""
+        d = ad.descriptor
+        return d.shard_id not in excl and d.hi < total and not self._down(d.host) \
+            and self._trusted(d.host) and _format_ok(d, formats)
 
     def _trusted(self, host: str) -> bool:
         return self.host_allowed is None or self.host_allowed(host)
@@ -263,7 +297,8 @@ class ShardRouter:
 
     def _full(self, ad: Advertisement) -> bool:
         active = ad.health.active_sessions if ad.health is not None else 0
-        return max(active, self.in_use(ad.shard_id)) >= ad.descriptor.max_concurrent_streams
+        load = max(active - self._ended_since(ad), self.in_use(ad.shard_id))
+        return load >= ad.descriptor.max_concurrent_streams
 
     def _cand(self, ad: Advertisement) -> _Cand:
         sid = ad.shard_id
@@ -346,6 +381,8 @@ class ShardRouter:
                 "every node", model_id=model, uncovered=ranges, requested=sha,
                 advertised=sorted({a.descriptor.weights_sha256 for a in others}))
         reasons = self._reasons(same_model, sha, missing, total, excl, formats)
+        busy = bool(missing) and all(any(self._only_busy(a, x, sha, total, excl, formats)
+                                         for a in same_model) for x in missing)
         if not same_model:
             known = ", ".join(sorted(self.store.models())) or "none"
             detail = f"no live shard advertises {model} (models advertised: {known})"
@@ -354,7 +391,15 @@ class ShardRouter:
             if reasons:
                 detail += " (" + "; ".join(reasons) + ")"
         raise ShardUnavailable(detail + "; start a node hosting those layers or wait for "
-                               "busy shards", model_id=model, uncovered=ranges)
+                               "busy shards", model_id=model, uncovered=ranges, busy=busy)
+
+    def _only_busy(self, ad: Advertisement, layer: int, sha: str, total: int,
+                   excl: set[ShardID], formats: Collection[str] | None) -> bool:
+        """`ad`'s shard would cover `layer` but is at its `max_concurrent_streams`."""
+        d = ad.descriptor
+        return d.weights_sha256 == sha and d.contains(layer) \
+            and self._usable(ad, total, excl, formats) \
+            and self._first_ok(self._cand(ad), layer) and self._full(ad)
 
     def _reasons(self, same_model: list[Advertisement], sha: str, missing: list[int],
                  total: int, excl: set[ShardID], formats: Collection[str] | None = None

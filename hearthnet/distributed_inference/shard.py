@@ -7,7 +7,8 @@ output back. Each session has its own KV cache (DESIGN.md decision 2).
 
 Limits are checked before any work (DESIGN.md decision 5): a wrong hash is
 `weights_mismatch`, a range outside is `bad_request`, one open over
-`max_concurrent_streams` is `shard_unavailable` at once — never queued (M26 §5.6). Forwards
+`max_concurrent_streams` is `shard_unavailable` at once — never queued (M26 §5.6), with
+``busy: true`` in its details (the orchestrator may wait for a slot, issue 16 §2). Forwards
 run on the node's compute executor so the event loop keeps serving heartbeats and other
 sessions (DESIGN.md decision 6). Weights unused for `shard_eviction_idle_seconds` are evicted
 and reloaded on the next open.
@@ -87,6 +88,7 @@ class ShardSettings:
     device: str = "cpu"  # auto | cpu | cuda | cuda:N | mps (issue 13 §1)
     cuda_graphs: bool = True
     batch_window_ms: float = 2.0  # issue 16: wait this long for other sessions' steps
+    mixed_prefill_tokens: int = 32  # issue 16 §1: prefill positions a decode round packs
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ class ShardServer:
         self.batcher: RoundBatcher[StepJob, torch.Tensor] = RoundBatcher(
             self._run_steps, executor, window_s=settings.batch_window_ms / 1000,
             expected=lambda: self.active, prefill_budget=settings.prefill_chunk_tokens,
-            on_batch=self._observe_batch)
+            mixed_budget=settings.mixed_prefill_tokens, on_batch=self._observe_batch)
 
     def _refuse_over_budget(self, shard_id: str) -> None:
         """A shard over `shard_max_vram_mb` is refused before loading (issue 12 §4)."""
@@ -298,7 +300,8 @@ class ShardServer:
             raise BadRequest(f"wire_dtype must be one of {list(WIRE_DTYPES)}")
         if self.active >= self.settings.max_concurrent_streams:
             raise ShardUnavailable(f"shard {self.shard_id} is at max_concurrent_streams "
-                                   f"({self.settings.max_concurrent_streams}); pick another")
+                                   f"({self.settings.max_concurrent_streams}); pick another "
+                                   f"or wait", busy=True)  # busy, not gone (issue 16 §2)
         return OpenRequest(self.shard_id, start, end, max_len, str(wire), caller)
 
     async def serve_session(self, stream: ShardStream, req: OpenRequest) -> None:
@@ -372,9 +375,10 @@ class ShardServer:
                                start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:
         """Run a step through the shard's batcher (issue 16 §1): a decode step joins the
         next round's batch; a longer step runs in chunks of `prefill_chunk_tokens`
-        positions (issue 14 §1), which join the rounds' forwards within a budget of
-        `prefill_chunk_tokens` positions per round (mixed rounds), so a long prefill never
-        holds the other sessions' decode rows for more than one chunk. One chunk (every
+        positions (issue 14 §1), which join the rounds' forwards (mixed rounds) within
+        `mixed_prefill_tokens` positions per round beside decode rows (at least one chunk)
+        and `prefill_chunk_tokens` in a round without, so a long prefill never holds the
+        other sessions' decode rows for more than one chunk. One chunk (every
         decode step) comes back through the session's pinned buffer."""
         n = self.settings.prefill_chunk_tokens
         t = int(x.shape[1]) if x.dim() == 3 else 1

@@ -278,7 +278,8 @@ class Node:
                 max_vram_mb=host.shard_max_vram_mb,
                 prefill_chunk_tokens=self.cfg.di.prefill_chunk_tokens,
                 device=device or host.device, cuda_graphs=host.cuda_graphs,
-                batch_window_ms=self.cfg.di.batch_window_ms),
+                batch_window_ms=self.cfg.di.batch_window_ms,
+                mixed_prefill_tokens=self.cfg.di.mixed_prefill_tokens),
             executor=self.executor, metrics=self.metrics)
         async with progress(log, "shard_load", model=entry.alias, layers=[lo, hi]):
             await shard.start()
