@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from datetime import UTC, datetime
 
@@ -221,6 +222,49 @@ async def test_shards_at_max_concurrent_streams_are_skipped() -> None:
     full.add(0, 15, "node-b", active=2, streams=2)
     with pytest.raises(ShardUnavailable, match="max_concurrent_streams"):
         await full.pick()
+
+
+async def test_a_full_cover_is_busy_and_a_missing_one_is_not() -> None:
+    """Issue 16 §2: `busy` tells the orchestrator to wait for a slot, not to fall back."""
+    full = Mesh()
+    full.add(0, 15, "node-b", active=2, streams=2)
+    with pytest.raises(ShardUnavailable) as ei:
+        await full.pick()
+    assert ei.value.details["busy"] is True
+    gap = Mesh()
+    gap.add(0, 7, "node-b", active=2, streams=2)  # 8-15: nobody, busy or not
+    with pytest.raises(ShardUnavailable) as ei:
+        await gap.pick()
+    assert ei.value.details["busy"] is False
+
+
+async def test_an_advertisement_made_during_our_calls_does_not_keep_the_shard_full() -> None:
+    """Issue 16 §2: the shard re-advertises every heartbeat; one made while our pipeline
+    was open counts it, and must not make the shard look full once we released it."""
+    m = Mesh()
+    m.add(0, 15, "node-b", streams=1)
+    p = await m.router.pick("m", SHA, 16)
+    m.clock.t += 1
+    m.add(0, 15, "node-b", streams=1, active=1)  # advertised while our session was open
+    with pytest.raises(ShardUnavailable):  # still ours: full
+        await m.router.pick("m", SHA, 16)
+    m.clock.t += 1
+    m.router.release(p)
+    assert await m.pick() == ["node-b:0-15"]  # the advertisement counted our ended session
+    m.clock.t += 1
+    m.add(0, 15, "node-b", streams=1, active=1)  # a newer one: someone else's session
+    with pytest.raises(ShardUnavailable):
+        await m.pick()
+
+
+async def test_wait_for_release_returns_on_a_release_or_at_its_timeout() -> None:
+    m = Mesh()
+    m.add(0, 15, "node-b", streams=1)
+    p = await m.router.pick("m", SHA, 16)
+    since = m.router.releases
+    m.router.release(p)
+    await asyncio.wait_for(m.router.wait_for_release(since, 60), 5)  # already released
+    await m.router.wait_for_release(m.router.releases, 0.01)  # none: the timeout
 
 
 async def test_reservations_spread_pipelines_and_respect_capacity() -> None:
