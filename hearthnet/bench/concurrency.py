@@ -7,11 +7,13 @@ node (prompts cycled from `PROMPTS`), ``--runs`` times. Per level:
 - per-chat decode tokens/s (median over chats, from each `done` frame);
 - p50 / p95 inter-token latency: the gaps between a chat's token frames as the caller
   receives them (first token excluded: that is prefill), pooled over the level's chats;
-  and the p95 of the gaps once every chat of the round is decoding (the others' prefills,
-  one chunk per round, no longer interleave);
+  and the p95 of the gaps once every chat of the round is decoding (the others' prefills
+  no longer share the rounds);
 - the shard batch size histogram (rows per batched forward, from the shard nodes' own
   ``shard_batch_size`` Prometheus histogram, the difference over the level) and the
   orchestrator's head batch sizes (``head_batch_size``);
+- local fallbacks: chats that ended on the orchestrator's local engine (``fallback`` in
+  their `done` frame) — a busy shard must make a chat wait, not fall back (issue 16 §2);
 - agreement: each chat's tokens against the same prompt run alone (the solo reference
   pass before the levels): identical, or the index of the first divergence. In fp32 they
   must all be identical; in bf16/int8 a batched matmul may round differently.
@@ -126,6 +128,7 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
                 solo: dict[str, list[int]]) -> dict[str, Any]:
     """`c` chats at once, `a.runs` times; see the module docstring."""
     aggs, per_chat, gaps, steady = [], [], [], []
+    fallbacks = 0
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
     agree: list[dict[str, Any]] = []
     before = scrape()
@@ -136,6 +139,7 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
         wall = time.perf_counter() - t0
         aggs.append(sum(len(ch["ids"]) for ch in chats) / wall)
         per_chat += [ch["done"]["timings"]["tokens_per_second"] for ch in chats]
+        fallbacks += sum(bool(ch["done"].get("fallback")) for ch in chats)
         pairs = [(a_, b_) for ch in chats
                  for a_, b_ in zip(ch["times"], ch["times"][1:], strict=False)]
         all_decoding = max(ch["times"][0] for ch in chats if ch["times"])
@@ -149,6 +153,7 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
             "inter_token_ms_p50": round(percentile(gaps, 50), 1),
             "inter_token_ms_p95": round(percentile(gaps, 95), 1),
             "inter_token_ms_p95_all_decoding": round(percentile(steady, 95), 1),
+            "local_fallbacks": fallbacks,
             "shard_batches": size_histogram(histogram(before, "shard_batch_size"),
                                             histogram(after, "shard_batch_size")),
             "head_batches": size_histogram(histogram(before, "head_batch_size"),
@@ -189,12 +194,14 @@ def report(levels: list[dict[str, Any]], goal: dict[str, Any]) -> str:
                          f"(mean {s['mean_rows']})" for s in h.values()) or "-"
 
     t = table(["chats", "aggregate tok/s", "per-chat tok/s", "ITL p50 ms", "ITL p95 ms",
-               "p95 all decoding", "identical to solo", "shard batches (size:count)",
+               "p95 all decoding", "identical to solo", "local fallbacks",
+               "shard batches (size:count)",
                "head batches"],
               [[c["concurrency"], c["aggregate_tokens_per_second"],
                 c["per_call_decode_tokens_per_second"], c["inter_token_ms_p50"],
                 c["inter_token_ms_p95"], c["inter_token_ms_p95_all_decoding"],
                 f"{c['agreement']['identical']}/{c['agreement']['chats']}",
+                c.get("local_fallbacks", 0),
                 sizes(c["shard_batches"]), sizes(c["head_batches"])] for c in levels])
     lines = [t]
     diverged = [(c["concurrency"], c["agreement"]["first_divergences"]) for c in levels
