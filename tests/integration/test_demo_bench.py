@@ -140,6 +140,7 @@ def test_bench_pipeline_three_shards(smollm2, tmp_path):
     two = f["concurrency"][1]  # issue 16: latency, batch sizes and agreement per level
     assert two["inter_token_ms_p95"] >= two["inter_token_ms_p50"] > 0
     assert two["agreement"]["chats"] == 2 and len(two["shard_batches"]) == 3
+    assert two["local_fallbacks"] == 0  # issue 16 §2: every chat through the shards
     assert all(s["batches"] > 0 for s in two["shard_batches"].values())
     assert set(f["goals"]) == {"ratio_to_best_local", "first_token_ms", "construction_ms",
                                "overhead_p95_ms"}

@@ -104,6 +104,17 @@ async def test_prefill_chunks_fill_the_budget_oldest_first(pool, budget, rounds)
     assert got == [1000, 2000] and rec.rounds == rounds
 
 
+async def test_beside_decode_rows_the_smaller_mixed_budget_holds(pool):
+    """`mixed_budget` bounds the prefill positions of a round that has decode rows (their
+    gap), `prefill_budget` one without: two queued 4-position chunks and one decode row
+    make a round of the row and one chunk, then a round of the other chunk."""
+    rec = Recorder()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, prefill_budget=8, mixed_budget=4)
+    got = await asyncio.gather(b.submit(100, batchable=False, tokens=4),
+                               b.submit(200, batchable=False, tokens=4), b.submit(1))
+    assert got == [1000, 2000, 10] and rec.rounds == [[1, 100], [200]]
+
+
 async def test_a_cancelled_caller_is_dropped_and_not_waited_for(pool):
     rec = Recorder()
     b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3)
