@@ -201,7 +201,7 @@ def report(levels: list[dict[str, Any]], goal: dict[str, Any]) -> str:
                 c["per_call_decode_tokens_per_second"], c["inter_token_ms_p50"],
                 c["inter_token_ms_p95"], c["inter_token_ms_p95_all_decoding"],
                 f"{c['agreement']['identical']}/{c['agreement']['chats']}",
-                c.get("local_fallbacks", 0),
+                c["local_fallbacks"],
                 sizes(c["shard_batches"]), sizes(c["head_batches"])] for c in levels])
     lines = [t]
     diverged = [(c["concurrency"], c["agreement"]["first_divergences"]) for c in levels

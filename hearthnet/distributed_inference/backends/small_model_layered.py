@@ -552,13 +552,16 @@ class LayeredStack:
             raise BadRequest("a decode batch takes one position per session")
         h = torch.cat([x.to(self.device, self.dtype) for x in hidden])  # (B, 1, H)
         positions = torch.tensor(starts, dtype=torch.long, device=self.device)
-        pe_table, kv_idx = self.tables(max(s.slot.capacity for s in sessions))
+        capacity = max(s.slot.capacity for s in sessions)
+        _, kv_idx = self.tables(capacity)
         kv_idx = kv_idx[:max(starts) + 1]
         cache = BatchKV([s.slot for s in sessions], positions, [p + 1 for p in starts])
         masks = {kind: batch_attention_mask(
             positions, kv_idx, self.sliding_window if kind == "sliding_attention" else None,
             self.additive_mask) for kind in set(first._types)}
-        pe = self._batch_rotary(h, positions, first._types, pe_table)
+        pe = {kind: (cos.transpose(0, 1), sin.transpose(0, 1)) for kind, (cos, sin) in
+              self._rotary_at(h.transpose(0, 1), positions, [1] * len(sessions),
+                              first._types, capacity).items()}  # (B, 1, D)
         pos_ids = positions.unsqueeze(1)
         for layer, kind in zip(first.layers, first._types, strict=True):
             h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
@@ -600,8 +603,8 @@ class LayeredStack:
         positions = torch.cat(cache.at)
         masks = {kind: cache.mask(self.sliding_window if kind == "sliding_attention" else None,
                                   self.additive_mask) for kind in set(first._types)}
-        pe = self._packed_rotary(h, cache.at, first._types,
-                                 max(s.slot.capacity for s in sessions))
+        pe = self._rotary_at(h, positions, counts, first._types,
+                             max(s.slot.capacity for s in sessions))
         pos_ids = positions.unsqueeze(0)
         for layer, kind in zip(first.layers, first._types, strict=True):
             h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
@@ -610,36 +613,20 @@ class LayeredStack:
             s.advance(n)
         return list(torch.split(h, counts, dim=1))
 
-    def _packed_rotary(self, h: torch.Tensor, segments: list[torch.Tensor], types: list[str],
-                       capacity: int) -> dict[str, Any]:
-        """(cos, sin) of shape (1, N, D) per layer type, each position its own. Rope whose
-        frequencies depend on the step's longest position (dynamic, longrope) is computed
-        segment by segment, as each session's solo step would."""
-        positions = torch.cat(segments)
+    def _rotary_at(self, h: torch.Tensor, positions: torch.Tensor, counts: list[int],
+                   types: list[str], capacity: int) -> dict[str, Any]:
+        """(cos, sin) of shape (1, N, D) per layer type for the N positions of `h`
+        (1, N, H), each at its own ``positions[i]``; `counts` splits them by session. Rope
+        whose frequencies depend on the step's longest position (dynamic, longrope) is
+        computed session by session, as each session's solo step would."""
         if not self.rotary.dynamic:
             table, _ = self.tables(capacity)
             return {kind: (cos[:, positions], sin[:, positions])
                     for kind, (cos, sin) in table.items()}
-        parts, off = [], 0
-        for seg in segments:
-            n = int(seg.shape[0])
-            parts.append(self.rotary(h[:, off:off + n], seg.unsqueeze(0), types))
-            off += n
+        parts = [self.rotary(hs, ps.unsqueeze(0), types) for hs, ps in
+                 zip(torch.split(h, counts, dim=1), torch.split(positions, counts), strict=True)]
         return {kind: (torch.cat([p[kind][0] for p in parts], dim=1),
                        torch.cat([p[kind][1] for p in parts], dim=1)) for kind in parts[0]}
-
-    def _batch_rotary(self, h: torch.Tensor, positions: torch.Tensor, types: list[str],
-                      table: dict[str, Any]) -> dict[str, Any]:
-        """(cos, sin) of shape (B, 1, D) per layer type, row ``b`` at ``positions[b]``.
-        Rope whose frequencies depend on the step's longest position (dynamic, longrope)
-        is computed row by row, as each row's solo step would."""
-        if not self.rotary.dynamic:
-            return {kind: (cos[0, positions].unsqueeze(1), sin[0, positions].unsqueeze(1))
-                    for kind, (cos, sin) in table.items()}
-        rows = [self.rotary(h[r:r + 1], positions[r:r + 1].unsqueeze(0), types)
-                for r in range(int(h.shape[0]))]
-        return {kind: (torch.cat([r[kind][0] for r in rows]),
-                       torch.cat([r[kind][1] for r in rows])) for kind in rows[0]}
 
     def open_session(self, start: int, end: int, max_length: int) -> LayeredSession:
         """A new session over `[start, end]` ⊆ `[lo, hi]`; `BadRequest` outside it,
