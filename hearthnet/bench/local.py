@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "memory_mb": {_label(p, parts[p]): parts[p]["memory"] for p in PARTS if p in parts},
         "parts": parts})
     figures["device_name"] = full.get("device_name", "cpu")
+    figures["int8_kernel"] = full["int8_kernel"]
     name = "local" if args.device == "cpu" else f"local-{args.device.replace(':', '')}"
     figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
     return figures, report(figures)
@@ -147,7 +148,8 @@ def report(f: dict[str, Any]) -> str:
     st = f["settings"]
     return (f"bench local: {f['model_id']}, {f['tokens']} tokens × {f['runs']} runs "
             f"(median), prompt {f['prompt_tokens']} tokens, "
-            f"{st['torch_threads_per_process']} torch threads, weights {f['weights']} "
+            f"{st['torch_threads_per_process']} torch threads, weights {f['weights']}"
+            f"{' (' + f['int8_kernel'] + ' kernel)' if f['weights'] == 'int8' else ''} "
             f"({f['parts']['full']['param_mb']} MB held) on "
             f"{f.get('device_name', 'cpu')}\n{t}\n"
             f"first token {f['first_token_ms']:.1f} ms; written to {f['results_file']}")
@@ -158,6 +160,7 @@ def report(f: dict[str, Any]) -> str:
 
 
 def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
+    from hearthnet.distributed_inference.backends import quant
     from hearthnet.distributed_inference.backends.device import device_info
     from hearthnet.distributed_inference.generation import SamplingParams
     from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
@@ -166,7 +169,8 @@ def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
                          device=a.device, cuda_graphs=not a.no_cuda_graphs)
     out: dict[str, Any] = {"device_name": device_info(engine.stack.device)["name"],
                            "param_mb": round((engine.stack.param_bytes()
-                                              + engine.head.param_bytes()) / 2**20, 1)}
+                                              + engine.head.param_bytes()) / 2**20, 1),
+                           "int8_kernel": quant.INT8_KERNEL}
     msgs = [{"role": "user", "content": a.prompt}]
     list(engine.generate(msgs, SamplingParams(max_tokens=4)))  # warm-up
     keys = ("prefill_ms", "first_token_ms", "decode_tokens_per_s", "completion_tokens")

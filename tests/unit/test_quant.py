@@ -84,8 +84,49 @@ def test_activation_digits_keep_fifteen_bits_of_each_row():
     assert bool(((back - x).abs() <= s / 508 * 1.001 + 1e-30).all())
 
 
-@pytest.mark.skipif(not quant.ONEDNN_INT8, reason="this torch build has no oneDNN int8 GEMM")
-def test_onednn_int8_is_held_once_exact_per_row_and_close_to_the_float_product():
+@pytest.fixture
+def onednn(monkeypatch):
+    """oneDNN's int8 GEMM in use, even where it is too slow to be chosen on this CPU."""
+    if not quant.ONEDNN_INT8_HERE:
+        pytest.skip("no exact oneDNN int8 GEMM here (torch build, or a CPU without VNNI/AMX)")
+    monkeypatch.setattr(quant, "ONEDNN_INT8", True)
+
+
+def test_int8_kernel_is_onednn_only_where_it_is_fast():
+    """On CPUs without VNNI/AMX torch's oneDNN int8 GEMM takes a reference path ~10-100×
+    slower than `_weight_int8pack_mm`: a probe at import picks the kernel."""
+    assert quant.INT8_KERNEL in ("onednn", "int8pack")
+    assert (quant.INT8_KERNEL == "onednn") == quant.ONEDNN_INT8
+    assert not quant.ONEDNN_INT8 or quant.ONEDNN_INT8_HERE
+    assert quant.onednn_fast_enough(0.5, 1.0)  # VNNI/AMX: two rows in half a row's time
+    assert not quant.onednn_fast_enough(9.0, 1.0)  # AVX2 only (measured: 9× on one thread)
+    if not quant.ONEDNN_INT8_HERE:
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        onednn_ms, int8pack_ms = quant._probe_ms()
+        assert torch.get_num_threads() == 3  # the probe leaves the process's count alone
+    finally:
+        torch.set_num_threads(threads)
+    assert onednn_ms > 0 and int8pack_ms > 0
+
+
+def test_a_onednn_gemm_that_saturates_is_not_used(monkeypatch):
+    """torch's oneDNN int8 GEMM on an AVX2-only CPU (AMD EPYC, Zen 1) computed 64 · 127²
+    as 8,160: a GEMM that loses full-range products is refused, not used."""
+    exact = quant._qlinear
+
+    def saturating(xq, packed, scales, zeros):  # int16 pair sums, as vpmaddubsw would
+        return exact(xq, packed, scales, zeros).clamp(-32768, 32767)
+
+    monkeypatch.setattr(quant, "_qlinear", saturating)
+    assert not quant._onednn_int8()
+    monkeypatch.setattr(quant, "_qlinear", exact)
+    assert quant._onednn_int8() == quant.ONEDNN_INT8_HERE
+
+
+def test_onednn_int8_is_held_once_exact_per_row_and_close_to_the_float_product(onednn):
     torch.manual_seed(0)
     w, b = torch.randn(160, 384) * 0.05, torch.randn(160)
     q8 = Int8Linear(w, b)
@@ -131,8 +172,7 @@ class _Attn(torch.nn.Module):
         return self.o_proj(self.q_proj(x)) + torch.cat([self.k_proj(x), self.v_proj(x)], -1).sum()
 
 
-@pytest.mark.skipif(not quant.ONEDNN_INT8, reason="this torch build has no oneDNN int8 GEMM")
-def test_siblings_reading_one_input_run_as_one_fused_gemm(monkeypatch):
+def test_siblings_reading_one_input_run_as_one_fused_gemm(onednn, monkeypatch):
     """q/k/v (and gate/up) are packed as one matrix: one GEMM per input, the same results
     as each linear on its own, each member's output taken once and then let go."""
     torch.manual_seed(0)

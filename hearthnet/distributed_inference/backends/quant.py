@@ -9,9 +9,11 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
   stored weights, symmetric per output channel (scale = max |w| / 127, bf16); everything
   else (norms, attention, residuals) stays fp32. The matrix product runs in oneDNN's int8
   GEMM (`torch.ops.onednn.qlinear_pointwise`, VNNI/AMX, with int32 accumulation) where
-  torch has it: each activation row is written as two int8 digits, `x ≈ s·(hi + lo/254)`
-  with s = max |x| / 127 per row (`split_rows`), both digits go through the GEMM as one
-  batch (the weights are read once) and are recombined in fp32. The activations keep ~15
+  torch has it and it is fast on this CPU (`INT8_KERNEL`, a probe at import: on CPUs
+  without VNNI/AMX torch's oneDNN takes a reference path ~100× slower). Each activation
+  row is written as two int8 digits, `x ≈ s·(hi + lo/254)` with s = max |x| / 127 per
+  row (`split_rows`), both digits go through the GEMM as one batch (the weights are read
+  once) and are recombined in fp32. The activations keep ~15
   bits against each row's largest value — finer than the bf16 activations of torch's
   `_weight_int8pack_mm`, the fallback where oneDNN is missing — and the weights stream at
   about twice that kernel's rate on this CPU (README "Weight formats"). Integer
@@ -31,7 +33,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
 
 import torch
@@ -67,13 +70,19 @@ def _rows(w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
 
 
 def _onednn_int8() -> bool:
-    """Whether torch has oneDNN's int8 GEMM here, and it computes a known product exactly."""
+    """Whether torch has oneDNN's int8 GEMM here and it computes full-range products
+    exactly. On CPUs without VNNI/AMX (AVX2 only: AMD Zen 1 measured) torch's oneDNN
+    path gets them wrong — 64 × 127 · 127 came out as 8,160 — besides being ~10-100×
+    slower, so a product whose pairs overflow 16 bits is checked, not a tiny one."""
     try:
-        w = torch.tensor([[1, -2, 3], [127, -127, 5]], dtype=torch.int8)
-        x = torch.tensor([[3, 1, -1], [-127, 127, 2]], dtype=torch.int8)
-        y = _qlinear(x, torch.ops.onednn.qlinear_prepack(w, [1, 3]), torch.ones(2),
-                     torch.zeros(2, dtype=torch.long))
-        return bool(torch.equal(y, (x.float() @ w.float().t())))
+        g = torch.Generator().manual_seed(0)
+        w = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g)
+        x = torch.randint(-127, 128, (3, 256), dtype=torch.int8, generator=g)
+        w[0], x[0] = 127, 127  # each pair's sum 2 · 127², over int16's range
+        x[1] = -127
+        y = _qlinear(x, torch.ops.onednn.qlinear_prepack(w, [1, 256]), torch.ones(32),
+                     torch.zeros(32, dtype=torch.long))
+        return bool(torch.equal(y, x.float() @ w.float().t()))  # |sums| < 2^24: exact
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
@@ -86,7 +95,58 @@ def _qlinear(xq: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     return y
 
 
-ONEDNN_INT8 = _onednn_int8()  # False: `_weight_int8pack_mm` (ARM builds, old torch)
+def _best_ms(f: Callable[[], object], runs: int = 5) -> float:
+    f()
+    best = math.inf
+    for _ in range(runs):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def onednn_fast_enough(onednn_ms: float, int8pack_ms: float) -> bool:
+    """Whether oneDNN's int8 GEMM, taking `onednn_ms` for a two-row batch, is worth using
+    against `_weight_int8pack_mm` taking `int8pack_ms` for one row. With VNNI/AMX it takes
+    about half; where torch's build falls back to a reference path (AVX2 only, or ISA
+    limits) it is ~10-100× slower than int8pack, so a generous factor tells the two apart
+    on a noisy machine."""
+    return onednn_ms <= INT8_ONEDNN_MAX_RATIO * int8pack_ms
+
+
+INT8_ONEDNN_MAX_RATIO = 2.0
+_PROBE = (1024, 1024)  # out × in of the probe matrix: ~1 MB, a few ms on the slow path
+
+
+def _probe_ms() -> tuple[float, float]:
+    """(oneDNN two-row product, `_weight_int8pack_mm` one-row product) in ms, best of 5,
+    on one thread."""
+    n, k = _PROBE
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scales = torch.ones(n)
+    packed = torch.ops.onednn.qlinear_prepack(w, [1, k])
+    xq = torch.randint(-127, 128, (2, k), dtype=torch.int8)
+    zeros = torch.zeros(n, dtype=torch.long)
+    x16, s16 = torch.randn(1, k, dtype=torch.bfloat16), scales.bfloat16()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a busy machine a parallel region waits for a time slice
+    try:
+        return (_best_ms(lambda: _qlinear(xq, packed, scales, zeros)),
+                _best_ms(lambda: torch._weight_int8pack_mm(x16, w, s16)))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _int8_kernel() -> str:
+    """``onednn`` where torch has oneDNN's int8 GEMM, it is exact and fast on this CPU;
+    else ``int8pack``."""
+    return "onednn" if ONEDNN_INT8_HERE and onednn_fast_enough(*_probe_ms()) else "int8pack"
+
+
+ONEDNN_INT8_HERE = _onednn_int8()  # torch has it and it is exact (not on ARM, old torch,
+# CPUs without VNNI/AMX)
+INT8_KERNEL = _int8_kernel()  # what int8 products run in, in this process
+ONEDNN_INT8 = INT8_KERNEL == "onednn"  # False: `_weight_int8pack_mm` (bf16 activations)
 _DIGIT = 254.0  # lo digit's unit: s / 254, so |lo| ≤ 127 (|x/s - hi| ≤ 1/2)
 
 
