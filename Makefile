@@ -46,7 +46,7 @@ browser:
 	  echo "chromium could not be installed: the status-page browser test will skip"; }
 
 test: install browser
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hearthnet tests scripts

@@ -70,75 +70,83 @@ def test_quantisation_works_in_bounded_chunks_with_the_same_result(monkeypatch):
     assert torch.equal(chunked.scales, whole.scales)
 
 
-def test_activation_digits_keep_fifteen_bits_of_each_row():
-    """`split_rows` writes each row as two int8 digits against its own largest value."""
+@pytest.mark.parametrize(("top", "bits"), [(127, 15), (63, 13)])
+def test_activation_digits_keep_thirteen_to_fifteen_bits_of_each_row(top, bits):
+    """`split_rows` writes each row as two integer digits against its own largest value:
+    8-bit digits for oneDNN (~15 bits), 7-bit ones for fbgemm (~13 bits)."""
     torch.manual_seed(0)
     x = torch.randn(4, 300) * torch.tensor([[1.0], [1e-3], [50.0], [0.0]])
     x[2, 7] = 4000.0  # an outlier channel costs only its own row's resolution
-    xq, s = quant.split_rows(x)
-    assert xq.dtype == torch.int8 and xq.shape == (8, 300) and s.shape == (4, 1)
-    assert int(xq.abs().max()) <= 127
-    back = s * (xq[:4].float() + xq[4:].float() / 254)
+    d, s = quant.split_rows(x, top)
+    assert d.shape == (8, 300) and s.shape == (4, 1)
+    assert torch.equal(d, d.round()) and int(d.abs().max()) == top
+    back = s * (d[:4] + d[4:] / (2 * top))
     assert torch.equal(back[3], torch.zeros(300))  # an all-zero row stays zero
-    # error ≤ half a lo digit: s / 508 = max |x| / 64516 per row
-    assert bool(((back - x).abs() <= s / 508 * 1.001 + 1e-30).all())
+    # error ≤ half a lo digit: s / (4·top) = max |x| / (4·top²) per row, ≈ 2^-bits
+    assert bool(((back - x).abs() <= s / (4 * top) * 1.001 + 1e-30).all())
+    assert 4 * top * top > 2 ** bits
 
 
-@pytest.fixture
-def onednn(monkeypatch):
-    """oneDNN's int8 GEMM in use, even where it is too slow to be chosen on this CPU."""
-    if not quant.ONEDNN_INT8_HERE:
-        pytest.skip("no exact oneDNN int8 GEMM here (torch build, or a CPU without VNNI/AMX)")
-    monkeypatch.setattr(quant, "ONEDNN_INT8", True)
-
-
-def test_int8_kernel_is_onednn_only_where_it_is_fast():
-    """On CPUs without VNNI/AMX torch's oneDNN int8 GEMM takes a reference path ~10-100×
-    slower than `_weight_int8pack_mm`: a probe at import picks the kernel."""
-    assert quant.INT8_KERNEL in ("onednn", "int8pack")
-    assert (quant.INT8_KERNEL == "onednn") == quant.ONEDNN_INT8
-    assert not quant.ONEDNN_INT8 or quant.ONEDNN_INT8_HERE
-    assert quant.onednn_fast_enough(0.5, 1.0)  # VNNI/AMX: two rows in half a row's time
-    assert not quant.onednn_fast_enough(9.0, 1.0)  # AVX2 only (measured: 9× on one thread)
-    if not quant.ONEDNN_INT8_HERE:
-        return
+def test_int8_kernel_is_an_exact_integer_gemm_only_where_it_is_fast():
+    """On CPUs without VNNI/AMX torch's oneDNN int8 GEMM is wrong and ~10-100× slower than
+    `_weight_int8pack_mm`: at import each kernel is checked for exact products and timed."""
+    assert quant.INT8_KERNEL in ("onednn", "fbgemm", "int8pack")
+    if quant.INT8_KERNEL == "onednn":
+        assert quant._onednn_int8()
+    if quant.INT8_KERNEL == "fbgemm":
+        assert quant._fbgemm_int8()
+    assert quant.fast_enough(0.5, 1.0)  # oneDNN with VNNI/AMX: two rows in half a row's time
+    assert not quant.fast_enough(9.0, 1.0)  # its AVX2 fallback (measured: 9× on one thread)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
-        onednn_ms, int8pack_ms = quant._probe_ms()
+        ms = quant._probe_ms(["int8pack"])
         assert torch.get_num_threads() == 3  # the probe leaves the process's count alone
     finally:
         torch.set_num_threads(threads)
-    assert onednn_ms > 0 and int8pack_ms > 0
+    assert set(ms) == {"int8pack"} and ms["int8pack"] > 0
 
 
-def test_a_onednn_gemm_that_saturates_is_not_used(monkeypatch):
+def test_an_integer_gemm_that_saturates_is_not_used(monkeypatch):
     """torch's oneDNN int8 GEMM on an AVX2-only CPU (AMD EPYC, Zen 1) computed 64 · 127²
-    as 8,160: a GEMM that loses full-range products is refused, not used."""
-    exact = quant._qlinear
+    as 8,160, and fbgemm's AVX2 kernel sums pairs in 16 bits: a GEMM that loses
+    full-range products is refused, not used."""
+    for name, check in (("_qlinear", quant._onednn_int8), ("_fbgemm", quant._fbgemm_int8)):
+        exact = getattr(quant, name)
 
-    def saturating(xq, packed, scales, zeros):  # int16 pair sums, as vpmaddubsw would
-        return exact(xq, packed, scales, zeros).clamp(-32768, 32767)
+        def saturating(*a, exact=exact):  # int16 sums, as vpmaddubsw would
+            return exact(*a).clamp(-32768, 32767)
 
-    monkeypatch.setattr(quant, "_qlinear", saturating)
-    assert not quant._onednn_int8()
-    monkeypatch.setattr(quant, "_qlinear", exact)
-    assert quant._onednn_int8() == quant.ONEDNN_INT8_HERE
+        monkeypatch.setattr(quant, name, saturating)
+        assert not check()
+        monkeypatch.setattr(quant, name, exact)
 
 
-def test_onednn_int8_is_held_once_exact_per_row_and_close_to_the_float_product(onednn):
+@pytest.fixture(params=["onednn", "fbgemm"])
+def kernel(request, monkeypatch):
+    """Each integer GEMM in use, where torch has it here exactly (even if too slow to be
+    chosen on this CPU)."""
+    if not {"onednn": quant._onednn_int8, "fbgemm": quant._fbgemm_int8}[request.param]():
+        pytest.skip(f"no exact {request.param} int8 GEMM here (torch build or CPU)")
+    monkeypatch.setattr(quant, "INT8_KERNEL", request.param)
+    return request.param
+
+
+def test_integer_gemm_int8_is_held_once_exact_per_row_and_close_to_the_float_product(kernel):
     torch.manual_seed(0)
     w, b = torch.randn(160, 384) * 0.05, torch.randn(160)
     q8 = Int8Linear(w, b)
     plain = Int8Linear(w, b, keep_rows=True)
-    assert q8.packed and not plain.packed and "weight_int8" not in q8._buffers
+    assert q8.packed and q8.kernel == kernel and not plain.packed
+    assert "weight_int8" not in q8._buffers
     # the weights are held once: int8 values + bf16 scales + the fp32 bias
     assert quant.held_bytes(q8) == 160 * 384 + 160 * 2 + 160 * 4
     assert torch.equal(q8.dequantised(), plain.dequantised())
     x = torch.randn(5, 384)
     y = q8(x)
     ref = torch.nn.functional.linear(x, q8.dequantised(), b)
-    assert float((y - ref).abs().max() / ref.abs().max()) < 1e-4  # ~15-bit activations
+    bits = 15 if kernel == "onednn" else 13
+    assert float((y - ref).abs().max() / ref.abs().max()) < 2.0 ** (4 - bits)
     # int32 accumulation: a row's result does not depend on the batch it runs in
     for i in range(5):
         assert torch.equal(q8(x[i:i + 1]), y[i:i + 1])
@@ -148,8 +156,8 @@ def test_onednn_int8_is_held_once_exact_per_row_and_close_to_the_float_product(o
     assert torch.equal(plain.rows(torch.tensor([3])), plain.dequantised()[3:4])
 
 
-def test_int8_without_onednn_runs_torchs_int8pack_kernel(monkeypatch):
-    monkeypatch.setattr(quant, "ONEDNN_INT8", False)
+def test_int8_without_an_integer_gemm_runs_torchs_int8pack_kernel(monkeypatch):
+    monkeypatch.setattr(quant, "INT8_KERNEL", "int8pack")
     torch.manual_seed(0)
     w, x = torch.randn(64, 128) * 0.05, torch.randn(3, 128)
     q8 = Int8Linear(w, None)
@@ -172,7 +180,7 @@ class _Attn(torch.nn.Module):
         return self.o_proj(self.q_proj(x)) + torch.cat([self.k_proj(x), self.v_proj(x)], -1).sum()
 
 
-def test_siblings_reading_one_input_run_as_one_fused_gemm(onednn, monkeypatch):
+def test_siblings_reading_one_input_run_as_one_fused_gemm(kernel, monkeypatch):
     """q/k/v (and gate/up) are packed as one matrix: one GEMM per input, the same results
     as each linear on its own, each member's output taken once and then let go."""
     torch.manual_seed(0)
@@ -190,8 +198,8 @@ def test_siblings_reading_one_input_run_as_one_fused_gemm(onednn, monkeypatch):
     solo = {n: Int8Linear(getattr(ref, n).weight.detach(), getattr(ref, n).bias.detach())(x)
             for n in ("q_proj", "k_proj", "v_proj")}
     calls = []
-    real = quant._qlinear
-    monkeypatch.setattr(quant, "_qlinear", lambda *a: calls.append(1) or real(*a))
+    real = Int8Linear._gemm
+    monkeypatch.setattr(Int8Linear, "_gemm", lambda *a: calls.append(1) or real(*a))
     with torch.inference_mode():
         outs = {n: getattr(held, n)(x) for n in ("k_proj", "q_proj", "v_proj")}
         assert len(calls) == 1 and getattr(group._last, "v", None) is None  # all taken

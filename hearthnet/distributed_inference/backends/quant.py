@@ -7,17 +7,18 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
   one of the three above when the weights are loaded, so advertisements name a real one.
 - `int8`: int8 weights. Every `nn.Linear` weight is quantised at load time from the
   stored weights, symmetric per output channel (scale = max |w| / 127, bf16); everything
-  else (norms, attention, residuals) stays fp32. The matrix product runs in oneDNN's int8
-  GEMM (`torch.ops.onednn.qlinear_pointwise`, VNNI/AMX, with int32 accumulation) where
-  torch has it and it is fast on this CPU (`INT8_KERNEL`, a probe at import: on CPUs
-  without VNNI/AMX torch's oneDNN takes a reference path ~100× slower). Each activation
-  row is written as two int8 digits, `x ≈ s·(hi + lo/254)` with s = max |x| / 127 per
-  row (`split_rows`), both digits go through the GEMM as one batch (the weights are read
-  once) and are recombined in fp32. The activations keep ~15
-  bits against each row's largest value — finer than the bf16 activations of torch's
-  `_weight_int8pack_mm`, the fallback where oneDNN is missing — and the weights stream at
-  about twice that kernel's rate on this CPU (README "Weight formats"). Integer
+  else (norms, attention, residuals) stays fp32. The product runs in an integer GEMM with
+  int32 accumulation: each activation row is written as two integer digits against its
+  own largest value, `x ≈ s·(hi + lo/(2·top))` (`split_rows`), both digits go through
+  the GEMM as one batch (the weights are read once) and are recombined in fp32. Integer
   accumulation is exact, so a row's result does not depend on the batch it runs in.
+  `INT8_KERNEL`, chosen when the module is imported, is the first of these that torch has
+  here, computes a full-range product exactly and is not pathologically slow (a probe):
+  - `onednn`: `torch.ops.onednn.qlinear_pointwise` (VNNI/AMX), 8-bit digits (~15 bits);
+  - `fbgemm`: `quantized.linear_with_input_q_dq_qweight_dq_output_fp32` (AVX2, where
+    oneDNN's int8 path is wrong and ~10× slower), 7-bit digits (~13 bits): its kernel
+    sums pairs of products in 16 bits, which 8-bit digits would overflow;
+  - else `int8pack`: torch's `_weight_int8pack_mm` with bf16 activations (ARM builds).
 - `int4`: weight-only int4, asymmetric in groups of 128 (64, 32 where 128 does not divide)
   along the input dimension (gpt-fast's layout), torch's `_weight_int4pack_mm_for_cpu`;
   compute as for int8. Not in a call's default accepted set (README "Weight formats").
@@ -34,7 +35,9 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any, TypeGuard
 
 import torch
@@ -75,16 +78,33 @@ def _onednn_int8() -> bool:
     path gets them wrong — 64 × 127 · 127 came out as 8,160 — besides being ~10-100×
     slower, so a product whose pairs overflow 16 bits is checked, not a tiny one."""
     try:
-        g = torch.Generator().manual_seed(0)
-        w = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g)
-        x = torch.randint(-127, 128, (3, 256), dtype=torch.int8, generator=g)
-        w[0], x[0] = 127, 127  # each pair's sum 2 · 127², over int16's range
-        x[1] = -127
-        y = _qlinear(x, torch.ops.onednn.qlinear_prepack(w, [1, 256]), torch.ones(32),
-                     torch.zeros(32, dtype=torch.long))
-        return bool(torch.equal(y, x.float() @ w.float().t()))  # |sums| < 2^24: exact
+        w, x = _check_operands(127)
+        y = _qlinear(x.to(torch.int8), torch.ops.onednn.qlinear_prepack(w, [1, w.shape[1]]),
+                     torch.ones(len(w)), torch.zeros(len(w), dtype=torch.long))
+        return bool(torch.equal(y, x @ w.float().t()))  # |sums| < 2^24: exact in fp32
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
+
+
+def _fbgemm_int8() -> bool:
+    """Whether torch has fbgemm's u8·s8 GEMM (x86 builds) and it computes products of
+    7-bit digits exactly (its AVX2 kernel sums pairs in 16 bits: 8-bit ones saturate)."""
+    try:
+        w, x = _check_operands(FBGEMM_TOP)
+        return bool(torch.equal(_fbgemm(x, _fbgemm_prepack(w, torch.ones(len(w)))),
+                                x @ w.float().t()))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _check_operands(top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weights (32, 256) and float digit rows (3, 256) in [-top, top], the first
+    pair at full range (each pair's sum 2 · 127 · top: past int16 for 8-bit digits)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g)
+    x = torch.randint(-top, top + 1, (3, 256), generator=g).float()
+    w[0], x[0], x[1] = 127, top, -top
+    return w, x
 
 
 def _qlinear(xq: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -92,6 +112,32 @@ def _qlinear(xq: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     """fp32 `xq @ w.T * scales` of int8 rows `xq` and a oneDNN-packed int8 `w`."""
     y: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
         xq, 1.0, 0, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], "")
+    return y
+
+
+FBGEMM_TOP = 63  # fbgemm's digits: 7 bits, |d| ≤ 63, fed as u8 d + 64 (no 16-bit overflow)
+
+
+def _fbgemm_prepack(w: torch.Tensor, scales: torch.Tensor) -> Any:
+    """int8 `w` (n, k) with per-row `scales`, packed for fbgemm (a torch script object)."""
+    n = w.shape[0]
+    with warnings.catch_warnings():  # torch 2.13 marks quantized tensors as deprecated
+        warnings.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(
+            w, scales.double(), torch.zeros(n, dtype=torch.long), 0)
+        engine = torch.backends.quantized.engine
+        torch.backends.quantized.engine = "fbgemm"  # the engine of the packed object
+        try:
+            return torch.ops.quantized.linear_prepack(qw, None)
+        finally:
+            torch.backends.quantized.engine = engine
+
+
+def _fbgemm(digits: torch.Tensor, packed: Any) -> torch.Tensor:
+    """fp32 `digits @ w.T * scales` of float rows of integers in [-63, 63] (exact: int32
+    accumulation) and an fbgemm-packed `w`."""
+    y: torch.Tensor = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        digits, 1.0, FBGEMM_TOP + 1, packed)
     return y
 
 
@@ -105,69 +151,79 @@ def _best_ms(f: Callable[[], object], runs: int = 5) -> float:
     return best * 1e3
 
 
-def onednn_fast_enough(onednn_ms: float, int8pack_ms: float) -> bool:
-    """Whether oneDNN's int8 GEMM, taking `onednn_ms` for a two-row batch, is worth using
-    against `_weight_int8pack_mm` taking `int8pack_ms` for one row. With VNNI/AMX it takes
-    about half; where torch's build falls back to a reference path (AVX2 only, or ISA
-    limits) it is ~10-100× slower than int8pack, so a generous factor tells the two apart
-    on a noisy machine."""
-    return onednn_ms <= INT8_ONEDNN_MAX_RATIO * int8pack_ms
+def fast_enough(two_rows_ms: float, int8pack_ms: float) -> bool:
+    """Whether an integer GEMM taking `two_rows_ms` for a two-row batch (the two digits) is
+    worth using against `_weight_int8pack_mm` taking `int8pack_ms` for one row. oneDNN with
+    VNNI/AMX takes about half; where torch's build falls back to a reference path (AVX2
+    only, or ISA limits) it is ~10-100× slower, so a generous factor tells the two apart on
+    a noisy machine."""
+    return two_rows_ms <= INT8_MAX_RATIO * int8pack_ms
 
 
-INT8_ONEDNN_MAX_RATIO = 2.0
-_PROBE = (1024, 1024)  # out × in of the probe matrix: ~1 MB, a few ms on the slow path
+INT8_MAX_RATIO = 2.0
+_PROBE = (1024, 1024)  # out × in of the probe matrix: ~1 MB, a few ms on a slow path
 
 
-def _probe_ms() -> tuple[float, float]:
-    """(oneDNN two-row product, `_weight_int8pack_mm` one-row product) in ms, best of 5,
-    on one thread."""
+def _probe_ms(kernels: Iterable[str]) -> dict[str, float]:
+    """ms of a (1024 × 1024) product in each of `kernels` (two digit rows; int8pack: one
+    bf16 row), best of 5, on one thread."""
     n, k = _PROBE
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scales = torch.ones(n)
-    packed = torch.ops.onednn.qlinear_prepack(w, [1, k])
-    xq = torch.randint(-127, 128, (2, k), dtype=torch.int8)
-    zeros = torch.zeros(n, dtype=torch.long)
-    x16, s16 = torch.randn(1, k, dtype=torch.bfloat16), scales.bfloat16()
+    digits = torch.randint(-FBGEMM_TOP, FBGEMM_TOP + 1, (2, k)).float()
+    run: dict[str, Callable[[], object]] = {}
+    for kernel in kernels:
+        if kernel == "onednn":
+            run[kernel] = partial(_qlinear, digits.to(torch.int8), torch.ops.onednn.
+                                  qlinear_prepack(w, [1, k]), scales,
+                                  torch.zeros(n, dtype=torch.long))
+        elif kernel == "fbgemm":
+            run[kernel] = partial(_fbgemm, digits, _fbgemm_prepack(w, scales))
+        else:
+            run[kernel] = partial(torch._weight_int8pack_mm, torch.randn(
+                1, k, dtype=torch.bfloat16), w, scales.bfloat16())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a busy machine a parallel region waits for a time slice
     try:
-        return (_best_ms(lambda: _qlinear(xq, packed, scales, zeros)),
-                _best_ms(lambda: torch._weight_int8pack_mm(x16, w, s16)))
+        return {kernel: _best_ms(f) for kernel, f in run.items()}
     finally:
         torch.set_num_threads(threads)
 
 
 def _int8_kernel() -> str:
-    """``onednn`` where torch has oneDNN's int8 GEMM, it is exact and fast on this CPU;
-    else ``int8pack``."""
-    return "onednn" if ONEDNN_INT8_HERE and onednn_fast_enough(*_probe_ms()) else "int8pack"
+    """The first of ``onednn``, ``fbgemm`` that torch has here, computes exactly and runs
+    fast on this CPU; else ``int8pack``."""
+    exact = [k for k, ok in (("onednn", _onednn_int8), ("fbgemm", _fbgemm_int8)) if ok()]
+    if not exact:
+        return "int8pack"
+    ms = _probe_ms([*exact, "int8pack"])
+    return next((k for k in exact if fast_enough(ms[k], ms["int8pack"])), "int8pack")
 
 
-ONEDNN_INT8_HERE = _onednn_int8()  # torch has it and it is exact (not on ARM, old torch,
-# CPUs without VNNI/AMX)
 INT8_KERNEL = _int8_kernel()  # what int8 products run in, in this process
-ONEDNN_INT8 = INT8_KERNEL == "onednn"  # False: `_weight_int8pack_mm` (bf16 activations)
-_DIGIT = 254.0  # lo digit's unit: s / 254, so |lo| ≤ 127 (|x/s - hi| ≤ 1/2)
+_DIGITS = {"onednn": 127, "fbgemm": FBGEMM_TOP}  # each kernel's digit range
 
 
-def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of fp32 `x` (n, k) as int8 digits (2n, k) — hi rows then lo rows — and the
-    per-row scale s (n, 1), with x ≈ s·(hi + lo/254): ~15 bits of each row's range."""
-    s = x.abs().amax(1, keepdim=True).clamp_(min=1e-30).div_(127)  # (vector_norm: slower)
+def split_rows(x: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of fp32 `x` (n, k) as integer digits (2n, k) in [-top, top], fp32 — hi rows
+    then lo rows — and the per-row scale s (n, 1), with x ≈ s·(hi + lo/(2·top)): ~15 bits
+    of each row's range for top = 127 (oneDNN), ~13 for 63 (fbgemm)."""
+    s = x.abs().amax(1, keepdim=True).clamp_(min=1e-30).div_(top)  # (vector_norm: slower)
     u = x / s
     hi = u.round()
-    lo = u.sub_(hi).mul_(_DIGIT).round_()
-    return torch.cat((hi, lo)).to(torch.int8), s
+    lo = u.sub_(hi).mul_(2 * top).round_()
+    return torch.cat((hi, lo)), s
 
 
 class Int8Linear(nn.Module):
     """`nn.Linear` with int8 weights and per-output-channel bf16 scales.
 
-    With oneDNN (`ONEDNN_INT8`) the weights are held once, in oneDNN's packed layout
-    (`weight_packed`). `keep_rows=True` holds the plain matrix `weight_int8` instead, for
+    Where an integer GEMM is used (`INT8_KERNEL` oneDNN or fbgemm) the weights are held
+    once, in that kernel's packed layout (`weight_packed`, or fbgemm's script object
+    `fbgemm_packed`). `keep_rows=True` holds the plain matrix `weight_int8` instead, for
     embedding lookups; `pack()` adds the packed copy when the same matrix is also a
-    product's weight (a head whose lm_head is tied to its embeddings holds both). Without
-    oneDNN, or unpacked, the product runs in `_weight_int8pack_mm` on `weight_int8`.
+    product's weight (a head whose lm_head is tied to its embeddings holds both).
+    Unpacked, the product runs in `_weight_int8pack_mm` on `weight_int8`.
     """
 
     weight_int8: torch.Tensor
@@ -190,8 +246,10 @@ class Int8Linear(nn.Module):
         else:
             q = weight
         self.in_features, self.out_features = k, n
+        self.kernel = "int8pack"  # until packed
+        self.fbgemm_packed: Any = None
         self.register_buffer("scales", scales.to(torch.bfloat16))
-        if keep_rows or not ONEDNN_INT8:
+        if keep_rows or INT8_KERNEL == "int8pack":
             self.register_buffer("weight_int8", q)
         else:
             self.pack(q)
@@ -200,29 +258,43 @@ class Int8Linear(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """Whether products run in oneDNN's int8 GEMM."""
-        return "weight_packed" in self._buffers
+        """Whether products run in an integer GEMM (oneDNN or fbgemm)."""
+        return self.kernel != "int8pack"
 
     def pack(self, q: torch.Tensor | None = None, *, drop_rows: bool = False) -> None:
-        """Hold the weights (`q`, else `weight_int8`) packed for oneDNN, where torch has it;
-        `drop_rows`: then let the plain matrix go (held once)."""
-        if not ONEDNN_INT8 or self.packed:
+        """Hold the weights (`q`, else `weight_int8`) packed for `INT8_KERNEL`, where it is
+        an integer GEMM; `drop_rows`: then let the plain matrix go (held once)."""
+        if INT8_KERNEL == "int8pack" or self.packed:
             return
         w = self.weight_int8 if q is None else q
-        self.register_buffer("weight_packed", torch.ops.onednn.qlinear_prepack(
-            w, [1, self.in_features]))
-        self._scales32 = self.scales.float()  # the GEMM's output scales: fp32
-        self._zeros = torch.zeros(self.out_features, dtype=torch.long)
+        if INT8_KERNEL == "onednn":
+            self.register_buffer("weight_packed", torch.ops.onednn.qlinear_prepack(
+                w, [1, self.in_features]))
+            self._scales32 = self.scales.float()  # the GEMM's output scales: fp32
+            self._zeros = torch.zeros(self.out_features, dtype=torch.long)
+        else:  # fbgemm applies the scales itself
+            self.fbgemm_packed = _fbgemm_prepack(w, self.scales.float())
+        self.kernel = INT8_KERNEL
         if drop_rows:
             self._buffers.pop("weight_int8", None)
+
+    def packed_bytes(self) -> int:
+        """Bytes of fbgemm's packed copy (not a buffer): its int8 matrix."""
+        return self.in_features * self.out_features if self.fbgemm_packed is not None else 0
+
+    def _gemm(self, digits: torch.Tensor) -> torch.Tensor:
+        """fp32 `digits @ w.T * scales` in the packed kernel (exact integer sums)."""
+        if self.kernel == "onednn":
+            return _qlinear(digits.to(torch.int8), self.weight_packed, self._scales32,
+                            self._zeros)
+        return _fbgemm(digits, self.fbgemm_packed)
 
     def dequantised(self) -> torch.Tensor:
         """The fp32 weight this module computes with (tests, quality checks)."""
         if "weight_int8" in self._buffers:
             w: torch.Tensor = self.weight_int8.float() * self.scales.float()[:, None]
             return w
-        eye = torch.eye(self.in_features, dtype=torch.int8)  # x = I: the product is w.T
-        return _qlinear(eye, self.weight_packed, self._scales32, self._zeros).t()
+        return self._gemm(torch.eye(self.in_features)).t()  # x = I: the product is w.T
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows `ids` of the weight (an int8 embedding lookup; needs `keep_rows`)."""
@@ -231,11 +303,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
+            top = _DIGITS[self.kernel]
             x2 = x.reshape(-1, self.in_features).float()
-            xq, s = split_rows(x2)
-            yy = _qlinear(xq, self.weight_packed, self._scales32, self._zeros)
+            digits, s = split_rows(x2, top)
+            yy = self._gemm(digits)
             n = x2.shape[0]
-            y = torch.add(yy[:n], yy[n:], alpha=1 / _DIGIT).mul_(s).to(x.dtype)
+            y = torch.add(yy[:n], yy[n:], alpha=1 / (2 * top)).mul_(s).to(x.dtype)
         else:
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
             y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales).to(x.dtype)
@@ -344,7 +417,7 @@ def _plain(m: object) -> TypeGuard[Int8Linear]:
 
 def pack_int8(module: nn.Module) -> None:
     """Pack `module`'s plain int8 linears for oneDNN, `FUSE` siblings as one matrix."""
-    if not ONEDNN_INT8:
+    if INT8_KERNEL == "int8pack":
         return
     for parent in list(module.modules()):
         for names in FUSE:
@@ -422,9 +495,10 @@ def _assign(owner: nn.Module, attr: str, value: torch.Tensor, name: str, where: 
 
 
 def held_bytes(module: nn.Module) -> int:
-    """Bytes of every parameter and buffer of `module` as held (quantised or not)."""
+    """Bytes of every parameter and buffer of `module` as held (quantised or not), and of
+    fbgemm's packed matrices (script objects, not buffers)."""
     seen: set[int] = set()
-    total = 0
+    total = sum(m.packed_bytes() for m in module.modules() if isinstance(m, Int8Linear))
     for t in [*module.parameters(), *module.buffers()]:
         if id(t) in seen or t.is_meta:
             continue
