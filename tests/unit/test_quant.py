@@ -91,6 +91,8 @@ def test_int8_kernel_is_an_exact_integer_gemm_only_where_it_is_fast():
     """On CPUs without VNNI/AMX torch's oneDNN int8 GEMM is wrong and ~10-100× slower than
     `_weight_int8pack_mm`: at import each kernel is checked for exact products and timed."""
     assert quant.INT8_KERNEL in ("onednn", "fbgemm", "int8pack")
+    # every process on one machine must choose alike (their answers must agree): again
+    assert quant._int8_kernel() == quant.INT8_KERNEL
     if quant.INT8_KERNEL == "onednn":
         assert quant._onednn_int8()
     if quant.INT8_KERNEL == "fbgemm":

@@ -141,7 +141,7 @@ def _fbgemm(digits: torch.Tensor, packed: Any) -> torch.Tensor:
     return y
 
 
-def _best_ms(f: Callable[[], object], runs: int = 5) -> float:
+def _best_ms(f: Callable[[], object], runs: int = 20) -> float:
     f()
     best = math.inf
     for _ in range(runs):
@@ -166,7 +166,8 @@ _PROBE = (1024, 1024)  # out × in of the probe matrix: ~1 MB, a few ms on a slo
 
 def _probe_ms(kernels: Iterable[str]) -> dict[str, float]:
     """ms of a (1024 × 1024) product in each of `kernels` (two digit rows; int8pack: one
-    bf16 row), best of 5, on one thread."""
+    bf16 row), best of 20 (processes that start together — a mesh on one machine — must
+    not choose differently because one was preempted), on one thread."""
     n, k = _PROBE
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scales = torch.ones(n)
