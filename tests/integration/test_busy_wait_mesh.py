@@ -36,7 +36,11 @@ def mesh(smollm2: Any, tmp_path: Path) -> Any:
 
 
 async def _chat(uri: str, prompt: str, log: list[str]) -> tuple[list[int], list[dict[str, Any]]]:
-    args = chat_args(prompt, "smollm2", SamplingParams(max_tokens=N), wire_dtype="fp32")
+    # the second chat waits for the first's whole answer, and the call waits at most its
+    # `timeout_s` — by default the mesh's 2 s health timeout, which 24 tokens exceed on a
+    # slow 2-core VM (AMD EPYC Zen 1: it then fell back to node A's engine)
+    args = chat_args(prompt, "smollm2", SamplingParams(max_tokens=N), wire_dtype="fp32",
+                     timeout_s=60.0)
     ids: list[int] = []
     frames: list[dict[str, Any]] = []
     async for f in bus_call(uri, CHAT_CAPABILITY, args):
