@@ -64,8 +64,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Measure every part in a fresh child process; returns (figures, report)."""
     from pathlib import Path
 
+    from hearthnet.models import ModelStore
+
     if args.runs < 1 or args.tokens < 2:
         raise HearthNetError("--runs must be ≥ 1 and --tokens ≥ 2")
+    ModelStore().get(args.model)  # an unknown model: its one-line error here, not a child's
     args.weights = weights_of(args)
     figures: dict[str, Any] = {
         "benchmark": "local", "model": args.model, "tokens": args.tokens, "runs": args.runs,

@@ -109,6 +109,13 @@ def _bench(args: list[str], out_dir: Path) -> dict:
     return figures
 
 
+def test_bench_local_refuses_an_unknown_model_in_one_line(smollm2, tmp_path):
+    r = subprocess.run([*CLI, "bench", "local", "--model", "nosuch", "--results-dir",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0 and "unknown model 'nosuch'" in r.stderr
+
+
 def test_bench_local_measures_each_part_in_its_own_process(smollm2, tmp_path):
     f = _bench(["local", "--model", "smollm2", "--tokens", "8", "--runs", "3"], tmp_path)
     assert f["prefill_ms"] > 0 and f["decode_tokens_per_s"] > 0
