@@ -93,10 +93,8 @@ def test_int8_kernel_is_an_exact_integer_gemm_only_where_it_is_fast():
     assert quant.INT8_KERNEL in ("onednn", "fbgemm", "int8pack")
     # every process on one machine must choose alike (their answers must agree): again
     assert quant._int8_kernel() == quant.INT8_KERNEL
-    if quant.INT8_KERNEL == "onednn":
-        assert quant._onednn_int8()
-    if quant.INT8_KERNEL == "fbgemm":
-        assert quant._fbgemm_int8()
+    if quant.INT8_KERNEL != "int8pack":
+        assert quant._exact(quant.INT8_KERNEL)
     assert quant.fast_enough(0.5, 1.0)  # oneDNN with VNNI/AMX: two rows in half a row's time
     assert not quant.fast_enough(9.0, 1.0)  # its AVX2 fallback (measured: 9× on one thread)
     threads = torch.get_num_threads()
@@ -113,14 +111,14 @@ def test_an_integer_gemm_that_saturates_is_not_used(monkeypatch):
     """torch's oneDNN int8 GEMM on an AVX2-only CPU (AMD EPYC, Zen 1) computed 64 · 127²
     as 8,160, and fbgemm's AVX2 kernel sums pairs in 16 bits: a GEMM that loses
     full-range products is refused, not used."""
-    for name, check in (("_qlinear", quant._onednn_int8), ("_fbgemm", quant._fbgemm_int8)):
+    for name, kernel in (("_qlinear", "onednn"), ("_fbgemm", "fbgemm")):
         exact = getattr(quant, name)
 
         def saturating(*a, exact=exact):  # int16 sums, as vpmaddubsw would
             return exact(*a).clamp(-32768, 32767)
 
         monkeypatch.setattr(quant, name, saturating)
-        assert not check()
+        assert not quant._exact(kernel)
         monkeypatch.setattr(quant, name, exact)
 
 
@@ -128,7 +126,7 @@ def test_an_integer_gemm_that_saturates_is_not_used(monkeypatch):
 def kernel(request, monkeypatch):
     """Each integer GEMM in use, where torch has it here exactly (even if too slow to be
     chosen on this CPU)."""
-    if not {"onednn": quant._onednn_int8, "fbgemm": quant._fbgemm_int8}[request.param]():
+    if not quant._exact(request.param):
         pytest.skip(f"no exact {request.param} int8 GEMM here (torch build or CPU)")
     monkeypatch.setattr(quant, "INT8_KERNEL", request.param)
     return request.param

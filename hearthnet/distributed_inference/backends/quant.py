@@ -72,27 +72,16 @@ def _rows(w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         yield r, w[r:r + rows].float()
 
 
-def _onednn_int8() -> bool:
-    """Whether torch has oneDNN's int8 GEMM here and it computes full-range products
-    exactly. On CPUs without VNNI/AMX (AVX2 only: AMD Zen 1 measured) torch's oneDNN
-    path gets them wrong — 64 × 127 · 127 came out as 8,160 — besides being ~10-100×
-    slower, so a product whose pairs overflow 16 bits is checked, not a tiny one."""
+def _exact(kernel: str) -> bool:
+    """Whether torch has `kernel`'s integer GEMM here and it computes full-range products
+    of the kernel's digits exactly. On CPUs without VNNI/AMX (AVX2 only: AMD Zen 1
+    measured) torch's oneDNN path gets them wrong — 64 × 127 · 127 came out as 8,160 —
+    besides being ~10-100× slower, and fbgemm's AVX2 kernel sums pairs of products in 16
+    bits (8-bit digits saturate), so a product whose pairs overflow 16 bits is checked."""
     try:
-        w, x = _check_operands(127)
-        y = _qlinear(x.to(torch.int8), torch.ops.onednn.qlinear_prepack(w, [1, w.shape[1]]),
-                     torch.ones(len(w)), torch.zeros(len(w), dtype=torch.long))
-        return bool(torch.equal(y, x @ w.float().t()))  # |sums| < 2^24: exact in fp32
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-
-
-def _fbgemm_int8() -> bool:
-    """Whether torch has fbgemm's u8·s8 GEMM (x86 builds) and it computes products of
-    7-bit digits exactly (its AVX2 kernel sums pairs in 16 bits: 8-bit ones saturate)."""
-    try:
-        w, x = _check_operands(FBGEMM_TOP)
-        return bool(torch.equal(_fbgemm(x, _fbgemm_prepack(w, torch.ones(len(w)))),
-                                x @ w.float().t()))
+        w, x = _check_operands(_DIGITS[kernel])
+        _, product = _packed_product(kernel, w, torch.ones(len(w)))
+        return bool(torch.equal(product(x), x @ w.float().t()))  # |sums| < 2^24: exact
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
@@ -116,6 +105,21 @@ def _qlinear(xq: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
 
 FBGEMM_TOP = 63  # fbgemm's digits: 7 bits, |d| ≤ 63, fed as u8 d + 64 (no 16-bit overflow)
+_DIGITS = {"onednn": 127, "fbgemm": FBGEMM_TOP}  # each integer kernel's digit range
+
+
+def _packed_product(kernel: str, w: torch.Tensor, scales: torch.Tensor
+                    ) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]]:
+    """int8 `w` (n, k) with per-row `scales` packed for `kernel` (``onednn`` or
+    ``fbgemm``): the packed weights (a tensor; fbgemm: a torch script object) and the
+    product, fp32 `digits @ w.T * scales` of float rows of integer digits in the kernel's
+    range (`_DIGITS`; exact: int32 accumulation)."""
+    if kernel == "onednn":
+        packed = torch.ops.onednn.qlinear_prepack(w, [1, w.shape[1]])
+        s32, zeros = scales.float(), torch.zeros(len(w), dtype=torch.long)
+        return packed, lambda digits: _qlinear(digits.to(torch.int8), packed, s32, zeros)
+    packed = _fbgemm_prepack(w, scales.float())  # fbgemm applies the scales itself
+    return packed, lambda digits: _fbgemm(digits, packed)
 
 
 def _fbgemm_prepack(w: torch.Tensor, scales: torch.Tensor) -> Any:
@@ -174,12 +178,8 @@ def _probe_ms(kernels: Iterable[str]) -> dict[str, float]:
     digits = torch.randint(-FBGEMM_TOP, FBGEMM_TOP + 1, (2, k)).float()
     run: dict[str, Callable[[], object]] = {}
     for kernel in kernels:
-        if kernel == "onednn":
-            run[kernel] = partial(_qlinear, digits.to(torch.int8), torch.ops.onednn.
-                                  qlinear_prepack(w, [1, k]), scales,
-                                  torch.zeros(n, dtype=torch.long))
-        elif kernel == "fbgemm":
-            run[kernel] = partial(_fbgemm, digits, _fbgemm_prepack(w, scales))
+        if kernel in _DIGITS:
+            run[kernel] = partial(_packed_product(kernel, w, scales)[1], digits)
         else:
             run[kernel] = partial(torch._weight_int8pack_mm, torch.randn(
                 1, k, dtype=torch.bfloat16), w, scales.bfloat16())
@@ -194,7 +194,7 @@ def _probe_ms(kernels: Iterable[str]) -> dict[str, float]:
 def _int8_kernel() -> str:
     """The first of ``onednn``, ``fbgemm`` that torch has here, computes exactly and runs
     fast on this CPU; else ``int8pack``."""
-    exact = [k for k, ok in (("onednn", _onednn_int8), ("fbgemm", _fbgemm_int8)) if ok()]
+    exact = [k for k in _DIGITS if _exact(k)]  # in order of preference
     if not exact:
         return "int8pack"
     ms = _probe_ms([*exact, "int8pack"])
@@ -202,7 +202,6 @@ def _int8_kernel() -> str:
 
 
 INT8_KERNEL = _int8_kernel()  # what int8 products run in, in this process
-_DIGITS = {"onednn": 127, "fbgemm": FBGEMM_TOP}  # each kernel's digit range
 
 
 def split_rows(x: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,6 +248,8 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = k, n
         self.kernel = "int8pack"  # until packed
         self.fbgemm_packed: Any = None
+        self.top = 0  # packed: the kernel's digit range
+        self._product: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.register_buffer("scales", scales.to(torch.bfloat16))
         if keep_rows or INT8_KERNEL == "int8pack":
             self.register_buffer("weight_int8", q)
@@ -268,13 +269,12 @@ class Int8Linear(nn.Module):
         if INT8_KERNEL == "int8pack" or self.packed:
             return
         w = self.weight_int8 if q is None else q
+        packed, self._product = _packed_product(INT8_KERNEL, w, self.scales.float())
         if INT8_KERNEL == "onednn":
-            self.register_buffer("weight_packed", torch.ops.onednn.qlinear_prepack(
-                w, [1, self.in_features]))
-            self._scales32 = self.scales.float()  # the GEMM's output scales: fp32
-            self._zeros = torch.zeros(self.out_features, dtype=torch.long)
-        else:  # fbgemm applies the scales itself
-            self.fbgemm_packed = _fbgemm_prepack(w, self.scales.float())
+            self.register_buffer("weight_packed", packed)
+        else:  # a script object, not a buffer: `packed_bytes` counts it
+            self.fbgemm_packed = packed
+        self.top = _DIGITS[INT8_KERNEL]
         self.kernel = INT8_KERNEL
         if drop_rows:
             self._buffers.pop("weight_int8", None)
@@ -285,10 +285,8 @@ class Int8Linear(nn.Module):
 
     def _gemm(self, digits: torch.Tensor) -> torch.Tensor:
         """fp32 `digits @ w.T * scales` in the packed kernel (exact integer sums)."""
-        if self.kernel == "onednn":
-            return _qlinear(digits.to(torch.int8), self.weight_packed, self._scales32,
-                            self._zeros)
-        return _fbgemm(digits, self.fbgemm_packed)
+        assert self._product is not None  # packed
+        return self._product(digits)
 
     def dequantised(self) -> torch.Tensor:
         """The fp32 weight this module computes with (tests, quality checks)."""
@@ -304,7 +302,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            top = _DIGITS[self.kernel]
+            top = self.top
             x2 = x.reshape(-1, self.in_features).float()
             digits, s = split_rows(x2, top)
             yy = self._gemm(digits)
