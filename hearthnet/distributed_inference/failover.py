@@ -8,7 +8,9 @@ streamed is lost or repeated. After `fallback_after_failures` failures in one ca
 no replacement exists, `FellBack` tells the orchestrator to continue locally or abort.
 
 A `wire_overflow` is not a stage failure (issue 11 §2): `widen` reopens the same stage with
-a wider wire dtype, replays it and redoes the step — nobody is blamed.
+a wider wire dtype, replays it and redoes the step — nobody is blamed. Nor is a replacement
+that refuses the open because it is at its `max_concurrent_streams` (busy, issue 16 §2): it
+is passed over for this call, neither suspected nor counted.
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ class Failover:
                 bad = new.stages[g.index].shard.shard_id
                 exclude.add(bad)
                 call.pipeline = new
-                self.note_failure(call, bad, g.cause)
+                if not g.cause.details.get("busy"):  # at its stream limit: busy, not broken
+                    self.note_failure(call, bad, g.cause)
         ms = (time.perf_counter() - t0) * 1000
         call.failover_ms.append(ms)
         self.metrics.failovers_total.inc()

@@ -112,7 +112,8 @@ class InProcessMesh:
         if host.dead:
             raise ConnectionLost(f"cannot reach {host.node_id}")
         if host.refuse_opens:
-            raise ShardUnavailable(f"{host.node_id} is at max_concurrent_streams")
+            raise ShardUnavailable(f"{host.node_id} is at max_concurrent_streams",
+                                   busy=True)  # as a shard's refusal says (issue 16 §2)
         host.opened += 1
         s = host.stack.open_session(params["start"], params["end"], params["max_length"])
         ch = Channel(host, s, _WIRE[params["wire_dtype"]])

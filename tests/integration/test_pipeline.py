@@ -179,3 +179,23 @@ async def test_refused_open_repicks_instead_of_queuing(smollm2, model_store, loc
     assert busy.descriptor.shard_id not in frames[-1]["pipeline"]
     assert not mesh.health.is_suspect(busy.descriptor.shard_id)  # busy, not broken
     assert sum(1 for c in mesh.channels if not c.closed) == 0
+
+
+async def test_a_busy_replacement_is_passed_over_not_marked_failed(smollm2, model_store,
+                                                                   local_tokens):
+    """C fails mid-answer; its only spare D is at max_concurrent_streams. D is busy, not
+    broken: it is not suspected and not counted as the call's second failure, and the
+    answer goes on (here on the local engine: no other replacement) without a lost token."""
+    mesh, c = await _with_spare(smollm2)
+    d = next(h for h in mesh.hosts.values() if h.node_id in ("node-c", "node-d") and h is not c)
+    c.fail_after_steps = 6
+    d.refuse_opens = True
+    orch, m = _orch(mesh, model_store)
+    frames = await _run(orch, fallback_after_failures=3)
+    assert _tokens(frames) == local_tokens and frames[-1]["type"] == "done"
+    degraded = [f["shard_id"] for f in frames if f["type"] == "shard_status"
+                and f["status"] == "degraded"]
+    assert degraded == [c.descriptor.shard_id]  # C alone failed
+    assert mesh.health.is_suspect(c.descriptor.shard_id)
+    assert not mesh.health.is_suspect(d.descriptor.shard_id)  # busy, not broken
+    assert m.fallback_to_local_total._value.get() == 1
