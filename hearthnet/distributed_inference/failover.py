@@ -10,7 +10,10 @@ no replacement exists, `FellBack` tells the orchestrator to continue locally or 
 A `wire_overflow` is not a stage failure (issue 11 §2): `widen` reopens the same stage with
 a wider wire dtype, replays it and redoes the step — nobody is blamed. Nor is a replacement
 that refuses the open because it is at its `max_concurrent_streams` (busy, issue 16 §2): it
-is passed over for this call, neither suspected nor counted.
+is neither suspected nor counted. Another replacement is tried first; when only busy shards
+could replace the failed stage, the call waits for a slot as opening one does (up to its
+`timeout_s`, `BusyWait`) before it falls back — a household's orchestrator often cannot
+hold the whole model, and then falling back means ending the answer.
 """
 
 from __future__ import annotations
@@ -112,23 +115,33 @@ class Failover:
         failed = call.stages[f.index]
         with contextlib.suppress(Exception):
             await failed.channel.close()
-        exclude = {failed.shard_id}
+        exclude, busy = {failed.shard_id}, set[str]()
         self.note_failure(call, failed.shard_id, f.cause)
         t0 = time.perf_counter()
+        slot = self.router.busy_wait(call.params.timeout_s)
         while True:
             try:
-                new = await self.router.repick(call.pipeline, exclude=exclude,
+                new = await self.router.repick(call.pipeline, exclude=exclude | busy,
                                                formats=call.formats)
             except (ShardUnavailable, WeightsMismatch) as e:
-                raise FellBack(f"no replacement for {failed.shard_id}: {e.message}") from e
+                waiting = bool(busy or e.details.get("busy"))
+                # repick's own release and re-reservation counted: what ends a wait is later
+                if waiting and await slot.wait(self.router.releases):
+                    busy.clear()  # busy a moment ago: worth another try
+                    continue
+                why = f" (no busy replacement freed a slot within {call.params.timeout_s:g} s)"
+                raise FellBack(f"no replacement for {failed.shard_id}: {e.message}"
+                               + (why if waiting else "")) from e
             try:
                 resume, x, fresh = await self.rebuild(call, new, pos, f)
                 break
             except StageFailed as g:  # a replacement failed while being rebuilt
                 bad = new.stages[g.index].shard.shard_id
-                exclude.add(bad)
                 call.pipeline = new
-                if not g.cause.details.get("busy"):  # at its stream limit: busy, not broken
+                if g.cause.details.get("busy"):  # at its stream limit: busy, not broken
+                    busy.add(bad)
+                else:
+                    exclude.add(bad)
                     self.note_failure(call, bad, g.cause)
         ms = (time.perf_counter() - t0) * 1000
         call.failover_ms.append(ms)

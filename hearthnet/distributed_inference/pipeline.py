@@ -58,10 +58,6 @@ from hearthnet.transport.websocket import SHARD_PATH
 log = get_logger("pipeline")
 
 _OPEN_ATTEMPTS = 3
-_BUSY_BACKOFF_S = 0.05
-"""First wait for a busy shard's slot (doubled per try, up to `_BUSY_BACKOFF_MAX_S`); one of
-this node's own pipelines released ends a wait at once."""
-_BUSY_BACKOFF_MAX_S = 1.0
 
 # Adds caller authentication to open params (issue 7); identity when security is off.
 OpenSigner = Callable[[dict[str, Any]], dict[str, Any]]
@@ -239,8 +235,8 @@ class PipelineOrchestrator:
         reasons: list[str] = []
         own = resolve_format(self.local_weights, entry.dtype)
         formats = frozenset(accepted_formats(params.weights, own))
-        deadline = time.monotonic() + params.timeout_s
-        backoff, failures = _BUSY_BACKOFF_S, 0
+        slot = self.router.busy_wait(params.timeout_s)
+        failures = 0
         while failures < _OPEN_ATTEMPTS:
             releases = self.router.releases
             try:
@@ -248,11 +244,8 @@ class PipelineOrchestrator:
                                                   entry.num_layers, exclude=exclude | busy,
                                                   formats=formats)
             except ShardUnavailable as e:
-                left = deadline - time.monotonic()
-                if not (busy or e.details.get("busy")) or left <= 0:
+                if not (busy or e.details.get("busy")) or not await slot.wait(releases):
                     raise
-                await self.router.wait_for_release(releases, min(left, backoff))
-                backoff = min(2 * backoff, _BUSY_BACKOFF_MAX_S)
                 busy.clear()  # busy a moment ago: worth another try
                 continue
             if len(pipeline.stages) > params.max_shards:

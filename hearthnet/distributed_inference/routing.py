@@ -36,7 +36,8 @@ another weights hash; otherwise `ShardUnavailable` naming the uncovered layers a
 shards there were not usable. Both carry ``uncovered=[[lo, hi], ...]`` in `details`;
 ``busy=True`` when every uncovered layer has a shard that is only at its
 `max_concurrent_streams` (busy, not gone: the orchestrator waits for a slot).
-`wait_for_release` returns when one of this node's pipelines is released.
+`wait_for_release` returns when one of this node's pipelines is released; `busy_wait` gives
+the wait for a slot that opening a call and replacing a failed stage share (`BusyWait`).
 
 Reservations: `pick` and `repick` reserve one session on each chosen shard (unless
 ``reserve=False``) so that concurrent pipelines from this node respect
@@ -178,6 +179,10 @@ class ShardRouter:
         self._released.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._released.wait(), max(0.0, timeout_s))
+
+    def busy_wait(self, timeout_s: float) -> BusyWait:
+        """A wait for busy shards' slots that ends `timeout_s` from now (`BusyWait`)."""
+        return BusyWait(self, timeout_s)
 
     def _ended_since(self, ad: Advertisement) -> int:
         """Our sessions on `ad`'s shard released since the advertisement arrived (it
@@ -445,3 +450,31 @@ def _ranges(layers: list[int]) -> list[list[int]]:
         else:
             out.append([x, x])
     return out
+
+
+BUSY_BACKOFF_S = 0.05
+"""First wait for a busy shard's slot (doubled per try, up to `BUSY_BACKOFF_MAX_S`); one of
+this node's own pipelines released ends a wait at once."""
+BUSY_BACKOFF_MAX_S = 1.0
+
+
+class BusyWait:
+    """Waiting for a slot on shards at their `max_concurrent_streams` (issue 16 §2), up to a
+    deadline: each `wait` returns when one of this node's pipelines is released (its
+    sessions closed) or after a back-off doubled per wait (other callers' sessions end
+    unseen until their host re-advertises)."""
+
+    def __init__(self, router: ShardRouter, timeout_s: float) -> None:
+        self.router = router
+        self.deadline = asyncio.get_running_loop().time() + timeout_s
+        self.backoff = BUSY_BACKOFF_S
+
+    async def wait(self, since: int) -> bool:
+        """Wait once (`since`: `router.releases` when the shards were found busy); False,
+        without waiting, once the deadline has passed."""
+        left = self.deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return False
+        await self.router.wait_for_release(since, min(left, self.backoff))
+        self.backoff = min(2 * self.backoff, BUSY_BACKOFF_MAX_S)
+        return True

@@ -48,6 +48,7 @@ class Host:
     steps: int = 0
     opened: int = 0
     refuse_opens: bool = False  # answer every open with shard_unavailable (a busy shard)
+    busy_opens: int = 0  # refuse this many opens as busy, then accept (a slot freed up)
 
 
 @dataclass
@@ -89,12 +90,14 @@ class InProcessMesh:
         self.store = ShardStore(120.0, tracker=self.health)
         self.channels: list[Channel] = []
 
-    def add(self, node_id: str, lo: int, hi: int, weights: str = "fp32") -> Host:
+    def add(self, node_id: str, lo: int, hi: int, weights: str = "fp32", *,
+            max_streams: int = 8) -> Host:
         stack = LayeredStack(self.entry, lo, hi, weights)
         d = ShardDescriptor.create(model_id=self.entry.model_id,
                                    weights_sha256=self.entry.weights_sha256,
                                    layer_range=(lo, hi), host=node_id,
-                                   endpoint=f"ws://{node_id}.inproc:1", max_concurrent_streams=8,
+                                   endpoint=f"ws://{node_id}.inproc:1",
+                                   max_concurrent_streams=max_streams,
                                    weights_format=stack.format)
         with tempfile.TemporaryDirectory(prefix="hn-inproc-") as folder:  # nothing left
             log = EventLog(Path(folder) / f"{node_id}.sqlite", node_id)
@@ -111,7 +114,8 @@ class InProcessMesh:
         host = self.hosts[uri]
         if host.dead:
             raise ConnectionLost(f"cannot reach {host.node_id}")
-        if host.refuse_opens:
+        if host.refuse_opens or host.busy_opens > 0:
+            host.busy_opens = max(0, host.busy_opens - 1)
             raise ShardUnavailable(f"{host.node_id} is at max_concurrent_streams",
                                    busy=True)  # as a shard's refusal says (issue 16 §2)
         host.opened += 1

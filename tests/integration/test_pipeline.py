@@ -181,21 +181,76 @@ async def test_refused_open_repicks_instead_of_queuing(smollm2, model_store, loc
     assert sum(1 for c in mesh.channels if not c.closed) == 0
 
 
-async def test_a_busy_replacement_is_passed_over_not_marked_failed(smollm2, model_store,
-                                                                   local_tokens):
-    """C fails mid-answer; its only spare D is at max_concurrent_streams. D is busy, not
-    broken: it is not suspected and not counted as the call's second failure, and the
-    answer goes on (here on the local engine: no other replacement) without a lost token."""
+async def test_a_busy_replacement_is_waited_for_then_passed_over(smollm2, model_store,
+                                                                  local_tokens):
+    """C fails mid-answer; its only spare D stays at max_concurrent_streams. D is busy, not
+    broken: it is not suspected and not counted as the call's second failure; the call
+    waits for a slot up to its timeout_s, then goes on on the local engine (no other
+    replacement) without a lost token, and says why."""
     mesh, c = await _with_spare(smollm2)
     d = next(h for h in mesh.hosts.values() if h.node_id in ("node-c", "node-d") and h is not c)
     c.fail_after_steps = 6
     d.refuse_opens = True
     orch, m = _orch(mesh, model_store)
-    frames = await _run(orch, fallback_after_failures=3)
+    frames = await _run(orch, fallback_after_failures=3, timeout_s=0.5)
     assert _tokens(frames) == local_tokens and frames[-1]["type"] == "done"
+    aborted = next(f for f in frames if f["type"] == "pipeline_aborted")
+    assert "no busy replacement freed a slot within 0.5 s" in aborted["reason"]
+    assert d.opened == 0  # asked again after each wait, refused every time
     degraded = [f["shard_id"] for f in frames if f["type"] == "shard_status"
                 and f["status"] == "degraded"]
     assert degraded == [c.descriptor.shard_id]  # C alone failed
     assert mesh.health.is_suspect(c.descriptor.shard_id)
     assert not mesh.health.is_suspect(d.descriptor.shard_id)  # busy, not broken
     assert m.fallback_to_local_total._value.get() == 1
+
+
+async def test_a_spare_refusing_as_busy_is_waited_for_and_takes_over(smollm2, model_store,
+                                                                     local_tokens):
+    """C fails mid-answer; its only spare D refuses the first two opens as busy, then a
+    slot frees up: the call waits for it and finishes through D — no fallback, every
+    token kept, D never suspected."""
+    mesh, c = await _with_spare(smollm2)
+    d = next(h for h in mesh.hosts.values() if h.node_id in ("node-c", "node-d") and h is not c)
+    c.fail_after_steps = 6
+    d.busy_opens = 2
+    orch, m = _orch(mesh, model_store)
+    frames = await _run(orch)
+    assert _tokens(frames) == local_tokens and frames[-1]["type"] == "done"
+    assert "pipeline_aborted" not in [f["type"] for f in frames]
+    assert d.descriptor.shard_id in frames[-1]["pipeline"] and d.opened == 1
+    assert d.busy_opens == 0  # both busy refusals were met before it opened
+    assert not mesh.health.is_suspect(d.descriptor.shard_id)
+    assert m.failovers_total._value.get() == 1 and m.fallback_to_local_total._value.get() == 0
+
+
+async def test_a_replacement_full_of_our_own_calls_is_waited_for(smollm2, model_store,
+                                                                 local_tokens):
+    """The only spare D (one stream) is taken by another call of this node when C fails:
+    the router sees D full; the failing call waits, and takes D as soon as the other call
+    releases it (not after a back-off, not on the local engine)."""
+    import asyncio
+
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    c = mesh.add("node-c", 15, 29)
+    d = mesh.add("node-d", 15, 29, max_streams=1)
+    orch, m = _orch(mesh, model_store)
+    other = await orch.router.pick(smollm2.model_id, smollm2.weights_sha256, 30,
+                                   exclude={c.descriptor.shard_id})
+    assert d.descriptor.shard_id in other.shard_ids  # the other call holds D's one slot
+    c.fail_after_steps = 6
+
+    async def other_call_ends() -> None:
+        while not c.dead:  # until C has failed and the call is waiting for D
+            await asyncio.sleep(0.01)
+        orch.router.release(other)
+
+    ender = asyncio.create_task(other_call_ends())
+    frames = await _run(orch, timeout_s=60)
+    await ender
+    assert _tokens(frames) == local_tokens and frames[-1]["type"] == "done"
+    assert d.descriptor.shard_id in frames[-1]["pipeline"]
+    failover = next(f for f in frames if f["type"] == "shard_failover")
+    assert failover["ms"] < 30_000  # woken by the release, far inside timeout_s
+    assert m.fallback_to_local_total._value.get() == 0
