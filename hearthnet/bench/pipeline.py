@@ -292,6 +292,8 @@ def _hops(runs: list[dict[str, Any]], tps: float) -> dict[str, Any]:
     for sid in runs[-1]["per_shard"]:
         per = [r["per_shard"][sid] for r in runs if sid in r["per_shard"]]
         stages[sid] = {"layers": per[-1]["layers"],
+                       "weights_format": per[-1].get("weights_format"),
+                       "kernel": per[-1].get("kernel", ""),
                        **{k: round(median([p[k] for p in per]), 3)
                           for k in ("p50_ms", "p95_ms", "overhead_p50_ms", "overhead_p95_ms")}}
     rtt = sum(s["p50_ms"] for s in stages.values())

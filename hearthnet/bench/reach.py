@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     f["distributed"] = {"tokens_per_second": done["timings"]["tokens_per_second"],
                         "first_token_ms": done["timings"]["first_token_ms"],
                         "wall_s": round(wall, 2), "formats": done.get("formats"),
+                        "kernels": {sid: s.get("kernel", "") for sid, s in
+                                    done["timings"]["per_shard"].items()},
                         "token_ids": token_ids(frames)}
     shard_peaks = [n["peak_rss_mb"] for n in f["nodes"].values() if n["layers"]]
     f["max_shard_peak_rss_mb"] = max(shard_peaks)
@@ -141,7 +143,8 @@ def report(f: dict[str, Any]) -> str:
              f"{f['shards']} shards, weights {f['weights']}: whole model "
              f"{f['whole_model_mb']:.0f} MiB in that format", t,
              f"distributed decode {d['tokens_per_second']} tok/s, first token "
-             f"{d['first_token_ms']} ms; formats {d['formats']}",
+             f"{d['first_token_ms']} ms; formats {d['formats']}; shard kernels "
+             f"{', '.join(sorted(set(d['kernels'].values()) - {''})) or 'none (float)'}",
              f"every shard process under half the whole model: "
              f"{f['every_shard_under_half_the_model']} (largest {f['max_shard_peak_rss_mb']} MiB)"]
     if "local" in f:

@@ -33,6 +33,12 @@ def _device(s: dict[str, Any]) -> str:
     return f"{s.get('device', 'cpu')} {name} ({mem})".replace("cpu cpu", "cpu")
 
 
+def _format(s: dict[str, Any]) -> str:
+    """e.g. `int8 (fbgemm)`: the held format and, quantised, the kernel it runs in."""
+    fmt = s.get("format") or "-"
+    return f"{fmt} ({s['kernel']})" if s.get("kernel") else fmt
+
+
 def render(st: dict[str, Any]) -> str:
     """A table a person can read at a glance."""
     lines = [f"node {st['node_id']} at {st['endpoint']}"]
@@ -43,14 +49,14 @@ def render(st: dict[str, Any]) -> str:
     if st.get("api"):
         lines.append(f"api: {st['api']}/v1   status page: {st['api']}/")
     lines.append("")
-    lines.append(f"{'SHARD':<34} {'LAYERS':<8} {'HOST':<10} {'STATE':<8} {'FORMAT':<6} "
+    lines.append(f"{'SHARD':<34} {'LAYERS':<8} {'HOST':<10} {'STATE':<8} {'FORMAT':<13} "
                  f"{'MEM MB':>7} {'SESS':>4} {'QUEUE':>5} {'P95 ms':>7} {'AGE s':>6}  DEVICE")
     for s in st["shards"]:
         state = s.get("state") or ("suspect" if s["suspect"] else "online")
         lo, hi = s["layers"]
         name = s["shard_id"].split("/")[-1][:34]
         lines.append(f"{name:<34} {lo:>2}-{hi:<5} {s['host']:<10} {state:<8} "
-                     f"{s.get('format') or '-':<6} {s.get('memory_mb') or 0:>7} "
+                     f"{_format(s):<13} {s.get('memory_mb') or 0:>7} "
                      f"{s['active_sessions'] or 0:>4} {s['queue_depth'] or 0:>5} "
                      f"{(s['p95_latency_ms'] or 0):>7.1f} {s['age_s']:>6.1f}  {_device(s)}")
         if s.get("reason"):

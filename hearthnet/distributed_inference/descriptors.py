@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from hearthnet.distributed_inference.formats import HELD_FORMATS
+from hearthnet.distributed_inference.formats import HELD_FORMATS, KERNELS, QUANTISED
 from hearthnet.errors import BadRequest, PeerDataError
 from hearthnet.ids import NODE_ID_RE
 from hearthnet.mesh.eventlog import EVENT_TYPES, EventType
@@ -94,13 +94,15 @@ class ShardDescriptor:
     device: str = "cpu"  # where the layers run: cpu | cuda | mps (issue 13 §1)
     device_name: str = ""  # e.g. "NVIDIA H100 80GB HBM3"
     device_memory_mb: int = 0  # the device's total memory
+    kernel: str = ""  # what a quantised format's products run in (formats.KERNELS)
 
     @classmethod
     def create(cls, *, model_id: str, weights_sha256: str, layer_range: tuple[int, int],
                host: NodeID, endpoint: Endpoint, max_concurrent_streams: int,
                vram_required_mb: int = 0, advertised_at: datetime | None = None,
                hop_weight: float = 1.0, weights_format: str = "fp32", device: str = "cpu",
-               device_name: str = "", device_memory_mb: int = 0) -> ShardDescriptor:
+               device_name: str = "", device_memory_mb: int = 0, kernel: str = ""
+               ) -> ShardDescriptor:
         """Build a descriptor with its canonical shard id; validates like `from_dict`."""
         lo, hi = layer_range
         d = cls(shard_id=make_shard_id(model_id, lo, hi, host), model_id=model_id,
@@ -109,7 +111,7 @@ class ShardDescriptor:
                 max_concurrent_streams=max_concurrent_streams, host=host, endpoint=endpoint,
                 advertised_at=advertised_at or datetime.now(UTC), hop_weight=hop_weight,
                 weights_format=weights_format, device=device, device_name=device_name,
-                device_memory_mb=device_memory_mb)
+                device_memory_mb=device_memory_mb, kernel=kernel)
         d.validate()
         return d
 
@@ -158,6 +160,10 @@ class ShardDescriptor:
                "device_name", "must be a string of at most 128 characters")
         _check(_is_int(self.device_memory_mb) and self.device_memory_mb >= 0,
                "device_memory_mb", "must be an integer >= 0")
+        _check(self.kernel in ("", *KERNELS) and (not self.kernel or
+                                                  self.weights_format in QUANTISED), "kernel",
+               f"must be empty, or for {'/'.join(QUANTISED)} weights one of "
+               f"{', '.join(KERNELS)}")
 
     def to_dict(self) -> dict[str, Any]:
         """A msgpack/JSON-safe dict (the `descriptor` of an advertisement payload)."""
@@ -176,6 +182,7 @@ class ShardDescriptor:
             "device": self.device,
             "device_name": self.device_name,
             "device_memory_mb": self.device_memory_mb,
+            "kernel": self.kernel,
         }
 
     @classmethod
@@ -197,7 +204,8 @@ class ShardDescriptor:
                    hop_weight=d.get("hop_weight", 1.0),
                    weights_format=d.get("weights_format", "fp32"), device=d.get("device", "cpu"),
                    device_name=d.get("device_name", ""),
-                   device_memory_mb=d.get("device_memory_mb", 0))
+                   device_memory_mb=d.get("device_memory_mb", 0),
+                   kernel=d.get("kernel", ""))
         desc.validate()
         return desc
 

@@ -367,6 +367,7 @@ class PipelineOrchestrator:
                 per_shard[st.shard_id] = {
                     "layers": [st.stage.start, st.stage.end], "steps": xs.count,
                     "weights_format": st.stage.shard.weights_format,
+                    "kernel": st.stage.shard.kernel,
                     "p50_ms": round(xs.percentile(50), 3),
                     "p95_ms": round(xs.percentile(95), 3),
                     "overhead_p50_ms": round(ov.percentile(50), 3),

@@ -42,6 +42,7 @@ from hearthnet.distributed_inference.backends.device import (
     resolve_device,
 )
 from hearthnet.distributed_inference.backends.memory import plan_shard
+from hearthnet.distributed_inference.backends.quant import kernel_of
 from hearthnet.distributed_inference.backends.small_model_layered import (
     LayeredSession,
     LayeredStack,
@@ -222,7 +223,8 @@ class ShardServer:
             vram_required_mb=self.memory.total_mb, weights_format=self.weights_format,
             device=self.device.type,
             device_name=str(info.get("name", ""))[:128],
-            device_memory_mb=int(info.get("total_mb", 0)))
+            device_memory_mb=int(info.get("total_mb", 0)),
+            kernel=kernel_of(self.weights_format))
 
     async def evict(self) -> None:
         """Free the weights (M26 §4.2); the next open reloads them."""
@@ -316,6 +318,7 @@ class ShardServer:
             stream.limit_tensor_bytes(self.session_tensor_bytes(req))
             await stream.accept({"shard_id": self.shard_id, "hidden_size": stack.hidden_size,
                                  "weights_format": self.weights_format,
+                                 "kernel": self.descriptor.kernel,
                                  "compute_dtype": str(stack.dtype).removeprefix("torch."),
                                  "device": self.device.type})
             self.metrics.shard_sessions_total.labels(self.shard_id, "accepted", req.caller).inc()

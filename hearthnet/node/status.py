@@ -39,7 +39,7 @@ async def mesh_status(node: Any) -> dict[str, Any]:
             "p95_latency_ms": node.health.p95(d.shard_id) or (h.p95_latency_ms if h else None),
             "max_concurrent_streams": d.max_concurrent_streams,
             # weight format (issue 12) and device (issue 13), when the advertisement has them
-            "format": d.weights_format, "memory_mb": d.vram_required_mb,
+            "format": d.weights_format, "kernel": d.kernel, "memory_mb": d.vram_required_mb,
             "device": d.device, "device_name": d.device_name,
             "device_memory_mb": d.device_memory_mb, "vram_required_mb": d.vram_required_mb,
             "auto": node.placement.auto_shard(d.shard_id)})  # automatic placement (issue 17)

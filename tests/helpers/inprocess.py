@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hearthnet.distributed_inference.backends.quant import kernel_of
 from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
 from hearthnet.distributed_inference.descriptors import (
     ADVERTISED,
@@ -98,7 +99,8 @@ class InProcessMesh:
                                    layer_range=(lo, hi), host=node_id,
                                    endpoint=f"ws://{node_id}.inproc:1",
                                    max_concurrent_streams=max_streams,
-                                   weights_format=stack.format)
+                                   weights_format=stack.format,
+                                   kernel=kernel_of(stack.format))
         with tempfile.TemporaryDirectory(prefix="hn-inproc-") as folder:  # nothing left
             log = EventLog(Path(folder) / f"{node_id}.sqlite", node_id)
             self.store.apply(log.append(ADVERTISED, advertisement_payload(d)))

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from hearthnet.bench.pipeline import split_layers
+from hearthnet.distributed_inference.backends.quant import INT8_KERNEL
 from tests.helpers.processes import alive, interrupt, wait_all_gone
 
 CLI = [sys.executable, "-m", "hearthnet.cli"]
@@ -160,6 +161,8 @@ def test_bench_reach_splits_the_model_and_matches_the_local_engine(smollm2, tmp_
         "node-a": [], "node-b": [[0, 14]], "node-c": [[15, 29]]}
     assert all(v["peak_rss_mb"] > 0 for v in f["nodes"].values())
     assert f["distributed"]["formats"] == {"head": "int8", "stages": ["int8", "int8"]}
+    # each node names the int8 kernel it chose (the same probe as this process's)
+    assert list(f["distributed"]["kernels"].values()) == [INT8_KERNEL] * 2
     assert len(f["distributed"]["token_ids"]) == 6 and f["distributed"]["tokens_per_second"] > 0
     assert f["local"]["peak_rss_mb"] > 0 and f["tokens_identical_to_local"]
     assert f["every_shard_under_half_one_process"] == (

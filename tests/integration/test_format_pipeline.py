@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from hearthnet.distributed_inference.backends.quant import INT8_KERNEL
 from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.distributed_inference.local import LocalEngine
 from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
@@ -51,6 +52,8 @@ async def test_distributed_equals_local_with_the_same_formats(smollm2, model_sto
     done = frames[-1]
     assert done["type"] == "done" and done["formats"] == {"head": fmt, "stages": [fmt, fmt]}
     assert {v["weights_format"] for v in done["timings"]["per_shard"].values()} == {fmt}
+    assert {v["kernel"] for v in done["timings"]["per_shard"].values()} == {
+        INT8_KERNEL if fmt == "int8" else ""}  # what int8 runs in here; bf16 names none
 
 
 async def test_call_weights_param_filters_shards(smollm2, model_store):

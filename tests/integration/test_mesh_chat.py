@@ -84,11 +84,12 @@ def test_cli_chat_json_and_status(mesh3):
     # issue 12 §4: each shard's held format and real memory need (15 fp32 SmolLM2 layers:
     # 203 MB of weights + the KV cache of 8 sessions × 8192 tokens, 1440 MB)
     assert {s["format"] for s in st["shards"]} == {"fp32"}
+    assert {s["kernel"] for s in st["shards"]} == {""}  # a float format names no kernel
     assert {s["memory_mb"] for s in st["shards"]} == {1643}
     r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "status", "--config", cfg],
                        capture_output=True, text=True, timeout=60)
     assert "FULLY COVERED" in r.stdout
-    assert "FORMAT" in r.stdout and "fp32      1643" in r.stdout
+    assert "FORMAT" in r.stdout and "fp32             1643" in r.stdout
 
 
 async def test_bad_requests_are_typed(mesh3):

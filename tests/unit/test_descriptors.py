@@ -123,3 +123,37 @@ def test_pipeline_validates_exact_cover_and_round_trips() -> None:
         Pipeline.from_stages("p3", "org/model", SHA, 16, [PipelineStage(a, 0, 7)])
     with pytest.raises(BadRequest, match="another model"):
         Pipeline.from_stages("p4", "org/other", SHA, 8, [PipelineStage(a, 0, 7)])
+
+
+def test_a_quantised_shard_names_its_kernel_and_status_shows_it() -> None:
+    """Which kernel an int8/int4 shard's products run in (fbgemm on AVX2, oneDNN on
+    VNNI/AMX …) is advertised with its format: int8 numerics differ slightly between
+    kernels, so a mixed mesh shows it. A float format names none; an advertisement from
+    an older release (no `kernel`) parses as none."""
+    from hearthnet.commands.status import render
+
+    kw = dict(model_id="org/model", weights_sha256=SHA, layer_range=(0, 3), host="n1",
+              endpoint="ws://h:1", max_concurrent_streams=2)
+    d = ShardDescriptor.create(**kw, weights_format="int8", kernel="fbgemm")
+    assert ShardDescriptor.from_dict(d.to_dict()).kernel == "fbgemm"
+    old = d.to_dict()
+    del old["kernel"]
+    assert ShardDescriptor.from_dict(old).kernel == ""
+    with pytest.raises(BadRequest, match="kernel"):
+        ShardDescriptor.create(**kw, weights_format="int8", kernel="avx512")
+    with pytest.raises(BadRequest, match="kernel"):  # a float format runs in no int kernel
+        ShardDescriptor.create(**kw, weights_format="fp32", kernel="fbgemm")
+    row = {"shard_id": d.shard_id, "layers": [0, 3], "host": "n1", "suspect": False,
+           "active_sessions": 0, "queue_depth": 0, "p95_latency_ms": 0.0, "age_s": 1.0,
+           "format": "int8", "kernel": "fbgemm", "memory_mb": 40}
+    fp32 = {**row, "host": "n2", "format": "fp32", "kernel": ""}
+    text = render({"node_id": "n1", "endpoint": "ws://h:1", "shards": [row, fp32],
+                   "models": []})
+    assert "int8 (fbgemm)" in text and "fp32 " in text and "fp32 (" not in text
+
+
+def test_a_shard_advertises_the_kernel_this_process_chose() -> None:
+    from hearthnet.distributed_inference.backends.quant import INT8_KERNEL, kernel_of
+
+    assert kernel_of("int8") == INT8_KERNEL and kernel_of("int4") == "int4pack"
+    assert kernel_of("fp32") == kernel_of("bf16") == ""

@@ -91,7 +91,8 @@ function renderShards(st) {
       td("State", "state-" + state, state,
         s.reason ? el("span", {class: "reason"}, s.reason) : null),
       td("p95 ms", "", fmt(s.p95_latency_ms, 1)), td("Queue", "", fmt(s.queue_depth, 0)),
-      td("Sessions", "", fmt(s.active_sessions, 0)), td("Format", "", fmt(s.format)),
+      td("Sessions", "", fmt(s.active_sessions, 0)), td("Format", "",
+        fmt(s.kernel ? `${s.format} (${s.kernel})` : s.format)),
       td("Memory MB", "", fmt(s.memory_mb, 0)), td("Device", "", fmt(s.device))));
   }
   if (!st.shards.length) body.append(el("tr", {}, el("td", {colspan: "10", class: "muted"},

@@ -204,6 +204,12 @@ def _int8_kernel() -> str:
 INT8_KERNEL = _int8_kernel()  # what int8 products run in, in this process
 
 
+def kernel_of(fmt: str) -> str:
+    """The kernel `fmt`'s products run in, in this process (`formats.KERNELS`; "" for a
+    float format)."""
+    return {"int8": INT8_KERNEL, "int4": "int4pack"}.get(fmt, "")
+
+
 def split_rows(x: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of fp32 `x` (n, k) as integer digits (2n, k) in [-top, top], fp32 — hi rows
     then lo rows — and the per-row scale s (n, 1), with x ≈ s·(hi + lo/(2·top)): ~15 bits
