@@ -64,11 +64,16 @@ def _say(text: str, as_json: bool) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from hearthnet.distributed_inference.generation import PromptLimits, SamplingParams
     from hearthnet.mesh.launcher import LocalMesh, NodeSpec
     from hearthnet.models import ModelStore
 
     torch.set_num_threads(1)  # this process only relays frames; the nodes compute
     entry = ModelStore().get(MODEL)  # a clear error now if the model is not imported
+    # a bad_request before any node starts: the sampling parameters, and the prompt's size
+    # and max_tokens against the limits the demo's nodes run with (their defaults)
+    sampling = SamplingParams(max_tokens=args.max_tokens)
+    PromptLimits().check_request([{"role": "user", "content": args.prompt}], sampling)
     half = entry.num_layers // 2
     api = {"listen_port": args.api_port} if args.serve else {}
     host = {"weights": args.weights}
@@ -85,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
         mesh = LocalMesh(specs, root=root, model=MODEL, threads=1)
         mesh.start()
         _announce(mesh, specs, root, time.perf_counter() - t0, args.json)
-        rc = asyncio.run(_chat(mesh.nodes["node-a"].uri, args))
+        rc = asyncio.run(_chat(mesh.nodes["node-a"].uri, args, sampling))
         if args.serve and rc == 0:
             _serve(mesh.nodes["node-a"].api, args.json)
         return rc
@@ -139,13 +144,12 @@ def _announce(mesh: Any, specs: list[Any], root: Path, start_s: float, as_json: 
     print(f"model {MODEL} fully covered after {start_s:.1f} s\n", flush=True)
 
 
-async def _chat(uri: str, args: argparse.Namespace) -> int:
+async def _chat(uri: str, args: argparse.Namespace, sampling: Any) -> int:
     from hearthnet.commands.chat import emit
-    from hearthnet.distributed_inference.generation import SamplingParams
     from hearthnet.mesh.bus import bus_call
     from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
 
-    call = chat_args(args.prompt, MODEL, SamplingParams(max_tokens=args.max_tokens))
+    call = chat_args(args.prompt, MODEL, sampling)
     _say(f"> {args.prompt}\n", args.json)
     last: dict[str, Any] = {}
     async for frame in bus_call(uri, CHAT_CAPABILITY, call):

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hearthnet.bench.pipeline import split_layers
 from hearthnet.distributed_inference.backends.quant import INT8_KERNEL
 from tests.helpers.processes import alive, interrupt, wait_all_gone
@@ -53,6 +55,21 @@ def test_split_layers_is_an_even_contiguous_cover():
 
 
 # ---- demo ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--max-tokens", "0"], "max_tokens must be in 1..8192, got 0"),
+    (["--max-tokens", "4000"],  # within the sampler's range, over the nodes' limit
+     "max_tokens 4000 is over this node's limit max_completion_tokens = 2048"),
+    (["--prompt", "word " * 8000],
+     "the prompt is 40000 bytes; this node's limit is max_prompt_bytes = 32768"),
+])
+def test_demo_refuses_bad_input_before_starting_any_node(smollm2, args, error):
+    r = subprocess.run([*CLI, "demo", *args, "--json"], capture_output=True,
+                       text=True, timeout=120, env=_env())
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip() == f"hearthnet: bad_request: {error}"
+    assert r.stdout == ""  # no `demo_mesh` line: not one node process was started
 
 
 def test_demo_json_streams_through_the_mesh_and_stops_every_node(smollm2):
