@@ -26,19 +26,20 @@ from pathlib import Path
 from typing import Any
 
 from hearthnet.bench import PROMPTS, machine, median, table, write_results
+from hearthnet.commands import positive
 from hearthnet.constants import WIRE_DTYPES
-from hearthnet.errors import HearthNetError
+from hearthnet.errors import BadRequest, HearthNetError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """Options of `hearthnet bench failover`."""
     p.add_argument("--model", default="smollm2", help="model alias in the store")
-    p.add_argument("--tokens", type=int, default=64, help="tokens generated per chat")
+    p.add_argument("--tokens", type=positive, default=64, help="tokens generated per chat")
     p.add_argument("--kill-after", type=int, default=16,
                    help="kill after this many tokens reached the client (default 16)")
-    p.add_argument("--runs", type=int, default=1, help="faulted runs (default 1)")
+    p.add_argument("--runs", type=positive, default=1, help="faulted runs (default 1)")
     p.add_argument("--spare", default="15-29", help="layers of the spare node D (LO-HI)")
-    p.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
+    p.add_argument("--node-threads", type=positive, default=1, help="torch threads per node")
     p.add_argument("--wire", choices=list(WIRE_DTYPES), default="fp16")
     p.add_argument("--prompt", default=PROMPTS[0])
     p.add_argument("--results-dir", default="bench-results",
@@ -52,13 +53,13 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from hearthnet.models import ModelStore
 
     if not 1 <= args.kill_after <= args.tokens - 8 or args.runs < 1:
-        raise HearthNetError("--kill-after must be in 1..tokens-8 and --runs ≥ 1")
+        raise BadRequest("--kill-after must be in 1..tokens-8 and --runs ≥ 1")
     entry = ModelStore().get(args.model)
     lower, upper = split_layers(entry.num_layers, 2)
     try:
         lo, hi = (int(x) for x in args.spare.split("-"))
     except ValueError as e:
-        raise HearthNetError(f"--spare must be LO-HI, not {args.spare!r}") from e
+        raise BadRequest(f"--spare must be LO-HI, not {args.spare!r}") from e
     specs = [NodeSpec("node-a"), NodeSpec("node-b", [lower]), NodeSpec("node-c", [upper]),
              NodeSpec("node-d", [(lo, hi)])]
     figures: dict[str, Any] = {

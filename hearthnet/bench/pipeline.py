@@ -43,9 +43,10 @@ from hearthnet.bench import (
     write_results,
 )
 from hearthnet.bench.local import weights_of
+from hearthnet.commands import positive
 from hearthnet.constants import WIRE_DTYPES
 from hearthnet.distributed_inference.formats import FORMATS, head_format
-from hearthnet.errors import HearthNetError
+from hearthnet.errors import BadRequest, HearthNetError
 
 GOALS = {"ratio_min": 0.85, "first_token_ms_max": 300.0, "construction_ms_max": 100.0,
          "overhead_p95_ms_max": 2.0}
@@ -61,10 +62,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="fp32", choices=FORMATS,
                    help="held format of the shards, the orchestrator's head and the local "
                         "baseline (default fp32)")
-    p.add_argument("--shards", type=int, default=2, help="shard nodes (even layer split)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens generated per chat")
-    p.add_argument("--runs", type=int, default=3, help="measured runs (median; default 3)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4],
+    p.add_argument("--shards", type=positive, default=2, help="shard nodes (even layer split)")
+    p.add_argument("--tokens", type=positive, default=64, help="tokens generated per chat")
+    p.add_argument("--runs", type=positive, default=3, help="measured runs (median; default 3)")
+    p.add_argument("--concurrency", type=positive, nargs="+", default=[1, 2, 4],
                    help="concurrent chats for the aggregate figure (default 1 2 4; issue "
                         "16's goals compare 8 with 1)")
     p.add_argument("--concurrency-only", action="store_true",
@@ -73,9 +74,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="every node's batch_window_ms (default: the config default)")
     p.add_argument("--mixed-prefill-tokens", type=int, default=None,
                    help="every node's mixed_prefill_tokens (default: the config default)")
-    p.add_argument("--local-threads", type=int, default=2,
+    p.add_argument("--local-threads", type=positive, default=2,
                    help="torch threads of the local baseline (this process)")
-    p.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
+    p.add_argument("--node-threads", type=positive, default=1, help="torch threads per node")
     p.add_argument("--wire", choices=list(WIRE_DTYPES), default="fp16")
     p.add_argument("--no-fp32", action="store_true", help="skip the fp32-wire comparison")
     p.add_argument("--prompt", default=PROMPTS[0])
@@ -93,7 +94,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def split_layers(num_layers: int, n: int) -> list[tuple[int, int]]:
     """`n` contiguous inclusive ranges covering ``0..num_layers-1``, as even as possible."""
     if not 1 <= n <= num_layers:
-        raise HearthNetError(f"cannot split {num_layers} layers into {n} shards")
+        raise BadRequest(f"cannot split {num_layers} layers into {n} shards; --shards must be "
+                         f"in 1..{num_layers}")
     base, extra = divmod(num_layers, n)
     out, lo = [], 0
     for i in range(n):
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from hearthnet.models import ModelStore
 
     if args.runs < 1 or args.tokens < 2 or min(args.concurrency) < 1:
-        raise HearthNetError("--runs, --concurrency must be ≥ 1 and --tokens ≥ 2")
+        raise BadRequest("--runs, --concurrency must be ≥ 1 and --tokens ≥ 2")
     entry = ModelStore().get(args.model)
     args.weights = weights_of(args)
     ranges = split_layers(entry.num_layers, args.shards)

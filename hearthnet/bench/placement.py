@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from hearthnet.bench import PROMPTS, machine, median, table, write_results
-from hearthnet.errors import HearthNetError
+from hearthnet.commands import positive
+from hearthnet.errors import BadRequest, HearthNetError
 
 HOSTS = ("host-1", "host-2", "host-3")
 
@@ -35,8 +36,8 @@ HOSTS = ("host-1", "host-2", "host-3")
 def add_args(p: argparse.ArgumentParser) -> None:
     """Options of `hearthnet bench placement`."""
     p.add_argument("--model", default="smollm2", help="model alias in the store")
-    p.add_argument("--tokens", type=int, default=48, help="tokens per chat")
-    p.add_argument("--runs", type=int, default=3, help="measured chats per split")
+    p.add_argument("--tokens", type=positive, default=48, help="tokens per chat")
+    p.add_argument("--runs", type=positive, default=3, help="measured chats per split")
     p.add_argument("--threads", default="2,1,1", help="torch threads of the three hosts")
     p.add_argument("--budgets-mb", default="450,250,250",
                    help="memory budgets of the three hosts (auto split)")
@@ -51,7 +52,7 @@ def _three(text: str, what: str) -> list[int]:
     except ValueError:
         vals = []
     if len(vals) != 3 or min(vals) < 1:
-        raise HearthNetError(f"--{what} must be three positive integers, not {text!r}")
+        raise BadRequest(f"--{what} must be three positive integers, not {text!r}")
     return vals
 
 

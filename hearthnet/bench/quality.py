@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hearthnet.bench import machine, table, write_results
+from hearthnet.commands import positive
 from hearthnet.distributed_inference.formats import HELD_FORMATS, head_format
 
 TEXT = Path(__file__).parent / "data" / "quality.txt"
@@ -27,7 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    choices=HELD_FORMATS, help="formats compared with fp32")
     p.add_argument("--positions", type=int, default=2048, help="positions scored (≥ 2000)")
     p.add_argument("--window", type=int, default=512, help="tokens per window")
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--threads", type=positive, default=2, help="torch threads")
     p.add_argument("--results-dir", default="bench-results",
                    help="folder for quality.json (default bench-results)")
 

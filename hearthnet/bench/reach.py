@@ -27,16 +27,17 @@ from hearthnet.bench import (
     table,
     write_results,
 )
+from hearthnet.commands import positive
 from hearthnet.distributed_inference.formats import FORMATS, head_format
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """Options of `hearthnet bench reach`."""
     p.add_argument("--model", default="qwen2.5-7b", help="model alias in the store")
-    p.add_argument("--shards", type=int, default=2, help="shard nodes (even layer split)")
+    p.add_argument("--shards", type=positive, default=2, help="shard nodes (even layer split)")
     p.add_argument("--weights", default="int8", choices=FORMATS, help="held format")
-    p.add_argument("--tokens", type=int, default=16, help="tokens generated")
-    p.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
+    p.add_argument("--tokens", type=positive, default=16, help="tokens generated")
+    p.add_argument("--node-threads", type=positive, default=1, help="torch threads per node")
     p.add_argument("--no-local", action="store_true",
                    help="skip the local reference (when one process cannot hold the model)")
     p.add_argument("--prompt", default=PROMPTS[0])

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from hearthnet.commands import positive
 from hearthnet.constants import CALL_WIRE_DTYPES
 from hearthnet.distributed_inference.generation import SamplingParams
 
@@ -28,7 +29,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--wire-dtype", choices=list(CALL_WIRE_DTYPES), default=None,
                    help="hidden-state wire dtype (default: the node's activation_dtype, auto)")
     p.add_argument("--json", action="store_true", help="one JSON object per frame")
-    p.add_argument("--threads", type=int, default=2, help="torch threads in this process")
+    p.add_argument("--threads", type=positive, default=2, help="torch threads in this process")
     p.set_defaults(func=_run)
 
 

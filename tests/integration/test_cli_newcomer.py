@@ -52,3 +52,28 @@ def test_bench_transport_writes_bench_results(tmp_path: Path):
     figures = json.loads((tmp_path / "transport.json").read_text())
     assert figures["decode_576"]["n"] == 10 and figures["decode_576"]["p50_ms"] > 0
     assert figures["machine"]["cpus"] >= 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "pipeline", "--node-threads", "0"],  # was: three nodes started, then a node's
+    ["bench", "reach", "--tokens", "-3"],          # config error; the others ran to a
+    ["bench", "local", "--runs", "0"],             # check labelled `internal`
+    ["bench", "failover", "--tokens", "x"],
+    ["chat", "--local", "--threads", "0", "hi"],   # was: torch's RuntimeError, a traceback
+])
+def test_a_count_below_one_is_a_usage_error_before_anything_starts(argv, capsys):
+    from hearthnet.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith(f"hearthnet {argv[0]}"), err
+    assert f"argument {argv[-2] if argv[0] == 'bench' else '--threads'}" in err, err
+
+
+def test_more_shards_than_layers_is_bad_request(smollm2):
+    from hearthnet.bench.pipeline import split_layers
+    from hearthnet.errors import BadRequest
+
+    with pytest.raises(BadRequest, match=r"--shards must be in 1\.\.30"):
+        split_layers(30, 31)
