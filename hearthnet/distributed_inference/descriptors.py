@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from hearthnet.distributed_inference.formats import HELD_FORMATS, KERNELS, QUANTISED
+from hearthnet.distributed_inference.formats import HELD_FORMATS, KERNELS
 from hearthnet.errors import BadRequest, PeerDataError
 from hearthnet.ids import NODE_ID_RE
 from hearthnet.mesh.eventlog import EVENT_TYPES, EventType
@@ -42,6 +42,8 @@ Endpoint = str
 DEVICE_KINDS = ("cpu", "cuda", "mps")
 """Device kinds a shard advertises (issue 13 §1)."""
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_KERNEL_RE = re.compile(r"^[a-z0-9_.-]{0,32}$")  # a name, not only `formats.KERNELS`: a
+# newer release's kernel must not make older peers drop its shard
 
 
 def _shard_subject(payload: Mapping[str, Any]) -> str | None:
@@ -94,7 +96,7 @@ class ShardDescriptor:
     device: str = "cpu"  # where the layers run: cpu | cuda | mps (issue 13 §1)
     device_name: str = ""  # e.g. "NVIDIA H100 80GB HBM3"
     device_memory_mb: int = 0  # the device's total memory
-    kernel: str = ""  # what a quantised format's products run in (formats.KERNELS)
+    kernel: str = ""  # what a quantised format's products run in (formats.KERNELS), or ""
 
     @classmethod
     def create(cls, *, model_id: str, weights_sha256: str, layer_range: tuple[int, int],
@@ -160,10 +162,9 @@ class ShardDescriptor:
                "device_name", "must be a string of at most 128 characters")
         _check(_is_int(self.device_memory_mb) and self.device_memory_mb >= 0,
                "device_memory_mb", "must be an integer >= 0")
-        _check(self.kernel in ("", *KERNELS) and (not self.kernel or
-                                                  self.weights_format in QUANTISED), "kernel",
-               f"must be empty, or for {'/'.join(QUANTISED)} weights one of "
-               f"{', '.join(KERNELS)}")
+        _check(isinstance(self.kernel, str) and bool(_KERNEL_RE.match(self.kernel)), "kernel",
+               f"must be a kernel name of at most 32 characters [a-z0-9_.-] (e.g. "
+               f"{', '.join(KERNELS)}), or empty")
 
     def to_dict(self) -> dict[str, Any]:
         """A msgpack/JSON-safe dict (the `descriptor` of an advertisement payload)."""

@@ -128,8 +128,9 @@ def test_pipeline_validates_exact_cover_and_round_trips() -> None:
 def test_a_quantised_shard_names_its_kernel_and_status_shows_it() -> None:
     """Which kernel an int8/int4 shard's products run in (fbgemm on AVX2, oneDNN on
     VNNI/AMX …) is advertised with its format: int8 numerics differ slightly between
-    kernels, so a mixed mesh shows it. A float format names none; an advertisement from
-    an older release (no `kernel`) parses as none."""
+    kernels, so a mixed mesh shows it. An advertisement from an older release (no
+    `kernel`) parses as none; one from a newer release naming a kernel this one does not
+    know still parses (its shard is not dropped); only a malformed name is refused."""
     from hearthnet.commands.status import render
 
     kw = dict(model_id="org/model", weights_sha256=SHA, layer_range=(0, 3), host="n1",
@@ -139,10 +140,11 @@ def test_a_quantised_shard_names_its_kernel_and_status_shows_it() -> None:
     old = d.to_dict()
     del old["kernel"]
     assert ShardDescriptor.from_dict(old).kernel == ""
-    with pytest.raises(BadRequest, match="kernel"):
-        ShardDescriptor.create(**kw, weights_format="int8", kernel="avx512")
-    with pytest.raises(BadRequest, match="kernel"):  # a float format runs in no int kernel
-        ShardDescriptor.create(**kw, weights_format="fp32", kernel="fbgemm")
+    newer = {**d.to_dict(), "kernel": "kleidiai-i8mm"}
+    assert ShardDescriptor.from_dict(newer).kernel == "kleidiai-i8mm"
+    for bad in ("x" * 33, "Fbgemm <b>", 8):
+        with pytest.raises(BadRequest, match="kernel"):
+            ShardDescriptor.from_dict({**d.to_dict(), "kernel": bad})
     row = {"shard_id": d.shard_id, "layers": [0, 3], "host": "n1", "suspect": False,
            "active_sessions": 0, "queue_depth": 0, "p95_latency_ms": 0.0, "age_s": 1.0,
            "format": "int8", "kernel": "fbgemm", "memory_mb": 40}
