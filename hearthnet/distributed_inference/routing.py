@@ -167,7 +167,11 @@ class ShardRouter:
                 self._in_use[sid] = n
             else:
                 self._in_use.pop(sid, None)
-            self._ended.setdefault(sid, []).append(now)
+            # ends before the shard's current advertisement are counted in it, and in every
+            # later one: dropped here, so the list stays as short as the releases since
+            ad = self.store.get(sid)
+            self._ended[sid] = [t for t in self._ended.get(sid, ())
+                                if ad is not None and t >= ad.seen_at] + [now]
         self.releases += 1
         self._released.set()
 
@@ -187,9 +191,7 @@ class ShardRouter:
     def _ended_since(self, ad: Advertisement) -> int:
         """Our sessions on `ad`'s shard released since the advertisement arrived (it
         counted them, if they were open when it was made)."""
-        ended = [t for t in self._ended.get(ad.shard_id, ()) if t >= ad.seen_at]
-        self._ended[ad.shard_id] = ended  # older ones are in every later advertisement
-        return len(ended)
+        return sum(t >= ad.seen_at for t in self._ended.get(ad.shard_id, ()))
 
     # ---- picking ----
 

@@ -257,6 +257,24 @@ async def test_an_advertisement_made_during_our_calls_does_not_keep_the_shard_fu
         await m.pick()
 
 
+async def test_ended_sessions_are_counted_without_growing_across_advertisements() -> None:
+    """A long-lived orchestrator releases sessions on a shard for days: the record of when
+    they ended keeps only what the shard's current advertisement has not counted yet, and
+    the load it gives is the same as before (a query changes nothing)."""
+    m = Mesh()
+    sid = m.add(0, 15, "node-b", streams=2)
+    for _ in range(50):
+        m.clock.t += 1
+        m.add(0, 15, "node-b", streams=2, active=1)  # made while our one session was open
+        p = await m.router.pick("m", SHA, 16)
+        m.router.release(p)
+    ad = m.store.get(sid)
+    assert ad is not None and m.router._ended_since(ad) == 1  # this advertisement's session
+    assert m.router._ended_since(ad) == 1  # asking twice: the same answer
+    assert len(m.router._ended[sid]) == 1  # not 50
+    assert await m.pick() == ["node-b:0-15"]  # counted out: not full
+
+
 async def test_wait_for_release_returns_on_a_release_or_at_its_timeout() -> None:
     m = Mesh()
     m.add(0, 15, "node-b", streams=1)
