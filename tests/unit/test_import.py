@@ -45,6 +45,20 @@ def test_bad_gguf_is_one_line_and_leaves_nothing(tmp_path, arch, tensor, error, 
     assert list((tmp_path / "s2").iterdir()) == []  # no staging folder, no model
 
 
+@pytest.mark.parametrize("content", [b"", b"GGUF", b"GGUF" + bytes(range(256)) * 8,
+                                     b"PK\x03\x04 not a gguf at all"])
+def test_a_file_that_is_not_a_gguf_is_one_line_bad_request(tmp_path, content):
+    """Empty, truncated after the magic, garbage after it, another format: gguf-py fails
+    in several ways (IndexError, ValueError …); each is the caller's bad_request, and
+    nothing is staged."""
+    f = tmp_path / "m.gguf"
+    f.write_bytes(content)
+    store = ModelStore(tmp_path / "store")
+    with pytest.raises(BadRequest, match=r"m\.gguf: not a readable GGUF file"):
+        import_gguf(store, f, alias="m")
+    assert list((tmp_path / "store").iterdir()) == []
+
+
 def re_escape(s: str) -> str:
     import re
 
