@@ -95,7 +95,10 @@ def gguf_plan(gguf: Path, dtype: str = DEFAULT_GGUF_DTYPE) -> GgufPlan:
     file: reading a GGUF's metadata (its vocabulary) and mapping its tensor names take tens
     of seconds on a 2-core machine, and `models import` needs the plan twice (the progress
     bar's total, then the import)."""
-    st = gguf.stat()
+    try:
+        st = gguf.stat()
+    except OSError as e:
+        raise BadRequest(f"{gguf.name}: cannot read the GGUF file ({e.strerror})") from e
     return _gguf_plan(str(gguf), st.st_ino, st.st_size, st.st_mtime_ns, dtype)
 
 

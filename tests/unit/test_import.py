@@ -59,6 +59,11 @@ def test_a_file_that_is_not_a_gguf_is_one_line_bad_request(tmp_path, content):
     assert list((tmp_path / "store").iterdir()) == []
 
 
+def test_a_missing_gguf_is_one_line_bad_request(tmp_path):
+    with pytest.raises(BadRequest, match=r"gone\.gguf: cannot read the GGUF file"):
+        import_gguf(ModelStore(tmp_path / "store"), tmp_path / "gone.gguf", alias="m")
+
+
 def re_escape(s: str) -> str:
     import re
 
