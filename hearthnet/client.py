@@ -23,7 +23,7 @@ from typing import Any
 
 from hearthnet.errors import BadRequest, ConnectionLost, error_from_code
 from hearthnet.mesh.bus import bus_call
-from hearthnet.node.daemon import CHAT_CAPABILITY
+from hearthnet.node.capabilities import CHAT_CAPABILITY
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ from hearthnet import paths
 from hearthnet.constants import (
     DEFAULT_LAN_NETWORKS,
     DEFAULT_TIMEOUT_S,
+    TENSOR_CHUNK_BYTES,
+    TENSOR_FLOW_CONTROL_WINDOW,
     CallWireName,
     WideWireName,
 )
@@ -195,8 +197,8 @@ class DistributedInferenceSection(_Section):
     allow_self_as_shard: bool = False
     max_concurrent_pipelines: Annotated[int, Field(ge=1)] = 4
     fallback_after_failures: Annotated[int, Field(ge=1)] = 2  # M26 §5.4
-    flow_control_window: Annotated[int, Field(ge=1, le=1024)] = 16  # M26 §5.5
-    chunk_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 1024 * 1024
+    flow_control_window: Annotated[int, Field(ge=1, le=1024)] = TENSOR_FLOW_CONTROL_WINDOW
+    chunk_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = TENSOR_CHUNK_BYTES
     # issue 14 §1: what one call may ask for, checked before any work (mesh and local path)
     max_prompt_bytes: Annotated[int, Field(ge=1, le=16 * 1024 * 1024)] = 32 * 1024
     max_prompt_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 4096

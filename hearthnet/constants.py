@@ -10,6 +10,10 @@ transport can all import it cheaply:
   call may widen to (issue 11 §2).
 - `DEFAULT_LAN_NETWORKS`: the CIDRs counted as this LAN (config ``[node] lan_networks``).
 - `CloseCode`: the WebSocket close codes HearthNet sends (RFC 6455 §7.4.1, PROTOCOL.md §7).
+- `TENSOR_CHUNK_BYTES` / `MAX_TENSOR_BYTES` / `TENSOR_FLOW_CONTROL_WINDOW`: the tensor
+  transport's defaults (M26 §5.5, PROTOCOL.md §3–4), also the config's defaults.
+- `DEFAULT_GGUF_DTYPE`: what a GGUF is de-quantised to on import (issue 12 §1), the
+  importer's default and the `models import --dtype` default.
 """
 
 from __future__ import annotations
@@ -31,6 +35,18 @@ DEFAULT_LAN_NETWORKS: tuple[str, ...] = (
     "127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16",
     "::1/128", "fc00::/7", "fe80::/10")
 """Loopback, the RFC 1918 ranges, IPv4 link-local, and IPv6 loopback, ULA and link-local."""
+
+TENSOR_CHUNK_BYTES = 1 << 20
+"""Default largest payload of one data frame (M26 §5.5, PROTOCOL.md §4)."""
+
+MAX_TENSOR_BYTES = 256 << 20
+"""Default largest tensor a stream accepts (PROTOCOL.md §3)."""
+
+TENSOR_FLOW_CONTROL_WINDOW = 16
+"""Default credit window in chunks (M26 §5.5)."""
+
+DEFAULT_GGUF_DTYPE = "bf16"
+"""A GGUF is imported to bf16 unless `--dtype` says otherwise (issue 12 §1)."""
 
 
 class CloseCode(enum.IntEnum):

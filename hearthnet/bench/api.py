@@ -46,9 +46,9 @@ def _figures(t0: float, arrivals: list[float]) -> dict[str, float]:
 
 
 async def _via_bus(uri: str, args: argparse.Namespace) -> dict[str, float]:
-    from hearthnet.distributed_inference.generation import SamplingParams
+    from hearthnet.distributed_inference.sampling import SamplingParams
     from hearthnet.mesh.bus import bus_call
-    from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+    from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 
     call = chat_args(args.prompt, args.model, SamplingParams(max_tokens=args.tokens))
     t0, arrivals = time.perf_counter(), []

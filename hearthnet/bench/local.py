@@ -166,8 +166,8 @@ def report(f: dict[str, Any]) -> str:
 def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
     from hearthnet.distributed_inference.backends import quant
     from hearthnet.distributed_inference.backends.device import device_info
-    from hearthnet.distributed_inference.generation import SamplingParams
     from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
+    from hearthnet.distributed_inference.sampling import SamplingParams
 
     engine = LocalEngine(entry, a.weights, head_weights=head_format(a.weights),
                          device=a.device, cuda_graphs=not a.no_cuda_graphs)

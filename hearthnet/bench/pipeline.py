@@ -198,9 +198,9 @@ def _log_tails(root: Path, chars: int = 2000) -> str:
 async def chat_frames(uri: str, prompt: str, model: str, tokens: int,
                       **params: Any) -> tuple[list[dict[str, Any]], float]:
     """One greedy chat through the node at `uri`: (its frames, wall seconds)."""
-    from hearthnet.distributed_inference.generation import SamplingParams
+    from hearthnet.distributed_inference.sampling import SamplingParams
     from hearthnet.mesh.bus import bus_call
-    from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+    from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 
     args = chat_args(prompt, model, SamplingParams(max_tokens=tokens), **params)
     t0 = time.perf_counter()
@@ -216,8 +216,8 @@ def token_ids(frames: list[dict[str, Any]]) -> list[int]:
 
 
 def _local_run(engine: Any, prompt: str, tokens: int) -> tuple[list[int], dict[str, float]]:
-    from hearthnet.distributed_inference.generation import SamplingParams
     from hearthnet.distributed_inference.local import LocalTimings
+    from hearthnet.distributed_inference.sampling import SamplingParams
 
     t = LocalTimings()
     ids = [ev.token_id for ev in engine.generate([{"role": "user", "content": prompt}],

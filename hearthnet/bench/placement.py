@@ -138,9 +138,9 @@ def _wait_split(mesh: Any, timeout: float = 180.0) -> dict[str, list[list[int]]]
 
 
 async def _chats(uri: str, a: argparse.Namespace) -> tuple[list[float], list[str]]:
-    from hearthnet.distributed_inference.generation import SamplingParams
+    from hearthnet.distributed_inference.sampling import SamplingParams
     from hearthnet.mesh.bus import bus_call
-    from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+    from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 
     rates: list[float] = []
     failures: list[str] = []

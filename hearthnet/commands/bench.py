@@ -22,8 +22,7 @@ RunBench = Callable[[argparse.Namespace], tuple[dict[str, Any], str]]
 
 
 def _transport_args(p: argparse.ArgumentParser) -> None:
-    from hearthnet.transport.codec import TENSOR_CHUNK_BYTES
-    from hearthnet.transport.protocol import TENSOR_FLOW_CONTROL_WINDOW
+    from hearthnet.constants import TENSOR_CHUNK_BYTES, TENSOR_FLOW_CONTROL_WINDOW
 
     p.add_argument("--steps", type=int, default=2000,
                    help="decode round trips measured per tensor size (default 2000)")

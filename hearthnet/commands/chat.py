@@ -6,11 +6,13 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hearthnet.commands import positive
 from hearthnet.constants import CALL_WIRE_DTYPES
-from hearthnet.distributed_inference.generation import SamplingParams
+
+if TYPE_CHECKING:  # the sampler's module loads torch: only when a chat runs
+    from hearthnet.distributed_inference.sampling import SamplingParams
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -34,6 +36,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    from hearthnet.distributed_inference.sampling import SamplingParams
+
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                           stop=tuple(args.stop))
@@ -86,15 +90,15 @@ def describe(frame: dict[str, Any]) -> str:
 def _run(args: argparse.Namespace) -> int:
     """Exit 0 only for a call that ended with `done` (issue 14 §3); every failure is an
     `error` frame in `--json` mode (a lost node included) and exit code 1."""
-    import torch
-
     from hearthnet.errors import ConfigError, HearthNetError
 
-    torch.set_num_threads(args.threads)
     try:
         params = sampling_from_args(args)
         messages = [{"role": "user", "content": args.prompt}]
-        if args.local:
+        if args.local:  # the only path that runs the model in this process
+            import torch
+
+            torch.set_num_threads(args.threads)
             return _run_local(args, messages, params)
         from hearthnet.commands.remote import chat_via_node
 

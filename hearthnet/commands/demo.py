@@ -64,7 +64,8 @@ def _say(text: str, as_json: bool) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from hearthnet.distributed_inference.generation import PromptLimits, SamplingParams
+    from hearthnet.distributed_inference.generation import PromptLimits
+    from hearthnet.distributed_inference.sampling import SamplingParams
     from hearthnet.mesh.launcher import LocalMesh, NodeSpec
     from hearthnet.models import ModelStore
 
@@ -147,7 +148,7 @@ def _announce(mesh: Any, specs: list[Any], root: Path, start_s: float, as_json: 
 async def _chat(uri: str, args: argparse.Namespace, sampling: Any) -> int:
     from hearthnet.commands.chat import emit
     from hearthnet.mesh.bus import bus_call
-    from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+    from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 
     call = chat_args(args.prompt, MODEL, sampling)
     _say(f"> {args.prompt}\n", args.json)

@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def run_node(node: Node) -> None:
     """Serve `node` until it is told to stop, then end the process promptly."""
-    from hearthnet.transport.websocket import run
+    from hearthnet.loop import run
 
     run(node.run())
     exit_promptly()

@@ -6,10 +6,12 @@ import argparse
 import json
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.errors import ConnectionLost
+
+if TYPE_CHECKING:
+    from hearthnet.distributed_inference.sampling import SamplingParams
 
 
 def node_uri(config_path: str) -> str:
@@ -47,9 +49,9 @@ def http_get_json(uri: str, path: str, timeout: float = 5.0) -> Any:
 def chat_via_node(args: argparse.Namespace, messages: list[dict[str, str]],
                   params: SamplingParams) -> int:
     from hearthnet.commands.chat import emit
+    from hearthnet.loop import run
     from hearthnet.mesh.bus import bus_call
-    from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
-    from hearthnet.transport.websocket import run
+    from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 
     uri = node_uri(args.config)
     call = chat_args(messages[-1]["content"], args.model, params, wire_dtype=args.wire_dtype)

@@ -13,56 +13,8 @@ from typing import Any
 
 import torch
 
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.errors import BadRequest
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. `temperature == 0` is greedy (argmax)."""
-
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        _check_types(self)
-        if not 1 <= self.max_tokens <= 8192:
-            raise BadRequest(f"max_tokens must be in 1..8192, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 10.0 or self.temperature != self.temperature:
-            raise BadRequest(f"temperature must be in 0..10, got {self.temperature}")
-        if self.top_k < 0:
-            raise BadRequest(f"top_k must be ≥ 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > 16:
-            raise BadRequest("stop must be at most 16 non-empty strings")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_types(p: SamplingParams) -> None:
-    """Type checks at the door (issue 14 §3): `top_k=1.5` or `seed="abc"` is `bad_request`
-    before any work, never an exception from the sampler mid-answer."""
-    for name in ("max_tokens", "top_k"):
-        if not _is_int(getattr(p, name)):
-            raise BadRequest(f"{name} must be an integer, got {getattr(p, name)!r}"[:200])
-    for name in ("temperature", "top_p"):
-        v = getattr(p, name)
-        if not (_is_int(v) or isinstance(v, float)):
-            raise BadRequest(f"{name} must be a number, got {v!r}"[:200])
-    if p.seed is not None and not (_is_int(p.seed) and 0 <= p.seed < 2**63):
-        raise BadRequest(f"seed must be an integer in 0..2**63-1 or null, got {p.seed!r}"[:200])
-    if not isinstance(p.stop, tuple):
-        raise BadRequest("stop must be a list of strings")
 
 
 class Sampler:

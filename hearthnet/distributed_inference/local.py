@@ -22,9 +22,9 @@ from hearthnet.distributed_inference.backends.small_model_layered import (
 from hearthnet.distributed_inference.generation import (
     Generation,
     PromptLimits,
-    SamplingParams,
     TokenEvent,
 )
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.errors import BadRequest
 from hearthnet.models.store import ModelEntry
 

@@ -1,23 +1,22 @@
 """`hearthnet models import|synth|list|verify` (and `serve|unserve|served`, see
-`hearthnet.commands.served`)."""
+`hearthnet.commands.served`).
+
+The commands' own modules (the importer, the writer, the synthesiser: all torch) load when
+a command runs, so `hearthnet --help` and `models list` answer without loading torch.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hearthnet.models.importer import (
-    DEFAULT_GGUF_DTYPE,
-    SMOLLM2_ALIAS,
-    folder_bytes,
-    gguf_plan_bytes,
-    import_model,
-    smollm2_gguf_path,
-)
-from hearthnet.models.progress import progress_bar
-from hearthnet.models.store import ModelStore
-from hearthnet.models.synth import SHAPES, shape_config, synth_model, tensor_plan
+from hearthnet.constants import DEFAULT_GGUF_DTYPE
+from hearthnet.models.shapes import SHAPES
+
+if TYPE_CHECKING:
+    from hearthnet.models.store import ModelStore
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,10 +52,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _store(args: argparse.Namespace) -> ModelStore:
+    from hearthnet.models.store import ModelStore
+
     return ModelStore(Path(args.models_dir) if args.models_dir else None)
 
 
 def _import(args: argparse.Namespace) -> int:
+    from hearthnet.models.importer import import_model
+    from hearthnet.models.progress import progress_bar
+
     store = _store(args)
     e = store.find(args.alias or args.source)
     if e is None:
@@ -70,6 +74,13 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _source_bytes(source: str, dtype: str) -> int:
+    from hearthnet.models.importer import (
+        SMOLLM2_ALIAS,
+        folder_bytes,
+        gguf_plan_bytes,
+        smollm2_gguf_path,
+    )
+
     p = Path(source).expanduser()
     if source == SMOLLM2_ALIAS:
         return gguf_plan_bytes(smollm2_gguf_path(), dtype)
@@ -79,6 +90,9 @@ def _source_bytes(source: str, dtype: str) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
+    from hearthnet.models.progress import progress_bar
+    from hearthnet.models.synth import shape_config, synth_model, tensor_plan
+
     _, cfg = shape_config(args.shape)  # unknown shape: one-line error before any work
     total = sum(t.nbytes for t in tensor_plan(cfg))
     with progress_bar(total, f"synth {args.shape}") as bar:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hearthnet.constants import DEFAULT_GGUF_DTYPE
 from hearthnet.errors import BadRequest, ModelNotFound, ModelSourceMissing
 from hearthnet.models.hashing import read_safetensors_header
 from hearthnet.models.store import IMPORTING, ModelEntry, ModelStore
@@ -42,7 +43,6 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # GGUF `general.architecture` values we import: read by transformers AND run by the layered
 # backend (issue 11 §4); llama.cpp writes Llama-3.x and Mistral as `llama`
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-DEFAULT_GGUF_DTYPE = "bf16"  # issue 12 §1: a GGUF is imported to bf16 unless --dtype says
 _RESUME = "resume.key"  # what the staging folder is being filled from
 _CHUNK = 8 << 20
 Progress = Callable[[int], None]

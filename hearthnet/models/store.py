@@ -23,12 +23,14 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hearthnet.errors import ModelNotFound, WeightsMismatch
 from hearthnet.models.hashing import file_sha256, read_safetensors_header, weights_sha256
-from hearthnet.models.writer import WrittenModel
 from hearthnet.paths import models_dir
+
+if TYPE_CHECKING:
+    from hearthnet.models.writer import WrittenModel
 
 MANIFEST = "manifest.json"
 _RACY_NS = 2_000_000_000  # a folder list younger than this is listed again

@@ -59,7 +59,7 @@ from hearthnet.distributed_inference.descriptors import (
     make_shard_id,
     withdrawal_payload,
 )
-from hearthnet.distributed_inference.generation import PromptLimits, SamplingParams
+from hearthnet.distributed_inference.generation import PromptLimits
 from hearthnet.distributed_inference.health import ShardHealthTracker
 from hearthnet.distributed_inference.liveness import HostLiveness
 from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
@@ -90,6 +90,7 @@ from hearthnet.mesh.gossip import (
     handle_gossip_connection,
 )
 from hearthnet.models.store import ModelEntry, ModelStore
+from hearthnet.node.capabilities import CHAT_CAPABILITY, SERVED_MODELS_CAPABILITY
 from hearthnet.node.guard import NodeGuard, remove_state, write_state
 from hearthnet.node.supervise import Supervisor
 from hearthnet.node.threads import serial_torch_here
@@ -99,9 +100,6 @@ from hearthnet.transport.codec import max_frame_bytes
 from hearthnet.transport.websocket import SHARD_PATH, ServerStream, TensorChannel
 
 log = get_logger("node")
-
-CHAT_CAPABILITY = "experimental.distributed_llm.chat"
-SERVED_MODELS_CAPABILITY = "hearthnet.admin.models_served"  # admin listener only (issue 17)
 
 
 class Node:
@@ -688,14 +686,3 @@ def _response(status: HTTPStatus, body: bytes, ctype: str) -> Response:
 
 def _json(status: HTTPStatus, obj: Any) -> Response:
     return _response(status, json.dumps(obj).encode(), "application/json")
-
-
-def chat_args(prompt: str, model: str, sampling: SamplingParams, **params: Any
-              ) -> dict[str, Any]:
-    """The bus arguments of a chat call."""
-    s = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-         "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
-         "stop": list(sampling.stop)}
-    return {"request": {"model": model, "messages": [{"role": "user", "content": prompt}]},
-            "params": {"sampling": s, **{k: v for k, v in params.items() if v is not None}}}
-

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
+from hearthnet.constants import TENSOR_CHUNK_BYTES, TENSOR_FLOW_CONTROL_WINDOW
+from hearthnet.loop import run
 from hearthnet.observability import configure_logging
 from hearthnet.stats import percentile
-from hearthnet.transport.codec import TENSOR_CHUNK_BYTES, chunk_count_for
-from hearthnet.transport.protocol import TENSOR_FLOW_CONTROL_WINDOW
-from hearthnet.transport.websocket import SHARD_PATH, ServerStream, TensorChannel, run, serve
+from hearthnet.transport.codec import chunk_count_for
+from hearthnet.transport.websocket import SHARD_PATH, ServerStream, TensorChannel, serve
 
 GOAL_P95_MS = 1.0
 DECODE_HIDDEN = (576, 3072)

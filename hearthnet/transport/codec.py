@@ -26,14 +26,8 @@ from math import prod
 
 import torch
 
-from hearthnet.constants import WIRE_DTYPES
+from hearthnet.constants import MAX_TENSOR_BYTES, TENSOR_CHUNK_BYTES, WIRE_DTYPES
 from hearthnet.errors import BadRequest, FrameTooLarge, ProtocolError, WireOverflow
-
-TENSOR_CHUNK_BYTES = 1 << 20
-"""Default largest payload of one data frame (M26 §5.5, PROTOCOL.md §4)."""
-
-MAX_TENSOR_BYTES = 256 << 20
-"""Default largest tensor a stream accepts (PROTOCOL.md §3)."""
 
 MAX_RANK = 4
 """Largest number of dimensions of a tensor on the wire (PROTOCOL.md §4)."""

@@ -33,7 +33,12 @@ from typing import Any, TypeAlias
 import torch
 
 from hearthnet import safe_msgpack
-from hearthnet.constants import CloseCode
+from hearthnet.constants import (
+    MAX_TENSOR_BYTES,
+    TENSOR_CHUNK_BYTES,
+    TENSOR_FLOW_CONTROL_WINDOW,
+    CloseCode,
+)
 from hearthnet.errors import (
     BadRequest,
     FrameTooLarge,
@@ -43,10 +48,8 @@ from hearthnet.errors import (
     error_from_code,
 )
 from hearthnet.transport.codec import (
-    MAX_TENSOR_BYTES,
     OP_INPUT,
     OP_OUTPUT,
-    TENSOR_CHUNK_BYTES,
     EncodedTensor,
     TensorAssembler,
     WireDtype,
@@ -54,9 +57,6 @@ from hearthnet.transport.codec import (
 
 PROTOCOL_VERSION = 1
 """The version this module speaks (PROTOCOL.md §9)."""
-
-TENSOR_FLOW_CONTROL_WINDOW = 16
-"""Default credit window in chunks (M26 §5.5)."""
 
 MAX_WINDOW = 1024
 MIN_CHUNK_BYTES = 64

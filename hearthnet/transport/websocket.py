@@ -25,9 +25,9 @@ import contextlib
 import secrets
 import ssl as _ssl
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from websockets.asyncio.client import connect as _ws_connect
@@ -42,7 +42,13 @@ from websockets.exceptions import (
 )
 from websockets.http11 import Request, Response
 
-from hearthnet.constants import DEFAULT_TIMEOUT_S, CloseCode
+from hearthnet.constants import (
+    DEFAULT_TIMEOUT_S,
+    MAX_TENSOR_BYTES,
+    TENSOR_CHUNK_BYTES,
+    TENSOR_FLOW_CONTROL_WINDOW,
+    CloseCode,
+)
 from hearthnet.errors import (
     BadRequest,
     ConnectionLost,
@@ -52,9 +58,8 @@ from hearthnet.errors import (
 )
 from hearthnet.observability import Metrics, get_logger
 from hearthnet.security.tls import tls_refusals
-from hearthnet.transport.codec import MAX_TENSOR_BYTES, TENSOR_CHUNK_BYTES, max_frame_bytes
+from hearthnet.transport.codec import max_frame_bytes
 from hearthnet.transport.protocol import (
-    TENSOR_FLOW_CONTROL_WINDOW,
     Accepted,
     CloseReceived,
     CreditReceived,
@@ -68,7 +73,7 @@ from hearthnet.transport.protocol import (
     StreamProtocol,
 )
 
-__all__ = ["ServerStream", "StepInput", "StepResult", "TensorChannel", "handle_stream", "run",
+__all__ = ["ServerStream", "StepInput", "StepResult", "TensorChannel", "handle_stream",
            "serve"]
 
 DEFAULT_DEADLINE_S = DEFAULT_TIMEOUT_S
@@ -81,7 +86,6 @@ _NOT_SENT = "step {step} could not be sent before the deadline: the peer returne
 _NOT_RECEIVED = "no complete step arrived before the deadline"
 _CLOSE_GRACE_S = 2.0  # how long a closing or failing session waits for the peer
 _log = get_logger("transport")
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -727,13 +731,4 @@ async def serve(handler: Callable[[ServerStream], Awaitable[None]], host: str = 
                            max_size=max_frame_bytes(chunk_bytes),
                            write_limit=max_frame_bytes(chunk_bytes),
                            process_request=only_path, close_timeout=_CLOSE_GRACE_S)
-
-
-def run(main: Coroutine[Any, Any, _T]) -> _T:
-    """Run ``main`` on uvloop when it is installed, else on the default asyncio loop."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-        return asyncio.run(main)
-    return uvloop.run(main)
 

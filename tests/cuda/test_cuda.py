@@ -18,8 +18,8 @@ from hearthnet.distributed_inference.backends.small_model_layered import (
     LayeredHead,
     LayeredStack,
 )
-from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.distributed_inference.local import LocalEngine
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.distributed_inference.shard import OpenRequest, ShardServer, ShardSettings
 from hearthnet.errors import ShardUnavailable
 from tests.helpers.faults import FaultyStack

@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 
-from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import NodeSpec
-from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 from tests.helpers.mesh import TestMesh
 from tests.helpers.waiting import wait_for, wait_until
 from tests.integration.test_autohost import _cli, _covered_by, _ranges

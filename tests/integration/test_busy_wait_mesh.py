@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
-from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 
 PROMPTS = ["Hi!", "Write a short poem about a lighthouse keeper."]
 N = 24

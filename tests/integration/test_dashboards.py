@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from hearthnet.config import load_config
-from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
-from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 from hearthnet.node.guard import NodeGuard
 from hearthnet.observability import Metrics
 from hearthnet.security.provision import provision

@@ -20,12 +20,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
-from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.distributed_inference.sanity import BOUNDS_FILE, calibrate
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from hearthnet.models.importer import import_folder
-from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 from tests.helpers.tiny_models import FAMILIES, OVERFLOW_ALIAS, make_tiny_model, overflow_model
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea."

@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hearthnet.distributed_inference.backends.quant import INT8_KERNEL
-from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.distributed_inference.local import LocalEngine
 from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
 from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.errors import BadRequest
 from hearthnet.observability import Metrics
 from tests.helpers.inprocess import InProcessMesh

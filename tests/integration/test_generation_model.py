@@ -8,8 +8,8 @@ from transformers import AutoTokenizer
 from hearthnet.distributed_inference.generation import (
     Generation,
     IncrementalDetokenizer,
-    SamplingParams,
 )
+from hearthnet.distributed_inference.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

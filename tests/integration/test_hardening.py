@@ -28,13 +28,13 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from hearthnet.distributed_inference.community import CAPACITY, CLAIM
-from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.mesh.gossip import decode_message, encode_events, encode_hello
 from hearthnet.mesh.launcher import NodeSpec
-from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 from hearthnet.security.provision import replace_member_tables
 from hearthnet.transport.codec import OP_INPUT, EncodedTensor
 from hearthnet.transport.websocket import TensorChannel

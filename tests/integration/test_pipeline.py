@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
 from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.observability import Metrics
 from tests.helpers.inprocess import InProcessMesh
 

@@ -18,10 +18,10 @@ from hearthnet.distributed_inference.backends.small_model_layered import (
     LayeredHead,
     LayeredStack,
 )
-from hearthnet.distributed_inference.generation import SamplingParams
 from hearthnet.distributed_inference.local import LocalEngine
 from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
 from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.distributed_inference.sanity import SanityChecker, calibrate
 from hearthnet.errors import ShardCorrupted
 from hearthnet.observability import Metrics

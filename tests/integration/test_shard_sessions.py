@@ -26,11 +26,11 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 
-from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import NodeSpec
-from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 from hearthnet.transport.websocket import TensorChannel
 from tests.helpers.mesh import TestMesh
 

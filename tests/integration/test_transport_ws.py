@@ -29,6 +29,7 @@ from hearthnet.errors import (
     StreamStalled,
     WeightsMismatch,
 )
+from hearthnet.loop import run
 from hearthnet.transport.bench import EchoPeer
 from hearthnet.transport.codec import max_frame_bytes
 from hearthnet.transport.protocol import Role, StreamProtocol
@@ -37,7 +38,6 @@ from hearthnet.transport.websocket import (
     ServerStream,
     StepInput,
     TensorChannel,
-    run,
     serve,
 )
 from tests.helpers.waiting import wait_until

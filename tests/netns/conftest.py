@@ -46,9 +46,9 @@ PORT = 7710  # every node listens on its own address; the same port everywhere i
 CLIENT = r"""
 import asyncio, json, sys, time, urllib.request
 from hearthnet.commands.remote import node_uri
-from hearthnet.distributed_inference.generation import SamplingParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.mesh.bus import bus_call
-from hearthnet.node.daemon import CHAT_CAPABILITY, chat_args
+from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 
 cfg, mode, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 

@@ -10,13 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hearthnet.constants import TENSOR_CHUNK_BYTES
 from hearthnet.errors import BadRequest, FrameTooLarge, ProtocolError
 from hearthnet.transport.codec import (
     HEADER,
     HEADER_SIZE,
     OP_INPUT,
     OP_OUTPUT,
-    TENSOR_CHUNK_BYTES,
     EncodedTensor,
     TensorAssembler,
     WireDtype,

@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearthnet.distributed_inference.generation import (
-    Sampler,
-    SamplingParams,
-)
+from hearthnet.distributed_inference.generation import Sampler
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.errors import BadRequest
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearthnet.distributed_inference.generation import PromptLimits, SamplingParams
+from hearthnet.distributed_inference.generation import PromptLimits
 from hearthnet.distributed_inference.pipeline import DistributedChatParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 from hearthnet.distributed_inference.sanity import SanityChecker
 from hearthnet.errors import BadRequest, ShardCorrupted, ShardUnavailable, error_from_code
 from hearthnet.transport.codec import OP_INPUT, EncodedTensor, TensorAssembler
