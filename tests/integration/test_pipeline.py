@@ -100,16 +100,20 @@ async def test_no_spare_no_fallback_aborts(smollm2, model_store):
 
 
 async def _with_spare(smollm2):
-    """B holds 0-14; C and D both hold 15-29: returns the mesh and whichever was chosen."""
+    """B holds 0-14; C and D both hold 15-29: returns the mesh, whichever of C and D the
+    router chose, and the other (its spare)."""
     mesh = InProcessMesh(smollm2)
     mesh.add("node-b", 0, 14)
     mesh.add("node-c", 15, 29)
     mesh.add("node-d", 15, 29)
-    return mesh, await _chosen(mesh, smollm2, 29)
+    chosen = await _chosen(mesh, smollm2, 29)
+    spare = next(h for h in mesh.hosts.values()
+                 if h.node_id in ("node-c", "node-d") and h is not chosen)
+    return mesh, chosen, spare
 
 
 async def test_nan_output_is_corruption_and_fails_over(smollm2, model_store, local_tokens):
-    mesh, c = await _with_spare(smollm2)
+    mesh, c, _ = await _with_spare(smollm2)
     calls = {"n": 0}
 
     def poison(t: torch.Tensor) -> torch.Tensor:
@@ -126,8 +130,7 @@ async def test_nan_output_is_corruption_and_fails_over(smollm2, model_store, loc
 
 
 async def test_two_failures_fall_back(smollm2, model_store, local_tokens):
-    mesh, c = await _with_spare(smollm2)
-    d = next(h for h in mesh.hosts.values() if h.node_id in ("node-c", "node-d") and h is not c)
+    mesh, c, d = await _with_spare(smollm2)
     c.fail_after_steps = 5
     d.fail_after_steps = 3
     orch, m = _orch(mesh, model_store)
@@ -187,8 +190,7 @@ async def test_a_busy_replacement_is_waited_for_then_passed_over(smollm2, model_
     broken: it is not suspected and not counted as the call's second failure; the call
     waits for a slot up to its timeout_s, then goes on on the local engine (no other
     replacement) without a lost token, and says why."""
-    mesh, c = await _with_spare(smollm2)
-    d = next(h for h in mesh.hosts.values() if h.node_id in ("node-c", "node-d") and h is not c)
+    mesh, c, d = await _with_spare(smollm2)
     c.fail_after_steps = 6
     d.refuse_opens = True
     orch, m = _orch(mesh, model_store)
@@ -210,8 +212,7 @@ async def test_a_spare_refusing_as_busy_is_waited_for_and_takes_over(smollm2, mo
     """C fails mid-answer; its only spare D refuses the first two opens as busy, then a
     slot frees up: the call waits for it and finishes through D — no fallback, every
     token kept, D never suspected."""
-    mesh, c = await _with_spare(smollm2)
-    d = next(h for h in mesh.hosts.values() if h.node_id in ("node-c", "node-d") and h is not c)
+    mesh, c, d = await _with_spare(smollm2)
     c.fail_after_steps = 6
     d.busy_opens = 2
     orch, m = _orch(mesh, model_store)
