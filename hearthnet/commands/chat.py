@@ -6,13 +6,11 @@ import argparse
 import json
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hearthnet.commands import positive
 from hearthnet.constants import CALL_WIRE_DTYPES
-
-if TYPE_CHECKING:  # the sampler's module loads torch: only when a chat runs
-    from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.sampling import SamplingParams
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,8 +34,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    from hearthnet.distributed_inference.sampling import SamplingParams
-
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                           stop=tuple(args.stop))
