@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from hearthnet.mesh.launcher import LocalMesh, NodeSpec
     from hearthnet.models import ModelStore
 
-    if args.runs < 1 or args.tokens < 2:
+    if args.tokens < 2:
         raise BadRequest("--runs must be ≥ 1 and --tokens ≥ 2")
     torch.set_num_threads(1)  # this process only reads streams
     entry = ModelStore().get(args.model)

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from hearthnet.mesh.launcher import LocalMesh, NodeSpec
     from hearthnet.models import ModelStore
 
-    if not 1 <= args.kill_after <= args.tokens - 8 or args.runs < 1:
+    if not 1 <= args.kill_after <= args.tokens - 8:
         raise BadRequest("--kill-after must be in 1..tokens-8 and --runs ≥ 1")
     entry = ModelStore().get(args.model)
     lower, upper = split_layers(entry.num_layers, 2)

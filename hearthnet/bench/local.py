@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
     from hearthnet.models import ModelStore
 
-    if args.runs < 1 or args.tokens < 2:
+    if args.tokens < 2:
         raise BadRequest("--runs must be ≥ 1 and --tokens ≥ 2")
     ModelStore().get(args.model)  # an unknown model: its one-line error here, not a child's
     args.weights = weights_of(args)

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from hearthnet.mesh.launcher import LocalMesh
     from hearthnet.models import ModelStore
 
-    if args.runs < 1 or args.tokens < 2 or min(args.concurrency) < 1:
+    if args.tokens < 2:
         raise BadRequest("--runs, --concurrency must be ≥ 1 and --tokens ≥ 2")
     entry = ModelStore().get(args.model)
     args.weights = weights_of(args)

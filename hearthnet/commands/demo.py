@@ -27,9 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hearthnet.distributed_inference.formats import FORMATS, head_format
+
+if TYPE_CHECKING:
+    from hearthnet.distributed_inference.sampling import SamplingParams
 
 DEFAULT_PROMPT = "In two sentences, why is it useful to share one computer's work across several?"
 MODEL = "smollm2"
@@ -145,7 +148,7 @@ def _announce(mesh: Any, specs: list[Any], root: Path, start_s: float, as_json: 
     print(f"model {MODEL} fully covered after {start_s:.1f} s\n", flush=True)
 
 
-async def _chat(uri: str, args: argparse.Namespace, sampling: Any) -> int:
+async def _chat(uri: str, args: argparse.Namespace, sampling: SamplingParams) -> int:
     from hearthnet.commands.chat import emit
     from hearthnet.mesh.bus import bus_call
     from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
