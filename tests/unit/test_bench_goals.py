@@ -1,0 +1,58 @@
+"""`hearthnet bench pipeline` checks the goals an issue set for the run's scene, and only
+those (issue 5: SmolLM2 on CPU; issue 12: qwen2.5-3b over two shards; issue 13: GPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hearthnet.bench.pipeline import GOALS, GPU_GOALS, SCALE_GOALS, _goals, goals_for, report
+
+
+def _figures(ratio: float, first_ms: float = 5000.0, overhead_p95: float = 3.0) -> dict[str, Any]:
+    d = {"ratio_to_best_local": ratio, "first_token_ms": first_ms, "construction_ms": 15.0,
+         "tokens_per_second": 3.1, "formats": {"head": "int8", "stages": ["int8", "int8"]},
+         "hops": {"overhead_p50_ms_max": 1.7, "overhead_p95_ms_max": overhead_p95,
+                  "stages": {}, "step_ms": 320.0, "stages_rtt_p50_ms_sum": 295.0,
+                  "orchestrator_ms_per_step_est": 25.0}}
+    return {"distributed": d}
+
+
+def test_each_scene_gets_its_issues_goals():
+    assert goals_for("smollm2", 2, gpu=False) == ("issue 5", GOALS)
+    assert goals_for("smollm2", 3, gpu=False) == ("issue 5", GOALS)
+    assert goals_for("qwen2.5-3b", 2, gpu=False) == ("issue 12", SCALE_GOALS)
+    assert goals_for("qwen2.5-3b", 2, gpu=True) == ("issue 13", GPU_GOALS)
+    # no issue set goals for these: nothing is reported as missed
+    assert goals_for("qwen2.5-3b", 3, gpu=False) == ("", {})
+    assert goals_for("qwen2.5-1.5b", 2, gpu=False) == ("", {})
+
+
+def test_the_3b_scene_checks_only_the_ratio_and_at_095():
+    # a 3B's first token takes seconds on CPU: issue 5's 300 ms is not its goal
+    assert _goals(_figures(0.955), SCALE_GOALS) == {
+        "ratio_to_best_local": {"measured": 0.955, "goal": 0.95, "met": True}}
+    assert not _goals(_figures(0.94), SCALE_GOALS)["ratio_to_best_local"]["met"]
+
+
+def test_smollm2_scene_checks_issue_5s_four_goals_with_their_directions():
+    g = _goals(_figures(0.9, first_ms=250.0, overhead_p95=2.5), GOALS)
+    assert {k: v["met"] for k, v in g.items()} == {
+        "ratio_to_best_local": True, "first_token_ms": True, "construction_ms": True,
+        "overhead_p95_ms": False}
+
+
+def test_report_names_the_issue_or_says_none_is_set():
+    f = _figures(0.955)
+    f.update({"model": "qwen2.5-3b", "model_id": "hearthnet-synthetic/qwen2.5-3b",
+              "shards": 2, "layer_split": [[0, 17], [18, 35]], "tokens": 32, "runs": 3,
+              "settings": {"weights": "int8", "local_torch_threads": 2,
+                           "node_torch_threads": 2},
+              "local": {"tokens_per_second": 3.24, "first_token_ms": 7000.0,
+                        "tokens_per_second_1_thread": 2.09},
+              "local_memory": {"peak_rss_mb": 3850.0}, "node_memory": {},
+              "concurrency": [], "concurrency_goals": {}, "tokens_match_local": {"fp16": True},
+              "results_file": "x.json", "goals_source": "issue 12"})
+    f["goals"] = _goals(f, SCALE_GOALS)
+    assert "goals: (issue 12) ratio_to_best_local 0.955 (met, goal 0.95)\n" in report(f)
+    f.update(model="qwen2.5-1.5b", goals={}, goals_source="")
+    assert "goals: none set for qwen2.5-1.5b over 2 shards on this device\n" in report(f)
