@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from hearthnet.bench import PROMPTS, machine, median, percentile, table, write_results
-from hearthnet.commands import positive
-from hearthnet.errors import BadRequest, HearthNetError
+from hearthnet.commands import decode_tokens, positive
+from hearthnet.errors import HearthNetError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """Options of `hearthnet bench api`."""
     p.add_argument("--model", default="smollm2", help="model alias in the store")
-    p.add_argument("--tokens", type=positive, default=64, help="tokens per chat (default 64)")
+    p.add_argument("--tokens", type=decode_tokens, default=64, help="tokens per chat (default 64)")
     p.add_argument("--runs", type=positive, default=3, help="measured runs per path (median)")
     p.add_argument("--prompt", default=PROMPTS[0])
     p.add_argument("--results-dir", default="bench-results",
@@ -98,8 +98,6 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from hearthnet.mesh.launcher import LocalMesh, NodeSpec
     from hearthnet.models import ModelStore
 
-    if args.tokens < 2:
-        raise BadRequest("--runs must be ≥ 1 and --tokens ≥ 2")
     torch.set_num_threads(1)  # this process only reads streams
     entry = ModelStore().get(args.model)
     half = entry.num_layers // 2

@@ -45,7 +45,7 @@ from hearthnet.bench import (
     write_results,
 )
 from hearthnet.bench.local import weights_of
-from hearthnet.commands import positive
+from hearthnet.commands import decode_tokens, positive
 from hearthnet.constants import WIRE_DTYPES
 from hearthnet.distributed_inference.formats import FORMATS, head_format
 from hearthnet.errors import BadRequest, HearthNetError
@@ -82,7 +82,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="held format of the shards, the orchestrator's head and the local "
                         "baseline (default fp32)")
     p.add_argument("--shards", type=positive, default=2, help="shard nodes (even layer split)")
-    p.add_argument("--tokens", type=positive, default=64, help="tokens generated per chat")
+    p.add_argument("--tokens", type=decode_tokens, default=64, help="tokens generated per chat")
     p.add_argument("--runs", type=positive, default=3, help="measured runs (median; default 3)")
     p.add_argument("--concurrency", type=positive, nargs="+", default=[1, 2, 4],
                    help="concurrent chats for the aggregate figure (default 1 2 4; issue "
@@ -132,8 +132,6 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from hearthnet.mesh.launcher import LocalMesh
     from hearthnet.models import ModelStore
 
-    if args.tokens < 2:
-        raise BadRequest("--runs, --concurrency must be ≥ 1 and --tokens ≥ 2")
     entry = ModelStore().get(args.model)
     args.weights = weights_of(args)
     ranges = split_layers(entry.num_layers, args.shards)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from hearthnet.bench.pipeline import GOALS, GPU_GOALS, SCALE_GOALS, _goals, goals_for, report
 
 
@@ -56,3 +58,17 @@ def test_report_names_the_issue_or_says_none_is_set():
     assert "goals: (issue 12) ratio_to_best_local 0.955 (met, goal 0.95)\n" in report(f)
     f.update(model="qwen2.5-1.5b", goals={}, goals_source="")
     assert "goals: none set for qwen2.5-1.5b over 2 shards on this device\n" in report(f)
+
+
+@pytest.mark.parametrize("bench", ["local", "pipeline", "api"])
+def test_a_decode_rate_needs_two_tokens_a_usage_error_before_anything_starts(bench, capsys):
+    from hearthnet.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", bench, "--tokens", "1"])
+    assert e.value.code == 2
+    assert "argument --tokens: must be ≥ 2, not 1" in capsys.readouterr().err
+    assert build_parser().parse_args(["bench", bench, "--tokens", "2"]).tokens == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", bench, "--runs", "0"])
+    assert "argument --runs: must be ≥ 1, not 0" in capsys.readouterr().err
