@@ -45,6 +45,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "or synthetic model)")
     p.add_argument("--weights", default="fp32", choices=FORMATS,
                    help="held format of layers and head (default fp32; int4: head int8)")
+    p.add_argument("--against", choices=FORMATS, default=None,
+                   help="also run the whole model held in this format, in its own fresh "
+                        "process, and report the decode speed-up over it (issue 12: "
+                        "--weights int8 --against fp32)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                    help="which parts to measure (default all; `full` is always measured)")
     p.add_argument("--tokens", type=decode_tokens, default=64, help="tokens generated per run")
@@ -94,9 +98,36 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "parts": parts})
     figures["device_name"] = full.get("device_name", "cpu")
     figures["int8_kernel"] = full["int8_kernel"]
+    if args.against:
+        other = _child(args, "full", weights=args.against)
+        tps = round(median(other["decode_tokens_per_s"]), 2)
+        figures["against"] = {"weights": args.against, "decode_tokens_per_s": tps,
+                              "runs_detail": other["decode_tokens_per_s"],
+                              "param_mb": other["param_mb"],
+                              "peak_rss_mb": other["memory"]["peak_rss_mb"]}
+        figures["decode_speedup"] = round(figures["decode_tokens_per_s"] / tps, 2) \
+            if tps else None
+    source, goals = goals_for(args.model, args.weights, args.against, args.device)
+    figures["goals_source"] = source
+    figures["goals"] = {k: {"measured": figures["decode_speedup"], "goal": g,
+                            "met": (figures["decode_speedup"] or 0.0) >= g}
+                        for k, g in goals.items()}
     name = "local" if args.device == "cpu" else f"local-{args.device.replace(':', '')}"
     figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
     return figures, report(figures)
+
+
+SCALE_GOALS = {"decode_speedup": 2.5}
+"""Issue 12's goal: int8 decode of the qwen2.5-1.5b shape at least 2.5× the fp32 decode."""
+
+
+def goals_for(model: str, weights: str, against: str | None, device: str
+              ) -> tuple[str, dict[str, float]]:
+    """The goals a run is checked against and the issue that set them; ("", {}) where no
+    issue set one."""
+    if (model, weights, against, device) == ("qwen2.5-1.5b", "int8", "fp32", "cpu"):
+        return "issue 12", SCALE_GOALS
+    return "", {}
 
 
 def weights_of(args: argparse.Namespace) -> str:
@@ -111,10 +142,12 @@ def _label(part: str, res: dict[str, Any]) -> str:
     return part
 
 
-def _child(args: argparse.Namespace, part: str, prompt_tokens: int = 0) -> dict[str, Any]:
+def _child(args: argparse.Namespace, part: str, prompt_tokens: int = 0,
+           weights: str | None = None) -> dict[str, Any]:
+    """Measure `part` in a fresh process, with the run's format or `weights`."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "hearthnet.bench.local", "--part", part,
-           "--model", args.model, "--weights", weights_of(args),
+           "--model", args.model, "--weights", weights or weights_of(args),
            "--tokens", str(args.tokens), "--runs", str(args.runs),
            "--threads", str(args.threads), "--prompt", args.prompt,
            "--prompt-tokens", str(prompt_tokens), "--device", args.device,
@@ -154,7 +187,21 @@ def report(f: dict[str, Any]) -> str:
             f"{' (' + f['int8_kernel'] + ' kernel)' if f['weights'] == 'int8' else ''} "
             f"({f['parts']['full']['param_mb']} MB held) on "
             f"{f.get('device_name', 'cpu')}\n{t}\n"
-            f"first token {f['first_token_ms']:.1f} ms; written to {f['results_file']}")
+            f"first token {f['first_token_ms']:.1f} ms; written to {f['results_file']}"
+            f"{_against_line(f)}")
+
+
+def _against_line(f: dict[str, Any]) -> str:
+    """The `--against` comparison and its goal, if any, for the report."""
+    if "against" not in f:
+        return ""
+    a = f["against"]
+    line = (f"\nagainst {a['weights']} (own process, {a['param_mb']} MB held, peak RSS "
+            f"{a['peak_rss_mb']} MiB): {a['decode_tokens_per_s']} tok/s; decode "
+            f"{f['decode_speedup']}× {a['weights']}")
+    goals = ", ".join(f"{k} {g['measured']} ({'met' if g['met'] else 'MISSED'}, goal "
+                      f"{g['goal']})" for k, g in f["goals"].items())
+    return line + (f"; goals ({f['goals_source']}): {goals}" if goals else "")
 
 
 # ---------------------------------------------------------------------------------------

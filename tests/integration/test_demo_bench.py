@@ -135,13 +135,20 @@ def test_bench_local_refuses_an_unknown_model_in_one_line(smollm2, tmp_path):
 
 
 def test_bench_local_measures_each_part_in_its_own_process(smollm2, tmp_path):
-    f = _bench(["local", "--model", "smollm2", "--tokens", "8", "--runs", "3"], tmp_path)
+    f = _bench(["local", "--model", "smollm2", "--tokens", "8", "--runs", "3",
+                "--against", "int8"], tmp_path)
     assert f["prefill_ms"] > 0 and f["decode_tokens_per_s"] > 0
     assert len(f["runs_detail"]["decode_tokens_per_s"]) == 3
     mem = f["memory_mb"]
     assert set(mem) == {"full", "layers_0_14", "layers_15_29", "head", "runtime"}
     pids = {p["pid"] for p in f["parts"].values()}
     assert len(pids) == 5 and os.getpid() not in pids  # five fresh processes
+    # --against: the whole model once more, int8, in a sixth process (issue 12's ratio)
+    a = f["against"]
+    assert a["weights"] == "int8" and len(a["runs_detail"]) == 3
+    assert a["param_mb"] < f["parts"]["full"]["param_mb"] / 3  # int8 against fp32 weights
+    assert f["decode_speedup"] == round(f["decode_tokens_per_s"] / a["decode_tokens_per_s"], 2)
+    assert f["goals"] == {} and f["goals_source"] == ""  # no issue set one for SmolLM2
     peak = {k: v["peak_rss_mb"] for k, v in mem.items()}
     # a half holds half the layers and no head: less than the whole; all more than bare
     assert peak["runtime"] < peak["layers_0_14"] < peak["full"]

@@ -72,3 +72,22 @@ def test_a_decode_rate_needs_two_tokens_a_usage_error_before_anything_starts(ben
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", bench, "--runs", "0"])
     assert "argument --runs: must be ≥ 1, not 0" in capsys.readouterr().err
+
+
+def test_bench_local_checks_issue_12s_int8_speedup_only_in_its_scene():
+    from hearthnet.bench.local import SCALE_GOALS as LOCAL_GOALS
+    from hearthnet.bench.local import _against_line
+    from hearthnet.bench.local import goals_for as local_goals_for
+
+    assert local_goals_for("qwen2.5-1.5b", "int8", "fp32", "cpu") == ("issue 12", LOCAL_GOALS)
+    assert LOCAL_GOALS == {"decode_speedup": 2.5}
+    for other in [("qwen2.5-1.5b", "int8", None, "cpu"), ("qwen2.5-1.5b", "bf16", "fp32", "cpu"),
+                  ("qwen2.5-3b", "int8", "fp32", "cpu"), ("qwen2.5-1.5b", "int8", "fp32", "cuda")]:
+        assert local_goals_for(*other) == ("", {})
+    f = {"against": {"weights": "fp32", "decode_tokens_per_s": 1.24, "param_mb": 5616.0,
+                     "peak_rss_mb": 6350.0}, "decode_speedup": 3.27, "goals_source": "issue 12",
+         "goals": {"decode_speedup": {"measured": 3.27, "goal": 2.5, "met": True}}}
+    assert _against_line(f) == (
+        "\nagainst fp32 (own process, 5616.0 MB held, peak RSS 6350.0 MiB): 1.24 tok/s; "
+        "decode 3.27× fp32; goals (issue 12): decode_speedup 3.27 (met, goal 2.5)")
+    assert _against_line({}) == ""
