@@ -18,8 +18,8 @@ from typing import Any
 
 from hearthnet.stats import median, percentile
 
-__all__ = ["PROMPTS", "RESULTS_DIR", "machine", "median", "percentile", "table",
-           "write_results"]
+__all__ = ["PROMPTS", "RESULTS_DIR", "goals_text", "machine", "median", "percentile",
+           "table", "write_results"]
 
 RESULTS_DIR = Path("bench-results")
 
@@ -65,6 +65,12 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def goals_text(goals: dict[str, Any]) -> str:
+    """A report's line of checked goals: ``name measured (met|MISSED, goal g), …``."""
+    return ", ".join(f"{k} {g['measured']} ({'met' if g['met'] else 'MISSED'}, goal "
+                     f"{g['goal']})" for k, g in goals.items())
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hearthnet.bench import PROMPTS, median, percentile, table
+from hearthnet.bench import PROMPTS, goals_text, median, percentile, table
 from hearthnet.errors import HearthNetError
 
 GOALS = {"aggregate_ratio_min": 4.0, "itl_p95_ratio_max": 2.0, "at_concurrency": 8}
@@ -210,7 +210,5 @@ def report(levels: list[dict[str, Any]], goal: dict[str, Any]) -> str:
         lines.append("first divergence from solo (token index): " + ", ".join(
             f"{c} chats {d}" for c, d in diverged))
     if goal:
-        lines.append("concurrency goals: " + ", ".join(
-            f"{k} {g['measured']} ({'met' if g['met'] else 'MISSED'}, goal {g['goal']})"
-            for k, g in goal.items()))
+        lines.append("concurrency goals: " + goals_text(goal))
     return "\n".join(lines)

@@ -36,6 +36,7 @@ from typing import Any
 from hearthnet.bench import (
     PROMPTS,
     concurrency,
+    goals_text,
     machine,
     median,
     pid_memory,
@@ -376,9 +377,7 @@ def report(f: dict[str, Any]) -> str:
                 for sid, s in d["hops"]["stages"].items()])
     goals = f"none set for {f['model']} over {f['shards']} shards on this device"
     if f["goals"]:
-        goals = f"({f['goals_source']}) " + ", ".join(
-            f"{k} {g['measured']} ({'met' if g['met'] else 'MISSED'}, goal {g['goal']})"
-            for k, g in f["goals"].items())
+        goals = f"({f['goals_source']}) {goals_text(f['goals'])}"
     mem = ", ".join(f"{n} {m['peak_rss_mb']} MiB" for n, m in f["node_memory"].items())
     return (f"bench pipeline: {f['model_id']}, {f['shards']} shards {f['layer_split']}, "
             f"weights {f['settings']['weights']} (done frame: {d['formats']}), "
