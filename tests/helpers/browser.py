@@ -12,8 +12,10 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import os
 import shutil
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -39,14 +41,24 @@ class Browser:
         if exe is None:
             raise RuntimeError("chromium is not installed")
         profile.mkdir(parents=True, exist_ok=True)
+        # chromium's own temp files (its singleton socket's folder, which it leaves behind
+        # when terminated) go into a folder of ours, removed by `close`; a short path: a
+        # Unix socket's path must fit in 108 bytes, which tmp_path's may not
+        self.tmp = Path(tempfile.mkdtemp(prefix="hn-chromium-"))
         self.proc = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={profile}",
                                       "about:blank"], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
-        port = self._port(profile / "DevToolsActivePort", timeout)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
-            pages = [t for t in json.loads(r.read()) if t.get("type") == "page"]
-        self.ws: ClientConnection = connect(pages[0]["webSocketDebuggerUrl"],
-                                            max_size=64 * 1024 * 1024, proxy=None)
+                                     stderr=subprocess.DEVNULL, start_new_session=True,
+                                     env=dict(os.environ, TMPDIR=str(self.tmp)))
+        try:
+            port = self._port(profile / "DevToolsActivePort", timeout)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list",
+                                        timeout=10) as r:
+                pages = [t for t in json.loads(r.read()) if t.get("type") == "page"]
+            self.ws: ClientConnection = connect(pages[0]["webSocketDebuggerUrl"],
+                                                max_size=64 * 1024 * 1024, proxy=None)
+        except BaseException:
+            self._stop()  # no chromium and no temp folder outlive a failed start
+            raise
         self._ids = itertools.count(1)
 
     def _port(self, path: Path, timeout: float) -> int:
@@ -70,12 +82,17 @@ class Browser:
         try:
             self.ws.close()
         finally:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self._stop()
+
+    def _stop(self) -> None:
+        """End chromium (terminate, then kill) and remove its temp folder."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def send(self, method: str, **params: Any) -> dict[str, Any]:
         """One CDP command; returns its result (events in between are skipped)."""

@@ -154,12 +154,14 @@ class NetnsLan:
             _ip("-n", n.ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
 
     def down(self) -> None:
-        """Kill every process in the namespaces, delete them and the bridge (idempotent)."""
+        """Kill every process in the namespaces, delete them and the bridge, and remove the
+        LAN's folder (configs, keys, node data and logs) (idempotent)."""
         for n in self.nodes.values():
             self.kill_host(n.spec.node_id)
             _ip("netns", "del", n.ns, check=False)  # takes the veth pair with it
             _ip("link", "del", n.veth, check=False)
         _ip("link", "del", self.bridge, check=False)
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def cut(self, node_id: str) -> None:
         """Pull the host's cable: its veth goes down on the bridge side."""
@@ -178,12 +180,12 @@ class NetnsLan:
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         for i in ids:
             n = self.nodes[i]
-            log = (self.root / f"{i}.log").open("a")
-            n.proc = subprocess.Popen(
-                self.exec_args(i, sys.executable, "-m", "hearthnet.cli", "node", "--config",
-                               str(n.config)),
-                stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-                start_new_session=True)
+            with (self.root / f"{i}.log").open("a") as log:  # the child keeps its own copy
+                n.proc = subprocess.Popen(
+                    self.exec_args(i, sys.executable, "-m", "hearthnet.cli", "node",
+                                   "--config", str(n.config)),
+                    stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                    start_new_session=True)
         for i in ids:
             self._wait_ready(self.nodes[i], timeout)
 

@@ -33,6 +33,7 @@ def lan(netns_ok, smollm2):
         yield net
     finally:
         net.down()
+        assert not net.root.exists()  # nothing of the LAN is left in the temp folder
 
 
 def test_nodes_find_each_other_without_peers(lan):

@@ -49,6 +49,7 @@ def lan(netns_ok, smollm2):
         yield net
     finally:
         net.down()
+        assert not net.root.exists()  # nothing of the LAN is left in the temp folder
 
 
 def _chat(lan: NetnsLan, on_token: Callable[[int, list[dict[str, Any]]], None] | None = None
