@@ -169,7 +169,7 @@ class HearthNetClient:
 
         `messages` is a list of ``{"role", "content"}`` or one user prompt. `params` are
         the spec's call parameters (``fallback_to_local``, ``wire_dtype``, ``timeout_s``,
-        ``max_shards``).
+        ``max_shards``, ``weights``: which shard formats the call accepts, issue 12).
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]

@@ -146,10 +146,11 @@ def _seed(v: Any) -> int | None:
 
 
 def _extension(v: Any) -> dict[str, Any]:
-    """The request's own ``hearthnet`` field: wire_dtype, fallback_to_local, timeout_s."""
+    """The request's own ``hearthnet`` field: wire_dtype, fallback_to_local, timeout_s,
+    max_shards, weights (the shard formats the call accepts, issue 12)."""
     if v is None:
         return {}
-    allowed = {"wire_dtype", "fallback_to_local", "timeout_s", "max_shards"}
+    allowed = {"wire_dtype", "fallback_to_local", "timeout_s", "max_shards", "weights"}
     if not isinstance(v, dict) or set(v) - allowed:
         raise BadRequest(f"hearthnet must be an object with keys from {sorted(allowed)}",
                          param="hearthnet")

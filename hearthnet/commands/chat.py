@@ -10,6 +10,7 @@ from typing import Any
 
 from hearthnet.commands import positive
 from hearthnet.constants import CALL_WIRE_DTYPES
+from hearthnet.distributed_inference.formats import EXACT, HELD_FORMATS
 from hearthnet.distributed_inference.sampling import SamplingParams
 
 
@@ -28,6 +29,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--wire-dtype", choices=list(CALL_WIRE_DTYPES), default=None,
                    help="hidden-state wire dtype (default: the node's activation_dtype, auto)")
+    p.add_argument("--weights", choices=[*HELD_FORMATS, EXACT], default=None,
+                   help="which shard formats the call accepts: a minimum format, or exact "
+                        "(only the node's own head format); default int8 (issue 12)")
     p.add_argument("--json", action="store_true", help="one JSON object per frame")
     p.add_argument("--threads", type=positive, default=2, help="torch threads in this process")
     p.set_defaults(func=_run)

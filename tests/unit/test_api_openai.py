@@ -238,3 +238,21 @@ def test_parse_rejects_bad_values_before_work():
                  "hearthnet": {"evil": 1}}):
         with pytest.raises(BadRequest):
             parse_chat_request(bad, lim)
+
+
+def test_the_weights_policy_rides_in_the_hearthnet_field_and_the_node_checks_it():
+    """Issue 12 §2's call param `weights` from a host app: which shard formats it accepts."""
+    from hearthnet.distributed_inference.request import DistributedChatParams
+
+    lim = Limits(max_messages=2, max_tokens=16)
+    msgs = [{"role": "user", "content": "hi"}]
+    for policy in ("exact", "bf16", "int8"):
+        args = parse_chat_request({"model": "m", "messages": msgs,
+                                   "hearthnet": {"weights": policy}}, lim).args
+        assert args["params"]["weights"] == policy
+        assert DistributedChatParams.from_dict(args["params"],
+                                               DistributedChatParams()).weights == policy
+    args = parse_chat_request({"model": "m", "messages": msgs,
+                               "hearthnet": {"weights": "int3"}}, lim).args
+    with pytest.raises(BadRequest, match="weights must be 'exact' or a minimum format"):
+        DistributedChatParams.from_dict(args["params"], DistributedChatParams())
