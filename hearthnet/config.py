@@ -157,8 +157,8 @@ class HostSection(_Section):
 class AutoSection(_Section):
     """``[research.distributed_inference.auto]``: automatic hosting (``shards = "auto"``).
 
-    See `hearthnet.distributed_inference.placement` for the rules and
-    `hearthnet.distributed_inference.autohost` for the daemon's side (issue 17).
+    See `hearthnet.distributed_inference.placement.planner` for the rules and
+    `hearthnet.distributed_inference.placement.autohost` for the daemon's side (issue 17).
     """
 
     memory_mb: Annotated[int, Field(ge=0)] = 0  # layer budget; 0 = host.shard_max_vram_mb

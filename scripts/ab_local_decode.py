@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.local import LocalEngine, LocalTimings
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.models import ModelStore
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

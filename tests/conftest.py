@@ -37,8 +37,8 @@ def repo_root() -> Path:
 def local_answer(smollm2):
     """`local_answer(prompt, n)`: the local engine's greedy token ids — the reference every
     distributed answer must match. One engine and one answer per (prompt, n) per run."""
-    from hearthnet.distributed_inference.local import LocalEngine
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine.local import LocalEngine
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
 
     engine = LocalEngine(smollm2)
     cache: dict[tuple[str, int], list[int]] = {}

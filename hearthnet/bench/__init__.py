@@ -51,7 +51,7 @@ def _accelerator(device: str) -> dict[str, Any]:
     import torch
     import transformers
 
-    from hearthnet.distributed_inference.backends.device import device_info, resolve_device
+    from hearthnet.distributed_inference.engine.device import device_info, resolve_device
 
     info = device_info(resolve_device(device))
     return {"device": info, "cuda": torch.version.cuda, "transformers": transformers.__version__}

@@ -46,7 +46,7 @@ def _figures(t0: float, arrivals: list[float]) -> dict[str, float]:
 
 
 async def _via_bus(uri: str, args: argparse.Namespace) -> dict[str, float]:
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
     from hearthnet.mesh.bus import bus_call
     from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 

@@ -44,7 +44,7 @@ _P = "hearthnet_distributed_inference_"
 async def timed_chat(uri: str, prompt: str, model: str, tokens: int,
                      **params: Any) -> dict[str, Any]:
     """One greedy chat: its token ids, the arrival time of each token, its `done` frame."""
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
     from hearthnet.mesh.bus import bus_call
     from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 async def _stream(uri: str, a: argparse.Namespace, on_token: Any = None
                   ) -> tuple[list[tuple[float, dict[str, Any]]], float]:
     """One chat; (frames with their arrival times, start time). `on_token(n)` after each."""
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
     from hearthnet.mesh.bus import bus_call
     from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 

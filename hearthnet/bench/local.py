@@ -34,7 +34,7 @@ from hearthnet.bench import (
     write_results,
 )
 from hearthnet.commands import decode_tokens, positive
-from hearthnet.distributed_inference.formats import FORMATS, head_format
+from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
 from hearthnet.errors import HearthNetError
 
 PARTS = ("runtime", "head", "lower", "upper", "full")
@@ -208,10 +208,10 @@ def _against_line(f: dict[str, Any]) -> str:
 
 
 def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
-    from hearthnet.distributed_inference.backends import quant
-    from hearthnet.distributed_inference.backends.device import device_info
-    from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine import quant
+    from hearthnet.distributed_inference.engine.device import device_info
+    from hearthnet.distributed_inference.engine.local import LocalEngine, LocalTimings
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
 
     engine = LocalEngine(entry, a.weights, head_weights=head_format(a.weights),
                          device=a.device, cuda_graphs=not a.no_cuda_graphs)
@@ -252,8 +252,8 @@ def _memory(device: Any) -> dict[str, float]:
 def _measure_layers(entry: Any, lo: int, hi: int, a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from hearthnet.distributed_inference.backends.device import sync
-    from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
+    from hearthnet.distributed_inference.engine.device import sync
+    from hearthnet.distributed_inference.engine.layers import LayeredStack
 
     stack = LayeredStack(entry, lo, hi, a.weights, device=a.device,
                          cuda_graphs=not a.no_cuda_graphs)
@@ -289,7 +289,7 @@ def _measure_layers(entry: Any, lo: int, hi: int, a: argparse.Namespace) -> dict
 
 
 def _measure_head(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
-    from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
+    from hearthnet.distributed_inference.engine.head import LayeredHead
 
     head = LayeredHead(entry, head_format(a.weights), a.device)
     out: dict[str, Any] = {"param_mb": round(head.param_bytes() / 2**20, 1)}
@@ -326,8 +326,8 @@ def child_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import torch
 
-    import hearthnet.distributed_inference.backends.small_model_layered  # noqa: F401
-    from hearthnet.distributed_inference.backends.device import resolve_device
+    import hearthnet.distributed_inference.engine.layers  # noqa: F401
+    from hearthnet.distributed_inference.engine.device import resolve_device
     from hearthnet.models import ModelStore
 
     torch.set_num_threads(a.threads)

@@ -48,7 +48,7 @@ from hearthnet.bench import (
 from hearthnet.bench.local import weights_of
 from hearthnet.commands import decode_tokens, positive
 from hearthnet.constants import WIRE_DTYPES
-from hearthnet.distributed_inference.formats import FORMATS, head_format
+from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
 from hearthnet.errors import BadRequest, HearthNetError
 
 GOALS = {"ratio_min": 0.85, "first_token_ms_max": 300.0, "construction_ms_max": 100.0,
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Start the mesh, measure, stop it; returns (figures, report)."""
     import torch
 
-    from hearthnet.distributed_inference.local import LocalEngine
+    from hearthnet.distributed_inference.engine.local import LocalEngine
     from hearthnet.mesh.launcher import LocalMesh
     from hearthnet.models import ModelStore
 
@@ -218,7 +218,7 @@ def _log_tails(root: Path, chars: int = 2000) -> str:
 async def chat_frames(uri: str, prompt: str, model: str, tokens: int,
                       **params: Any) -> tuple[list[dict[str, Any]], float]:
     """One greedy chat through the node at `uri`: (its frames, wall seconds)."""
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
     from hearthnet.mesh.bus import bus_call
     from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 
@@ -236,8 +236,8 @@ def token_ids(frames: list[dict[str, Any]]) -> list[int]:
 
 
 def _local_run(engine: Any, prompt: str, tokens: int) -> tuple[list[int], dict[str, float]]:
-    from hearthnet.distributed_inference.local import LocalTimings
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine.local import LocalTimings
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
 
     t = LocalTimings()
     ids = [ev.token_id for ev in engine.generate([{"role": "user", "content": prompt}],

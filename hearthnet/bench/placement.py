@@ -7,7 +7,7 @@ memory budget (``--threads``, ``--budgets-mb``):
 1. **equal**: the layers split by hand into three equal ranges, host 1 first;
 2. **auto**: every host says ``shards = "auto"`` with its budget; ``node-o`` (the steward)
    puts the model on the served-model list and the hosts choose their ranges from their
-   measured speeds (`hearthnet.distributed_inference.placement`).
+   measured speeds (`hearthnet.distributed_inference.placement.planner`).
 
 Per mesh: one warm-up chat, then ``--runs`` greedy chats of ``--tokens`` tokens through
 ``node-o``; reported: the split, each host's measured speed (automatic mesh) and the median
@@ -138,7 +138,7 @@ def _wait_split(mesh: Any, timeout: float = 180.0) -> dict[str, list[list[int]]]
 
 
 async def _chats(uri: str, a: argparse.Namespace) -> tuple[list[float], list[str]]:
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
     from hearthnet.mesh.bus import bus_call
     from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from hearthnet.bench import machine, table, write_results
 from hearthnet.commands import positive
-from hearthnet.distributed_inference.formats import HELD_FORMATS, head_format
+from hearthnet.distributed_inference.directory.formats import HELD_FORMATS, head_format
 
 TEXT = Path(__file__).parent / "data" / "quality.txt"
 
@@ -49,10 +49,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Score every format against fp32; returns (figures, report)."""
     import torch
 
-    from hearthnet.distributed_inference.backends.small_model_layered import (
-        LayeredHead,
-        LayeredStack,
-    )
+    from hearthnet.distributed_inference.engine.head import LayeredHead
+    from hearthnet.distributed_inference.engine.layers import LayeredStack
     from hearthnet.models import ModelStore
 
     torch.set_num_threads(args.threads)

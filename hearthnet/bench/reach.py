@@ -28,7 +28,7 @@ from hearthnet.bench import (
     write_results,
 )
 from hearthnet.commands import positive
-from hearthnet.distributed_inference.formats import FORMATS, head_format
+from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -47,9 +47,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def model_bytes(entry: Any, weights: str) -> int:
     """Bytes of the whole model held as `weights` (layers in `weights`, head as a head)."""
-    from hearthnet.distributed_inference.backends.memory import layer_weight_bytes
-    from hearthnet.distributed_inference.backends.quant import held_nbytes
-    from hearthnet.distributed_inference.formats import resolve_format
+    from hearthnet.distributed_inference.directory.formats import resolve_format
+    from hearthnet.distributed_inference.engine.memory import layer_weight_bytes
+    from hearthnet.distributed_inference.engine.quant import held_nbytes
     from hearthnet.models.hashing import read_safetensors_header
 
     fmt = resolve_format(weights, entry.dtype)

@@ -10,8 +10,8 @@ from typing import Any
 
 from hearthnet.commands import positive
 from hearthnet.constants import CALL_WIRE_DTYPES
-from hearthnet.distributed_inference.formats import EXACT, HELD_FORMATS
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.directory.formats import EXACT, HELD_FORMATS
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace, messages: list[dict[str, str]],
                params: SamplingParams) -> int:
-    from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
+    from hearthnet.distributed_inference.engine.local import LocalEngine, LocalTimings
     from hearthnet.models import ModelStore
 
     engine = LocalEngine(ModelStore().get(args.model))

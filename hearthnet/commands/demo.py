@@ -29,10 +29,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from hearthnet.distributed_inference.formats import FORMATS, head_format
+from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
 
 if TYPE_CHECKING:
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
 
 DEFAULT_PROMPT = "In two sentences, why is it useful to share one computer's work across several?"
 MODEL = "smollm2"
@@ -67,8 +67,8 @@ def _say(text: str, as_json: bool) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from hearthnet.distributed_inference.generation import PromptLimits
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine.generation import PromptLimits
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
     from hearthnet.mesh.launcher import LocalMesh, NodeSpec
     from hearthnet.models import ModelStore
 

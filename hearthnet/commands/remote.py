@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from hearthnet.errors import ConnectionLost
 
 if TYPE_CHECKING:
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
 
 
 def node_uri(config_path: str) -> str:

@@ -1,7 +1,7 @@
 """`hearthnet models serve|unserve|served MODEL --config FILE`: the served-model list.
 
 The community's list of models it serves lives in the event log
-(`hearthnet.distributed_inference.community`); automatic hosts (``shards = "auto"``)
+(`hearthnet.distributed_inference.placement.community`); automatic hosts (``shards = "auto"``)
 cover the models on it. Only a node whose member list gives it trust ``steward`` may edit
 it; the command asks the configured node through its loopback admin listener.
 """

@@ -24,7 +24,7 @@ Event types. The log knows no event semantics of its own: the module that owns a
 registers an `EventType` in `EVENT_TYPES` (the registry other checks — allow-lists, size
 limits, trust — hang off too). A type's optional ``subject(payload)`` names what the event
 is about; an event is *superseded* by a later event of the same origin with the same
-subject (the shard events of `hearthnet.distributed_inference.descriptors` use the shard
+subject (the shard events of `hearthnet.distributed_inference.directory.descriptors` use the shard
 id, so a re-advertisement supersedes the previous one). Types that share a subject
 namespace supersede each other.
 

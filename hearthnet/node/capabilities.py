@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hearthnet.distributed_inference.sampling import SamplingParams
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
 
 CHAT_CAPABILITY = "experimental.distributed_llm.chat"
 SERVED_MODELS_CAPABILITY = "hearthnet.admin.models_served"  # admin listener only (issue 17)

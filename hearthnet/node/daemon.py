@@ -44,29 +44,29 @@ from websockets.http11 import Request, Response
 from hearthnet.background import detach
 from hearthnet.config import NodeConfig
 from hearthnet.constants import CloseCode
-from hearthnet.distributed_inference.autohost import AutoHost
-from hearthnet.distributed_inference.backends.device import resolve_device
-from hearthnet.distributed_inference.community import (
-    SERVED_MODELS,
-    PlacementView,
-    ServedModel,
-    served_payload,
-)
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     ADVERTISED,
     WITHDRAWN,
     advertisement_payload,
     make_shard_id,
     withdrawal_payload,
 )
-from hearthnet.distributed_inference.generation import PromptLimits
-from hearthnet.distributed_inference.health import ShardHealthTracker
-from hearthnet.distributed_inference.liveness import HostLiveness
-from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
-from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
-from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
-from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
-from hearthnet.distributed_inference.store import ShardStore
+from hearthnet.distributed_inference.directory.health import ShardHealthTracker
+from hearthnet.distributed_inference.directory.liveness import HostLiveness
+from hearthnet.distributed_inference.directory.routing import RoutingSettings, ShardRouter
+from hearthnet.distributed_inference.directory.store import ShardStore
+from hearthnet.distributed_inference.engine.device import resolve_device
+from hearthnet.distributed_inference.engine.generation import PromptLimits
+from hearthnet.distributed_inference.orchestrator.pipeline import PipelineOrchestrator
+from hearthnet.distributed_inference.orchestrator.request import ChatRequest, DistributedChatParams
+from hearthnet.distributed_inference.placement.autohost import AutoHost
+from hearthnet.distributed_inference.placement.community import (
+    SERVED_MODELS,
+    PlacementView,
+    ServedModel,
+    served_payload,
+)
+from hearthnet.distributed_inference.shard.server import ShardServer, ShardSettings
 from hearthnet.errors import (
     AuthError,
     BadRequest,

@@ -30,13 +30,13 @@ from typing import Any
 
 from hearthnet.config import NodeConfig, load_config
 from hearthnet.constants import CloseCode
-from hearthnet.distributed_inference.community import SERVED_MODELS
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     ADVERTISED,
     WITHDRAWN,
     parse_advertisement,
     parse_withdrawal,
 )
+from hearthnet.distributed_inference.placement.community import SERVED_MODELS
 from hearthnet.errors import AuthError, ConfigError, PeerDataError, Refused
 from hearthnet.mesh.eventlog import EVENT_TYPES, Event, canonical_bytes
 from hearthnet.observability import Metrics, get_logger

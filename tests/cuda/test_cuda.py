@@ -13,14 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hearthnet.distributed_inference.backends.device import Staging
-from hearthnet.distributed_inference.backends.small_model_layered import (
-    LayeredHead,
-    LayeredStack,
-)
-from hearthnet.distributed_inference.local import LocalEngine
-from hearthnet.distributed_inference.sampling import SamplingParams
-from hearthnet.distributed_inference.shard import OpenRequest, ShardServer, ShardSettings
+from hearthnet.distributed_inference.engine.device import Staging
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.engine.local import LocalEngine
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.shard.server import OpenRequest, ShardServer, ShardSettings
 from hearthnet.errors import ShardUnavailable
 from tests.helpers.faults import FaultyStack
 from tests.helpers.scripted_stream import ScriptedStream, Step

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hearthnet.distributed_inference.shard import OpenRequest, ShardServer
+from hearthnet.distributed_inference.shard.server import OpenRequest, ShardServer
 
 MODES = ("exit", "nan", "garbage", "wrong_shape", "slow", "hang", "close_mid_frame")
 """The misbehaviours a caller must fail over from (`tests/integration/test_failover.py`)."""

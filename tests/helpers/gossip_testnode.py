@@ -30,7 +30,7 @@ from typing import Any
 
 from websockets.asyncio.server import ServerConnection, serve
 
-from hearthnet.distributed_inference.store import ShardStore
+from hearthnet.distributed_inference.directory.store import ShardStore
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.mesh.gossip import (

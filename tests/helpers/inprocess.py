@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 
-from hearthnet.distributed_inference.backends.quant import kernel_of
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     ADVERTISED,
     ShardDescriptor,
     advertisement_payload,
 )
-from hearthnet.distributed_inference.health import ShardHealthTracker
-from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
-from hearthnet.distributed_inference.store import ShardStore
+from hearthnet.distributed_inference.directory.health import ShardHealthTracker
+from hearthnet.distributed_inference.directory.routing import RoutingSettings, ShardRouter
+from hearthnet.distributed_inference.directory.store import ShardStore
+from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.engine.quant import kernel_of
 from hearthnet.errors import ConnectionLost, ShardUnavailable
 from hearthnet.mesh.eventlog import EventLog
 from hearthnet.models.store import ModelEntry

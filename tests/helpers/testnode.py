@@ -13,7 +13,7 @@ from typing import Any
 
 from hearthnet.commands.node import run_node
 from hearthnet.config import load_config
-from hearthnet.distributed_inference.shard import ShardServer
+from hearthnet.distributed_inference.shard.server import ShardServer
 from hearthnet.node.daemon import Node
 from hearthnet.observability import configure_logging
 from tests.helpers.faults import install_faults

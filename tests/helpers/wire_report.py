@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead, LayeredStack
-from hearthnet.distributed_inference.sanity import calibrate
-from hearthnet.distributed_inference.wire import WirePlan
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.orchestrator.sanity import calibrate
+from hearthnet.distributed_inference.orchestrator.wire import WirePlan
 from hearthnet.models.store import ModelEntry
 from hearthnet.transport.codec import FLOAT_DTYPES
 

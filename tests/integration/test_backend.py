@@ -5,21 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearthnet.distributed_inference.backends import small_model_layered as sml
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead, LayeredStack
+from hearthnet.distributed_inference.engine import weights as sml_weights
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.errors import BadRequest
 
 
 def test_range_holds_and_reads_only_its_own_layers(smollm2, monkeypatch):
     read: list[str] = []
-    orig = sml._WeightsReader.read
+    orig = sml_weights.WeightsReader.read
 
     def spy(self, keys, device=None):
         keys = list(keys)
         read.extend(keys)
         return orig(self, keys, device)
 
-    monkeypatch.setattr(sml._WeightsReader, "read", spy)
+    monkeypatch.setattr(sml_weights.WeightsReader, "read", spy)
     stack = LayeredStack(smollm2, 15, 29)
     assert stack.layer_indices() == list(range(15, 30))
     assert read and all(any(f"layers.{i}." in k for i in range(15, 30)) for k in read)
@@ -40,8 +41,8 @@ def test_range_holds_and_reads_only_its_own_layers(smollm2, monkeypatch):
 
 def test_head_loads_only_embeddings_norm_and_head(smollm2, monkeypatch):
     read: list[str] = []
-    orig = sml._WeightsReader.read
-    monkeypatch.setattr(sml._WeightsReader, "read",
+    orig = sml_weights.WeightsReader.read
+    monkeypatch.setattr(sml_weights.WeightsReader, "read",
                         lambda self, keys, device=None: (read.extend(keys := list(keys)),
                                                          orig(self, keys, device))[1])
     head = LayeredHead(smollm2)

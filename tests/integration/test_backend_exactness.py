@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead, LayeredStack
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
 
 PROMPTS = [
     "What is the capital of France?",

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
+from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.errors import BadRequest
 from tests.helpers.tiny_models import FAMILIES
 
@@ -74,7 +74,7 @@ def test_batch_refuses_mixed_ranges_and_gaps(family_store):
 def test_head_batch_equals_each_chats_own_logits(family, weights, family_store):
     """Issue 16 §3: several chats' norm + lm_head as one product, each row its own logits
     (Gemma-2's soft-capping, an untied lm_head, an int8 head)."""
-    from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
+    from hearthnet.distributed_inference.engine.head import LayeredHead
 
     head = LayeredHead(family_store[family], weights)
     hidden = [_inputs(1, 5), _inputs(2, 1), _inputs(3, 2)]  # a prefill's last position too

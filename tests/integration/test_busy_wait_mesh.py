@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from hearthnet.distributed_inference.backends import small_model_layered as sml
-from hearthnet.distributed_inference.sanity import CALIBRATION_PROMPTS, MARGIN, calibrate
+from hearthnet.distributed_inference.engine import head as engine_head
+from hearthnet.distributed_inference.engine import layers as engine_layers
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.orchestrator.sanity import (
+    CALIBRATION_PROMPTS,
+    MARGIN,
+    calibrate,
+)
 from hearthnet.models.store import ModelStore
 from hearthnet.models.synth import write_synthetic
 from tests.helpers.tiny_models import TINY_QWEN2
@@ -16,7 +23,7 @@ TINY = {**TINY_QWEN2, "num_hidden_layers": 4}
 
 def _whole_model_reference(entry) -> tuple[list[float], list[float]]:
     """Bounds and absmax computed the simple way: every layer of the model in one stack."""
-    head, stack = sml.LayeredHead(entry), sml.LayeredStack(entry, 0, entry.num_layers - 1)
+    head, stack = LayeredHead(entry), LayeredStack(entry, 0, entry.num_layers - 1)
     peaks, absmax = [0.0] * entry.num_layers, [0.0] * entry.num_layers
     for p in CALIBRATION_PROMPTS:
         ids = head.chat_prompt_ids([{"role": "user", "content": p}])
@@ -37,7 +44,7 @@ def test_calibration_loads_one_layer_at_a_time_and_matches_the_whole_model(
                             model_id="hearthnet-synthetic/tiny", tokenizer_from=smollm2.path,
                             source="test")
     ranges: list[tuple[int, int]] = []
-    real = sml.LayeredStack
+    real = LayeredStack
 
     class Spy(real):  # type: ignore[misc,valid-type]
         def __init__(self, e, lo, hi, *a, **kw):
@@ -45,18 +52,18 @@ def test_calibration_loads_one_layer_at_a_time_and_matches_the_whole_model(
             super().__init__(e, lo, hi, *a, **kw)
 
     heads: list[int] = []
-    real_head = sml.LayeredHead
+    real_head = LayeredHead
 
     class HeadSpy(real_head):  # type: ignore[misc,valid-type]
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             heads.append(self.lm_head_weight.numel())
 
-    monkeypatch.setattr(sml, "LayeredStack", Spy)
-    monkeypatch.setattr(sml, "LayeredHead", HeadSpy)
+    monkeypatch.setattr(engine_layers, "LayeredStack", Spy)
+    monkeypatch.setattr(engine_head, "LayeredHead", HeadSpy)
     cal = calibrate(entry.path)
-    monkeypatch.setattr(sml, "LayeredStack", real)
-    monkeypatch.setattr(sml, "LayeredHead", real_head)
+    monkeypatch.setattr(engine_layers, "LayeredStack", real)
+    monkeypatch.setattr(engine_head, "LayeredHead", real_head)
     assert ranges == [(i, i) for i in range(entry.num_layers)]  # never two layers at once
     assert heads == [0]  # embeddings only: no lm_head loaded to calibrate
     bounds, absmax = _whole_model_reference(entry)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hearthnet.bench.pipeline import split_layers
-from hearthnet.distributed_inference.backends.quant import INT8_KERNEL
+from hearthnet.distributed_inference.engine.quant import INT8_KERNEL
 from tests.helpers.processes import alive, interrupt, wait_all_gone
 
 CLI = [sys.executable, "-m", "hearthnet.cli"]

@@ -11,12 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from hearthnet.distributed_inference.backends.kv_cache import capacity_for, slot_bytes
-from hearthnet.distributed_inference.backends.small_model_layered import (
-    LayeredSession,
-    LayeredStack,
-)
-from hearthnet.distributed_inference.shard import OpenRequest, ShardServer, ShardSettings
+from hearthnet.distributed_inference.engine.kv_cache import capacity_for, slot_bytes
+from hearthnet.distributed_inference.engine.layers import LayeredSession, LayeredStack
+from hearthnet.distributed_inference.shard.server import OpenRequest, ShardServer, ShardSettings
 from hearthnet.errors import ConfigError, ShardUnavailable
 from tests.helpers.scripted_stream import ScriptedStream, Step
 
@@ -118,7 +115,7 @@ async def test_shard_refuses_an_open_over_budget_as_shard_unavailable(smollm2):
     """The budget is the start check's plan for one session of 16 tokens (a 256-position
     cache); an open whose real cache would not fit beside the weights (here one longer
     than planned, as `validate_open` would also refuse) is refused before it is accepted."""
-    from hearthnet.distributed_inference.backends.memory import plan_shard
+    from hearthnet.distributed_inference.engine.memory import plan_shard
 
     limit = plan_shard(smollm2, 0, 3, "fp32", 1, 16).total_mb
     with ThreadPoolExecutor(1) as ex:

@@ -11,10 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearthnet.distributed_inference.backends.small_model_layered import (
-    LayeredHead,
-    LayeredStack,
-)
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
 from tests.helpers.tiny_models import FAMILIES, tiny_config
 
 SPLITS = {"two": [(0, 2), (3, 5)], "three": [(0, 1), (2, 3), (4, 5)]}

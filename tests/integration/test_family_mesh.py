@@ -19,9 +19,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
-from hearthnet.distributed_inference.sampling import SamplingParams
-from hearthnet.distributed_inference.sanity import BOUNDS_FILE, calibrate
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.orchestrator.sanity import BOUNDS_FILE, calibrate
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from hearthnet.models.importer import import_folder

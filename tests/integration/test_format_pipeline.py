@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from hearthnet.distributed_inference.backends.quant import INT8_KERNEL
-from hearthnet.distributed_inference.local import LocalEngine
-from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
-from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.local import LocalEngine
+from hearthnet.distributed_inference.engine.quant import INT8_KERNEL
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.orchestrator.pipeline import PipelineOrchestrator
+from hearthnet.distributed_inference.orchestrator.request import ChatRequest, DistributedChatParams
 from hearthnet.errors import BadRequest
 from hearthnet.observability import Metrics
 from tests.helpers.inprocess import InProcessMesh

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from hearthnet.distributed_inference.generation import (
+from hearthnet.distributed_inference.engine.generation import (
     Generation,
     IncrementalDetokenizer,
 )
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     ADVERTISED,
     ShardDescriptor,
     advertisement_payload,

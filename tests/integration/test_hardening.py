@@ -27,8 +27,8 @@ import torch
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from hearthnet.distributed_inference.community import CAPACITY, CLAIM
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.placement.community import CAPACITY, CLAIM
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.eventlog import Event, EventLog

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hearthnet.distributed_inference.autohost import layer_params
+from hearthnet.distributed_inference.placement.autohost import layer_params
 
 
 def test_layer_params_reads_the_safetensors_header(smollm2):

@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from hearthnet.distributed_inference.backends.memory import plan_shard
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
-from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
+from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.engine.memory import plan_shard
+from hearthnet.distributed_inference.shard.server import ShardServer, ShardSettings
 from hearthnet.errors import ShardUnavailable
 from hearthnet.models import ModelStore
 from hearthnet.models.importer import import_folder

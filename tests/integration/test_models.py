@@ -107,7 +107,7 @@ def test_verify_names_corrupted_file(tiny_store, tmp_path):
 
 
 def test_truncated_file_is_weights_mismatch_on_load(tiny_store):
-    from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
+    from hearthnet.distributed_inference.engine.layers import LayeredStack
 
     store, entry = tiny_store
     f = entry.path / "model.safetensors"
@@ -118,7 +118,7 @@ def test_truncated_file_is_weights_mismatch_on_load(tiny_store):
 
 
 def test_layer_range_outside_model_is_bad_request(tiny_store):
-    from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
+    from hearthnet.distributed_inference.engine.layers import LayeredStack
 
     _, entry = tiny_store
     with pytest.raises(BadRequest) as ei:

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead, LayeredStack
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.errors import BadRequest, ShardUnavailable, WeightsMismatch
 from hearthnet.mesh.launcher import NodeSpec
 from hearthnet.transport.websocket import TensorChannel

@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
-from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.orchestrator.pipeline import PipelineOrchestrator
+from hearthnet.distributed_inference.orchestrator.request import ChatRequest, DistributedChatParams
 from hearthnet.observability import Metrics
 from tests.helpers.inprocess import InProcessMesh
 

@@ -7,12 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from hearthnet.distributed_inference import formats
-from hearthnet.distributed_inference.backends import small_model_layered as sml
-from hearthnet.distributed_inference.backends.small_model_layered import (
-    LayeredHead,
-    LayeredStack,
-)
+from hearthnet.distributed_inference.directory import formats
+from hearthnet.distributed_inference.engine import weights as sml_weights
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.errors import BadRequest
 from hearthnet.models import ModelStore
 from hearthnet.models.importer import import_folder
@@ -80,14 +78,14 @@ def test_formats_load_and_stay_close_to_fp32(fam_store, fp32_ref, family, fmt, t
 
 def test_loading_reads_one_tensor_at_a_time(fam_store, monkeypatch):
     sizes: list[int] = []
-    orig = sml._WeightsReader.read
+    orig = sml_weights.WeightsReader.read
 
     def spy(self, keys, device=None):
         keys = list(keys)
         sizes.append(len(keys))
         return orig(self, keys, device)
 
-    monkeypatch.setattr(sml._WeightsReader, "read", spy)
+    monkeypatch.setattr(sml_weights.WeightsReader, "read", spy)
     LayeredStack(fam_store["qwen2"], 0, 3, "int8")
     assert sizes and set(sizes) == {1}
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead, LayeredStack
-from hearthnet.distributed_inference.sanity import CALIBRATION_PROMPTS, SanityChecker, calibrate
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.orchestrator.sanity import (
+    CALIBRATION_PROMPTS,
+    SanityChecker,
+    calibrate,
+)
 from hearthnet.errors import ShardCorrupted
 
 OTHER_PROMPTS = ["Write a short poem about a lighthouse keeper.",

@@ -14,15 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hearthnet.distributed_inference.backends.small_model_layered import (
-    LayeredHead,
-    LayeredStack,
-)
-from hearthnet.distributed_inference.local import LocalEngine
-from hearthnet.distributed_inference.pipeline import PipelineOrchestrator
-from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
-from hearthnet.distributed_inference.sampling import SamplingParams
-from hearthnet.distributed_inference.sanity import SanityChecker, calibrate
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.engine.local import LocalEngine
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.orchestrator.pipeline import PipelineOrchestrator
+from hearthnet.distributed_inference.orchestrator.request import ChatRequest, DistributedChatParams
+from hearthnet.distributed_inference.orchestrator.sanity import SanityChecker, calibrate
 from hearthnet.errors import ShardCorrupted
 from hearthnet.observability import Metrics
 from tests.helpers.inprocess import InProcessMesh

@@ -25,12 +25,12 @@ import pytest
 import torch
 from websockets.asyncio.client import connect
 
-from hearthnet.distributed_inference.community import CAPACITY
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     ADVERTISED,
     ShardDescriptor,
     advertisement_payload,
 )
+from hearthnet.distributed_inference.placement.community import CAPACITY
 from hearthnet.errors import AuthError, ConnectionLost, HearthNetError
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.mesh.gossip import decode_message, encode_events, encode_hello

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredStack
-from hearthnet.distributed_inference.shard import ShardServer, ShardSettings, StepJob
+from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.shard.server import ShardServer, ShardSettings, StepJob
 from hearthnet.errors import BadRequest, HearthNetError, StepFailed
 from hearthnet.observability import Metrics
 from hearthnet.transport.websocket import ServerStream, TensorChannel, serve

@@ -26,7 +26,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import NodeSpec

@@ -46,7 +46,7 @@ PORT = 7710  # every node listens on its own address; the same port everywhere i
 CLIENT = r"""
 import asyncio, json, sys, time, urllib.request
 from hearthnet.commands.remote import node_uri
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.mesh.bus import bus_call
 from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 

@@ -242,7 +242,7 @@ def test_parse_rejects_bad_values_before_work():
 
 def test_the_weights_policy_rides_in_the_hearthnet_field_and_the_node_checks_it():
     """Issue 12 §2's call param `weights` from a host app: which shard formats it accepts."""
-    from hearthnet.distributed_inference.request import DistributedChatParams
+    from hearthnet.distributed_inference.orchestrator.request import DistributedChatParams
 
     lim = Limits(max_messages=2, max_tokens=16)
     msgs = [{"role": "user", "content": "hi"}]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from hearthnet.distributed_inference.liveness import HostProber
+from hearthnet.distributed_inference.directory.liveness import HostProber
 
 
 async def test_prober_marks_down_after_n_failures_and_up_again():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hearthnet.config import parse_config
-from hearthnet.distributed_inference.community import (
+from hearthnet.distributed_inference.placement.community import (
     CAPACITY,
     CLAIM,
     SERVED_MODELS,

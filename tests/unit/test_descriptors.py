@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     Pipeline,
     PipelineStage,
     ShardDescriptor,
@@ -155,7 +155,7 @@ def test_a_quantised_shard_names_its_kernel_and_status_shows_it() -> None:
 
 
 def test_a_shard_advertises_the_kernel_this_process_chose() -> None:
-    from hearthnet.distributed_inference.backends.quant import INT8_KERNEL, kernel_of
+    from hearthnet.distributed_inference.engine.quant import INT8_KERNEL, kernel_of
 
     assert kernel_of("int8") == INT8_KERNEL and kernel_of("int4") == "int4pack"
     assert kernel_of("fp32") == kernel_of("bf16") == ""

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from hearthnet.distributed_inference.engine import device as dev
 from pydantic import ValidationError
 
 from hearthnet.config import HostSection, ShardSection
-from hearthnet.distributed_inference.backends import device as dev
-from hearthnet.distributed_inference.backends.device import Staging, resolve_device
-from hearthnet.distributed_inference.descriptors import ShardDescriptor
+from hearthnet.distributed_inference.directory.descriptors import ShardDescriptor
+from hearthnet.distributed_inference.engine.device import Staging, resolve_device
 from hearthnet.errors import BadRequest, ConfigError
 
 # ---- device selection (§1) ----

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hearthnet.distributed_inference.descriptors import ADVERTISED, WITHDRAWN
+from hearthnet.distributed_inference.directory.descriptors import ADVERTISED, WITHDRAWN
 from hearthnet.errors import BadRequest, PeerDataError, StorageError
 from hearthnet.mesh.eventlog import (
     EVENT_TYPES,

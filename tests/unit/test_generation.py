@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearthnet.distributed_inference.generation import Sampler
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.generation import Sampler
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.errors import BadRequest
 
 

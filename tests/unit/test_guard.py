@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from hearthnet.config import load_config, parse_config
-from hearthnet.distributed_inference.community import SERVED_MODELS
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     ADVERTISED,
     ShardDescriptor,
     advertisement_payload,
 )
+from hearthnet.distributed_inference.placement.community import SERVED_MODELS
 from hearthnet.errors import AuthError, ConfigError
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.node.guard import NodeGuard, member_rows, read_state, remove_state, write_state

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearthnet.distributed_inference.generation import PromptLimits
-from hearthnet.distributed_inference.pipeline import DistributedChatParams
-from hearthnet.distributed_inference.sampling import SamplingParams
-from hearthnet.distributed_inference.sanity import SanityChecker
+from hearthnet.distributed_inference.engine.generation import PromptLimits
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.orchestrator.pipeline import DistributedChatParams
+from hearthnet.distributed_inference.orchestrator.sanity import SanityChecker
 from hearthnet.errors import BadRequest, ShardCorrupted, ShardUnavailable, error_from_code
 from hearthnet.transport.codec import OP_INPUT, EncodedTensor, TensorAssembler
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from hearthnet.distributed_inference.descriptors import ShardHealth
-from hearthnet.distributed_inference.health import ShardHealthTracker
+from hearthnet.distributed_inference.directory.descriptors import ShardHealth
+from hearthnet.distributed_inference.directory.health import ShardHealthTracker
 
 
 class Clock:

@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from hearthnet.distributed_inference import pipeline
+from hearthnet.distributed_inference.orchestrator import pipeline
 
 
 def test_concurrent_fallbacks_build_one_local_engine(monkeypatch):

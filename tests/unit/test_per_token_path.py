@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from hearthnet.distributed_inference.decode import embed_for_wire
-from hearthnet.distributed_inference.sanity import SanityChecker
+from hearthnet.distributed_inference.orchestrator.decode import embed_for_wire
+from hearthnet.distributed_inference.orchestrator.sanity import SanityChecker
 from hearthnet.errors import ShardCorrupted
 from hearthnet.models import store as store_module
 from hearthnet.models.store import ModelStore

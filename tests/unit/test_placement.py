@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearthnet.distributed_inference.placement import (
+from hearthnet.distributed_inference.placement.planner import (
     HostCapacity,
     Span,
     best_start,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hearthnet.distributed_inference.batcher import LIVE_ROUNDS, RoundBatcher
+from hearthnet.distributed_inference.engine.batcher import LIVE_ROUNDS, RoundBatcher
 
 
 class Recorder:

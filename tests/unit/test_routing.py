@@ -8,15 +8,15 @@ from datetime import UTC, datetime
 
 import pytest
 
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     ADVERTISED,
     ShardDescriptor,
     ShardHealth,
     advertisement_payload,
 )
-from hearthnet.distributed_inference.health import ShardHealthTracker
-from hearthnet.distributed_inference.routing import RoutingSettings, ShardRouter
-from hearthnet.distributed_inference.store import ShardStore
+from hearthnet.distributed_inference.directory.health import ShardHealthTracker
+from hearthnet.distributed_inference.directory.routing import RoutingSettings, ShardRouter
+from hearthnet.distributed_inference.directory.store import ShardStore
 from hearthnet.errors import BadRequest, ShardUnavailable, WeightsMismatch
 from hearthnet.mesh.eventlog import Event
 
@@ -446,7 +446,7 @@ def test_routing_settings_from_config_section() -> None:
 
 async def test_router_only_chains_shards_of_accepted_formats():
     """Issue 12 §2: the call's `weights` decides which held formats a pipeline may use."""
-    from hearthnet.distributed_inference.formats import accepted_formats
+    from hearthnet.distributed_inference.directory.formats import accepted_formats
 
     m = Mesh()
     a = m.add(0, 9, "node-b", fmt="int4")

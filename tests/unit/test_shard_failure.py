@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hearthnet.distributed_inference import shard as shard_module
-from hearthnet.distributed_inference.backends.memory import MemoryPlan
-from hearthnet.distributed_inference.shard import ShardServer, ShardSettings
+from hearthnet.distributed_inference.engine.memory import MemoryPlan
+from hearthnet.distributed_inference.shard import server as shard_module
+from hearthnet.distributed_inference.shard.server import ShardServer, ShardSettings
 from hearthnet.errors import ConnectionLost, HearthNetError, StepFailed
 from hearthnet.models.store import ModelEntry
 from hearthnet.observability import configure_logging

@@ -6,8 +6,8 @@ import time
 from types import SimpleNamespace
 
 from hearthnet.commands.status import render
-from hearthnet.distributed_inference.health import ShardHealthTracker
-from hearthnet.distributed_inference.liveness import HostLiveness
+from hearthnet.distributed_inference.directory.health import ShardHealthTracker
+from hearthnet.distributed_inference.directory.liveness import HostLiveness
 from hearthnet.mesh.launcher import free_port
 from hearthnet.node.status import _peers, _state
 

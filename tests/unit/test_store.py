@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     ADVERTISED,
     WITHDRAWN,
     ShardDescriptor,
@@ -15,8 +15,8 @@ from hearthnet.distributed_inference.descriptors import (
     advertisement_payload,
     withdrawal_payload,
 )
-from hearthnet.distributed_inference.health import ShardHealthTracker
-from hearthnet.distributed_inference.store import ShardStore
+from hearthnet.distributed_inference.directory.health import ShardHealthTracker
+from hearthnet.distributed_inference.directory.store import ShardStore
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.observability import Metrics
 

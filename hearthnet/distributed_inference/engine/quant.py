@@ -43,7 +43,7 @@ from typing import Any, TypeGuard
 import torch
 from torch import nn
 
-from hearthnet.distributed_inference.formats import STORED
+from hearthnet.distributed_inference.directory.formats import STORED
 from hearthnet.errors import BadRequest, WeightsMismatch
 from hearthnet.transport.codec import FLOAT_DTYPES
 

@@ -17,7 +17,7 @@ Three event types, each signed by its origin and replicated by gossip like every
   ``rebalance``; ``detail`` says why in words (`hearthnet status` shows it).
 
 `PlacementView` folds these (and the ``placement`` field that automatic hosts add to their
-advertisements) into what `hearthnet.distributed_inference.autohost` and the status page
+advertisements) into what `hearthnet.distributed_inference.placement.autohost` and the status page
 need. Malformed payloads are logged and ignored, never raised.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hearthnet.distributed_inference.descriptors import ADVERTISED
+from hearthnet.distributed_inference.directory.descriptors import ADVERTISED
 from hearthnet.errors import BadRequest
 from hearthnet.mesh.eventlog import EVENT_TYPES, Event, EventType
 from hearthnet.observability import get_logger

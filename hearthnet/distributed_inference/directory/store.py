@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from hearthnet.constants import DEFAULT_LAN_NETWORKS
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     ADVERTISED,
     WITHDRAWN,
     ShardDescriptor,
@@ -44,7 +44,7 @@ from hearthnet.distributed_inference.descriptors import (
     parse_advertisement,
     parse_withdrawal,
 )
-from hearthnet.distributed_inference.health import ShardHealthTracker
+from hearthnet.distributed_inference.directory.health import ShardHealthTracker
 from hearthnet.errors import BadRequest, PeerDataError
 from hearthnet.mesh.eventlog import Event
 from hearthnet.observability import Metrics, get_logger

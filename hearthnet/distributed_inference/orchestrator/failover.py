@@ -25,18 +25,18 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from hearthnet.distributed_inference.calls import (
+from hearthnet.distributed_inference.directory.descriptors import Pipeline, PipelineStage
+from hearthnet.distributed_inference.directory.health import ShardHealthTracker
+from hearthnet.distributed_inference.directory.routing import ShardRouter
+from hearthnet.distributed_inference.orchestrator.calls import (
     CallState,
     ClosedChannel,
     FellBack,
     StageFailed,
     StageSession,
 )
-from hearthnet.distributed_inference.descriptors import Pipeline, PipelineStage
-from hearthnet.distributed_inference.health import ShardHealthTracker
-from hearthnet.distributed_inference.request import DistributedChatParams
-from hearthnet.distributed_inference.routing import ShardRouter
-from hearthnet.distributed_inference.wire import WirePlan
+from hearthnet.distributed_inference.orchestrator.request import DistributedChatParams
+from hearthnet.distributed_inference.orchestrator.wire import WirePlan
 from hearthnet.errors import (
     HearthNetError,
     ShardCorrupted,

@@ -1,58 +1,36 @@
-"""`small_model_layered`: per-layer forward for decoder-only text models (M26 §5.7).
+"""The forward of a shard's layers (M26 §5.7): `LayeredStack` holds `layers[lo:hi+1]`
+of a model, `LayeredSession` is one session's sub-range with its KV cache.
 
-A shard is `layers[lo:hi+1]` of the same model (gpt-fast's way: features applied from
-outside, not a fork of the model code). The layers are the model family's own
-`transformers` decoder-layer modules: we build the family's base model on the `meta`
-device (no memory), keep the layers we host, and fill them with exactly their tensors read
-from the safetensors file(s) — nothing else is read. Everything else a family needs also
-comes from transformers' own modules and config, called the way the family's full model
-calls them:
-
-- the attention implementation the family's model class picks by itself (sdpa, or eager
-  where the family needs it, e.g. Gemma-2's attention soft-capping);
-- rotary embeddings from the base model's rotary module, one set per layer type when the
-  module takes a `layer_type` (Gemma-3: different `rope_theta` for sliding and full
-  layers), with any `rope_scaling` (Llama-3.x `llama3`, Phi-3 `longrope`) it implements;
-- masks per layer type (`full_attention` / `sliding_attention`, from `layer_types` or
-  the config's sliding-window settings) from `transformers.masking_utils`;
-- the embedding module itself (Gemma's scaled embedding), whose non-persistent buffers
-  (`embed_scale`) are re-created the way transformers' own loading does — a CPU
-  placeholder filled by the model class's `_init_weights`;
-- final-logit soft-capping from the config in the head (Gemma-2).
-
-Covered and tested against the full transformers model (logits within 1e-4 in fp32, greedy
-tokens identical, prompts longer than the sliding window): Llama (incl. Llama-3.x
-`rope_scaling`), Qwen2/2.5, Qwen3, Mistral, Gemma-2, Gemma-3 (text) and Phi-3 — see
-tests/helpers/tiny_models.py and tests/unit/test_families.py. Other families load when
-their decoder layers take the same call (hidden state, masks, position embeddings, cache);
-any tensor left unloaded is a `bad_request` naming the family and the tensor.
-
-Layers, rotary tables and the head live on the configured device (`device.py`, issue 13):
-weights go from the safetensors file straight to that device, one tensor at a time, in
-their held format (float formats; the int8/int4 kernels are CPU-only and refused on a GPU).
 KV caches are preallocated per session (`kv_cache.KVSlot`, sized by `max_length`) and
-updated by index; a step is one small function (`LayeredSession.step`), replayed as a
-captured CUDA graph for decode steps on a CUDA device, eager elsewhere.
+updated by index; a step is one small function (`LayeredSession.step`, gpt-fast's
+`decode_one_token`), replayed as a captured CUDA graph for decode steps on a CUDA device
+and eager elsewhere. Batched decode steps of several sessions run as one forward
+(`LayeredStack.decode_batch`, `forward_packed`).
 """
 
 from __future__ import annotations
 
 import inspect
-import json
-import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from hearthnet.distributed_inference.backends.device import (
+from hearthnet.distributed_inference.directory.formats import (
+    resolve_format,
+)
+from hearthnet.distributed_inference.engine.device import (
     MemoryBudget,
     resolve_device,
 )
-from hearthnet.distributed_inference.backends.kv_cache import (
+from hearthnet.distributed_inference.engine.families import (
+    check_device_format,
+    layer_types,
+    load_config,
+    meta_base_model,
+)
+from hearthnet.distributed_inference.engine.kv_cache import (
     BatchKV,
     KVSlot,
     PackedKV,
@@ -61,201 +39,20 @@ from hearthnet.distributed_inference.backends.kv_cache import (
     capacity_for,
     slot_bytes,
 )
-from hearthnet.distributed_inference.backends.memory import release_free_heap
-from hearthnet.distributed_inference.backends.quant import (
-    Int8Linear,
+from hearthnet.distributed_inference.engine.memory import release_free_heap
+from hearthnet.distributed_inference.engine.quant import (
     compute_dtype_of,
     format_name,
     held_bytes,
-    load_module,
 )
-from hearthnet.distributed_inference.formats import HEAD_FORMATS, QUANTISED, resolve_format
-from hearthnet.errors import BadRequest, ShardUnavailable, WeightsMismatch
+from hearthnet.distributed_inference.engine.weights import (
+    WeightsReader,
+    fill_module,
+    layer_keys,
+    refuse_meta,
+)
+from hearthnet.errors import BadRequest, ShardUnavailable
 from hearthnet.models.store import ModelEntry
-
-_LAYER_KEY = re.compile(r"^(?P<prefix>.*?)layers\.(?P<idx>\d+)\.(?P<rest>.+)$")
-
-
-def load_config(entry: ModelEntry) -> Any:
-    """The decoder's transformers config of a stored model.
-
-    The attention implementation is left to the family's model class (it picks sdpa where
-    the family supports it, eager where it does not — Gemma-2's soft-capped attention).
-    """
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(entry.path))
-    return cfg.get_text_config(decoder=True)
-
-
-def family(config: Any) -> str:
-    """The config's `model_type` (for messages)."""
-    return str(getattr(config, "model_type", "unknown"))
-
-
-class _WeightsReader:
-    """Reads named tensors from a model folder's safetensors files, and nothing else."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.index: dict[str, Path] = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            try:
-                with safe_open(str(f), framework="pt") as st:
-                    for k in st.keys():  # noqa: SIM118 - safe_open has no __iter__
-                        self.index[k] = f
-            except (SafetensorError, OSError, ValueError) as e:
-                raise WeightsMismatch(f"{f}: unreadable safetensors file ({e}); re-import the "
-                                      f"model", file=str(f)) from e
-        self.layer_prefix = self._find_layer_prefix()
-
-    def _find_layer_prefix(self) -> str:
-        for k in self.index:  # the decoder's prefix is its embedding's (not a vision tower's)
-            if k.endswith("embed_tokens.weight") and \
-                    any(x.startswith(k[:-len("embed_tokens.weight")] + "layers.")
-                        for x in self.index):
-                return k[:-len("embed_tokens.weight")]
-        for k in self.index:
-            m = _LAYER_KEY.match(k)
-            if m:
-                return m.group("prefix")
-        raise WeightsMismatch(f"{self.folder}: no decoder-layer tensors found")
-
-    def keys_for_layer(self, idx: int) -> list[str]:
-        p = f"{self.layer_prefix}layers.{idx}."
-        return [k for k in self.index if k.startswith(p)]
-
-    def tensors(self, keys: Iterable[str], prefix: str, device: torch.device | None = None
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name relative to `prefix`, tensor) for `keys`, read one at a time (issue 12 §2)
-        straight onto `device` (issue 13 §1)."""
-        for k in keys:
-            yield k[len(prefix):], self.read([k], device)[k]
-
-    def nbytes(self, keys: Iterable[str], dtype: torch.dtype) -> int:
-        """Bytes `keys` take once held in `dtype` (from the headers; nothing is read)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        total = 0
-        for f, ks in self._by_file(keys).items():
-            with safe_open(str(f), framework="pt") as st:
-                for k in ks:
-                    n = 1
-                    for d in st.get_slice(k).get_shape():
-                        n *= int(d)
-                    total += n * itemsize
-        return total
-
-    def _by_file(self, keys: Iterable[str]) -> dict[Path, list[str]]:
-        by_file: dict[Path, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self.index[k], []).append(k)
-        return by_file
-
-    def read(self, keys: Iterable[str],
-             device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """Tensors `keys`, each read from its file straight onto `device` (default CPU)."""
-        out: dict[str, torch.Tensor] = {}
-        where = str(device or "cpu")
-        for f, ks in self._by_file(keys).items():
-            try:
-                with safe_open(str(f), framework="pt", device=where) as st:
-                    for k in ks:
-                        out[k] = _owned(st.get_tensor(k))
-            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-                raise WeightsMismatch(f"{f}: cannot read tensors ({e}); the file is corrupted "
-                                      f"or truncated — re-import the model", file=str(f)) from e
-        return out
-
-
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """`t` in memory of its own: safetensors' CPU tensors alias the file's mmap, so a weights
-    file truncated under a running shard would kill the process with SIGBUS on the next
-    forward (issue 14 §8). Device tensors are copies already."""
-    return t.clone() if t.device.type == "cpu" else t
-
-
-def _meta_base_model(config: Any) -> Any:
-    """The family's base model (e.g. LlamaModel) on the meta device: structure, no memory."""
-    from transformers import AutoModel
-
-    from_config: Callable[..., Any] = AutoModel.from_config  # untyped in transformers
-    with torch.device("meta"):
-        model = from_config(config)
-    return model.get_decoder() if hasattr(model, "get_decoder") else model
-
-
-def _fill(module: nn.Module, reader: _WeightsReader, keys: Iterable[str], prefix: str,
-          fmt: str, where: str, base: Any, device: torch.device | None = None) -> None:
-    """Materialise a meta module from the tensors `keys` (under `prefix`), strictly, one
-    tensor at a time converted to the held format `fmt` (`quant.load_module`).
-
-    Non-persistent buffers (not in any weights file) are then re-created as transformers'
-    own loading does; anything still on meta is a `bad_request` naming family and tensor.
-    """
-    expected = {n for n, _ in module.state_dict().items()}
-    keys = [k for k in keys if k.startswith(prefix)]
-    missing = sorted(expected - {k[len(prefix):] for k in keys}
-                     - _non_persistent(module))
-    if missing:
-        raise WeightsMismatch(f"{where}: weights do not match the model structure "
-                              f"(missing {missing[:4]})")
-    load_module(module, reader.tensors(keys, prefix, device), fmt, where)
-    _materialise_buffers(module, base, where, device or torch.device("cpu"))
-
-
-def _non_persistent(module: nn.Module) -> set[str]:
-    out: set[str] = set()
-    for name, sub in module.named_modules():
-        out.update(f"{name}.{b}" if name else b for b in sub._non_persistent_buffers_set)
-    return out
-
-
-def _materialise_buffers(module: nn.Module, base: Any, where: str,
-                         device: torch.device) -> None:
-    """Re-create `module`'s meta buffers on `device` with the model class's own initialiser.
-
-    transformers' `from_pretrained` does the same: a CPU placeholder per non-persistent
-    buffer, then `_init_weights`, which skips every tensor flagged `_is_hf_initialized`
-    (all the loaded weights) and fills the buffers (e.g. Gemma's `embed_scale`).
-    """
-    owners: list[nn.Module] = []
-    for sub in module.modules():
-        for name, buf in list(sub.named_buffers(recurse=False)):
-            if buf is not None and buf.is_meta:
-                persistent = name not in sub._non_persistent_buffers_set
-                sub.register_buffer(name, torch.empty_like(buf, device=device),
-                                    persistent=persistent)
-                owners.append(sub)
-        for p in sub.parameters(recurse=False):
-            p._is_hf_initialized = True  # type: ignore[attr-defined]
-    init = getattr(base, "_init_weights", None)
-    with torch.no_grad():
-        for sub in owners:
-            if init is not None:
-                init(sub)
-    _refuse_meta(module, base.config, where)
-
-
-def _refuse_meta(module: nn.Module, config: Any, where: str) -> None:
-    """`BadRequest` naming the family and the first tensor still on the meta device."""
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if t.is_meta:
-            raise BadRequest(f"{where}: family {family(config)!r}: tensor {name!r} has no "
-                             f"value after loading (not in the weights and not re-creatable)"
-                             f"; this family is not supported by small_model_layered",
-                             family=family(config), tensor=name)
-
-
-def _layer_types(config: Any) -> list[str]:
-    """Attention kind of every layer, inferred as transformers' own caches do."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    unsupported = set(types) - {"full_attention", "sliding_attention"}
-    if unsupported:
-        raise BadRequest(f"layer types {sorted(unsupported)} are not supported by "
-                         f"small_model_layered")
-    return list(types)
 
 
 class _Rotary:
@@ -270,7 +67,7 @@ class _Rotary:
                  device: torch.device | None = None) -> None:
         with torch.device(device or "cpu"):
             self.module: nn.Module = type(base.rotary_emb)(config=config)
-        _refuse_meta(self.module, config, where + " rotary embedding")
+        refuse_meta(self.module, config, where + " rotary embedding")
         self.per_type = "layer_type" in inspect.signature(self.module.forward).parameters
         # rope types whose frequencies depend on the step's longest position (`dynamic`
         # NTK, Phi-3's `longrope`): computed per step, as the model does, never tabled
@@ -457,11 +254,11 @@ class LayeredStack:
         self.config = load_config(entry)
         self.hidden_size = int(self.config.hidden_size)
         self.sliding_window: int | None = getattr(self.config, "sliding_window", None)
-        reader = _WeightsReader(entry.path)
+        reader = WeightsReader(entry.path)
         what = f"layers [{lo}, {hi}] of {entry.alias} as {self.format}"
-        estimate = reader.nbytes(_layer_keys(reader, lo, hi), self.dtype)
+        estimate = reader.nbytes(layer_keys(reader, lo, hi), self.dtype)
         self.budget.reserve(estimate, what)  # before any weight is read (M26 §5.6)
-        base = _meta_base_model(self.config)
+        base = meta_base_model(self.config)
         # sdpa takes boolean masks (None for a plain causal step); eager attention (the
         # family's choice, e.g. Gemma-2's soft-capping) adds a float mask
         self.additive_mask = None if base.config._attn_implementation == "sdpa" else self.dtype
@@ -470,7 +267,7 @@ class LayeredStack:
             layer = base.layers[i]
             keys = reader.keys_for_layer(i)
             prefix = f"{reader.layer_prefix}layers.{i}."
-            _fill(layer, reader, keys, prefix, self.format, f"{entry.path} layer {i}", base,
+            fill_module(layer, reader, keys, prefix, self.format, f"{entry.path} layer {i}", base,
                   self.device)
             layer.eval()
             self.layers.append(layer)
@@ -478,7 +275,7 @@ class LayeredStack:
         self.rotary = _Rotary(self.config, base, str(entry.path), self.device)
         self.graphs = self.graphs and not self.rotary.dynamic  # data-dependent rope: eager
         del base
-        self.layer_types = _layer_types(self.config)
+        self.layer_types = layer_types(self.config)
         self._tables: dict[int, tuple[dict[str, Any], torch.Tensor]] = {}
         self._idle: dict[tuple[int, int, int], list[KVSlot]] = {}
         self.budget.release(estimate)  # the held bytes, once known (quantised: fewer)
@@ -637,157 +434,3 @@ class LayeredStack:
         if max_length < 1:
             raise BadRequest("max_length must be at least 1")
         return LayeredSession(self, start, end, max_length)
-
-
-def check_device_format(fmt: str, device: torch.device) -> None:
-    """`BadRequest` for a held format with no kernel on `device` (int8/int4: CPU only)."""
-    if fmt in QUANTISED and device.type != "cpu":
-        raise BadRequest(f"weights held as {fmt} run on torch's CPU kernels only (oneDNN, fbgemm, "
-                         f"_weight_int8pack_mm, _weight_int4pack_mm_for_cpu); on {device} "
-                         f"use bf16 or fp16", format=fmt, device=str(device))
-
-
-def _layer_keys(reader: _WeightsReader, lo: int, hi: int) -> list[str]:
-    return [k for i in range(lo, hi + 1) for k in reader.keys_for_layer(i)]
-
-
-class LayeredHead:
-    """The orchestrator's part of a model: tokenizer, embeddings, final norm, lm_head."""
-
-    def __init__(self, entry: ModelEntry, weights: str | torch.dtype = "fp32",
-                 device: str | torch.device = "cpu", *, lm_head: bool = True) -> None:
-        """`lm_head=False`: tokenizer, embeddings and norm only (calibration embeds prompts
-        and never needs logits; an untied 7B lm_head is 2.2 GB in fp32)."""
-        from transformers import AutoTokenizer
-
-        self.format = resolve_format(format_name(weights), entry.dtype)
-        if self.format not in HEAD_FORMATS:
-            raise BadRequest(f"a head holds its weights as {', '.join(HEAD_FORMATS)} (or "
-                             f"native); not {self.format}")
-        self.device = resolve_device(device)
-        check_device_format(self.format, self.device)
-        entry.check_files()
-        self.entry = entry
-        self.dtype = compute_dtype_of(self.format)
-        self.config = load_config(entry)
-        self.hidden_size = int(self.config.hidden_size)
-        self.num_layers = int(self.config.num_hidden_layers)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(entry.path))
-        reader = _WeightsReader(entry.path)
-        base = _meta_base_model(self.config)
-        p = reader.layer_prefix
-        self.embed_tokens: nn.Module = base.embed_tokens
-        self.norm: nn.Module = base.norm
-        self._load_embeddings(reader, p + "embed_tokens.", base)
-        norm_keys = [k for k in reader.index if k.startswith(p + "norm.")]
-        _fill(self.norm, reader, norm_keys, p + "norm.", self.format, f"{entry.path} norm", base,
-              self.device)
-        self.embed_tokens.eval()
-        self.norm.eval()
-        # Gemma-2's final-logit soft-capping, applied as its CausalLM head does
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        self.final_logit_softcapping: float | None = float(cap) if cap else None
-        self.lm_head_q: Int8Linear | None = None
-        self.lm_head_weight: torch.Tensor = torch.empty(0)
-        if lm_head:
-            self._load_lm_head(reader)
-        self.eos_token_ids = self._eos_ids()
-        del base
-
-    def _load_embeddings(self, reader: _WeightsReader, prefix: str, base: Any) -> None:
-        """Embeddings as held: a float matrix, or (int8) an `Int8Linear` whose rows are
-        looked up — the family's embedding module keeps its scale buffers (Gemma)."""
-        where = f"{self.entry.path} embeddings"
-        self.embed_q: Int8Linear | None = None
-        if self.format != "int8":
-            _fill(self.embed_tokens, reader, [prefix + "weight"], prefix, self.format, where,
-                  base, self.device)
-            return
-        self.embed_q = Int8Linear(reader.read([prefix + "weight"])[prefix + "weight"], None,
-                                  keep_rows=True)
-        self.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        _materialise_buffers(self.embed_tokens, base, where, self.device)
-
-    def _load_lm_head(self, reader: _WeightsReader) -> None:
-        tied = "lm_head.weight" not in reader.index or bool(
-            getattr(self.config, "tie_word_embeddings", False))  # M26: lm_head tied or not
-        if self.format == "int8":
-            if tied and self.embed_q is not None:
-                self.embed_q.pack()  # rows for embeddings, packed for the product
-            self.lm_head_q = self.embed_q if tied else Int8Linear(
-                reader.read(["lm_head.weight"])["lm_head.weight"], None)
-        elif tied:
-            self.lm_head_weight = self.embed_tokens.weight  # type: ignore[assignment]
-        else:
-            self.lm_head_weight = reader.read(["lm_head.weight"], self.device)[
-                "lm_head.weight"].to(self.dtype)
-
-    def param_bytes(self) -> int:
-        """Bytes of the head's weights in their held format (a tied matrix counted once)."""
-        mods = [self.embed_tokens, self.norm, *(m for m in (self.embed_q, self.lm_head_q) if m)]
-        total = held_bytes(nn.ModuleList(mods))
-        emb: torch.Tensor = self.embed_tokens.weight  # type: ignore[assignment]
-        if self.lm_head_weight.numel() and self.lm_head_weight.data_ptr() != emb.data_ptr():
-            total += self.lm_head_weight.numel() * self.lm_head_weight.element_size()
-        return total
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        gen = self.entry.path / "generation_config.json"
-        if gen.is_file():
-            e: Any = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(e if isinstance(e, list) else [e] if e is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return ids
-
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` with the model's chat template and a generation prompt."""
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
-                    or m.get("role") not in ("system", "user", "assistant"):
-                raise BadRequest("each message needs a role (system|user|assistant) and "
-                                 "string content")
-        if not self.tokenizer.chat_template:
-            text = "".join(m["content"] + "\n" for m in messages)
-            return list(self.tokenizer(text)["input_ids"])
-        out: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=True)
-        ids: Any = out["input_ids"] if hasattr(out, "keys") else out
-        return [int(i) for i in ids]
-
-    @torch.inference_mode()
-    def embed(self, token_ids: list[int]) -> torch.Tensor:
-        """(1, T, H) input hidden state for `token_ids`, on the head's device."""
-        ids = torch.tensor([token_ids], dtype=torch.long).to(self.device, non_blocking=True)
-        if self.embed_q is None:
-            out: torch.Tensor = self.embed_tokens(ids)
-            return out
-        rows = self.embed_q.rows(ids)
-        scale = getattr(self.embed_tokens, "embed_scale", None)  # Gemma's scaled embedding
-        return rows * scale.float() if scale is not None else rows
-
-    def embed_host(self, token_ids: list[int]) -> torch.Tensor:
-        """`embed` as a host tensor the caller owns (sent to a shard, kept for replay)."""
-        return self.embed(token_ids).cpu()
-
-    def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
-        """(vocab,) fp32 host logits of the last position of a (1, T, H) final hidden state
-        (from any device): the sampler and its seeded generator stay on the host."""
-        return self.logits_batch([hidden_last])[0]
-
-    @torch.inference_mode()
-    def logits_batch(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """`logits` of several chats' final hidden states as one norm + lm_head product
-        (issue 16 §3): the lm_head's weights are read once for all rows."""
-        h = torch.cat([x[:, -1:, :].to(self.device, self.dtype) for x in hidden])  # (B, 1, H)
-        h = self.norm(h)
-        if self.lm_head_q is not None:
-            logits = self.lm_head_q(h)[:, -1]
-        else:
-            logits = torch.nn.functional.linear(h, self.lm_head_weight)[:, -1]
-        assert isinstance(logits, torch.Tensor)
-        if self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return list(logits.float().cpu().unbind(0))

@@ -63,15 +63,15 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from hearthnet.constants import DEFAULT_TIMEOUT_S
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     Pipeline,
     PipelineStage,
     ShardDescriptor,
     ShardID,
     to_datetime,
 )
-from hearthnet.distributed_inference.health import ShardHealthTracker
-from hearthnet.distributed_inference.store import Advertisement, ShardStore
+from hearthnet.distributed_inference.directory.health import ShardHealthTracker
+from hearthnet.distributed_inference.directory.store import Advertisement, ShardStore
 from hearthnet.errors import BadRequest, ShardUnavailable, WeightsMismatch
 from hearthnet.observability import get_logger
 

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from prometheus_client import Histogram
 
-from hearthnet.distributed_inference.descriptors import Pipeline, PipelineStage
-from hearthnet.distributed_inference.generation import Generation
-from hearthnet.distributed_inference.request import DistributedChatParams
+from hearthnet.distributed_inference.directory.descriptors import Pipeline, PipelineStage
+from hearthnet.distributed_inference.engine.generation import Generation
+from hearthnet.distributed_inference.orchestrator.request import DistributedChatParams
+from hearthnet.distributed_inference.orchestrator.wire import WirePlan
 from hearthnet.distributed_inference.seams import Channel, Connector, StepOutput
-from hearthnet.distributed_inference.wire import WirePlan
 from hearthnet.errors import ConnectionLost, HearthNetError
 from hearthnet.stats import LatencyWindow
 

@@ -34,27 +34,24 @@ import torch
 
 from hearthnet.background import detach
 from hearthnet.constants import WIRE_DTYPES
-from hearthnet.distributed_inference.backends.base import LayerSession, LayerStack
-from hearthnet.distributed_inference.backends.device import (
-    Staging,
-    device_info,
-    is_out_of_memory,
-    resolve_device,
-)
-from hearthnet.distributed_inference.backends.memory import plan_shard
-from hearthnet.distributed_inference.backends.quant import kernel_of
-from hearthnet.distributed_inference.backends.small_model_layered import (
-    LayeredSession,
-    LayeredStack,
-)
-from hearthnet.distributed_inference.batcher import RoundBatcher
-from hearthnet.distributed_inference.descriptors import (
+from hearthnet.distributed_inference.directory.descriptors import (
     ShardDescriptor,
     ShardHealth,
     make_shard_id,
     to_datetime,
 )
-from hearthnet.distributed_inference.formats import resolve_format
+from hearthnet.distributed_inference.directory.formats import resolve_format
+from hearthnet.distributed_inference.engine.base import LayerSession, LayerStack
+from hearthnet.distributed_inference.engine.batcher import RoundBatcher
+from hearthnet.distributed_inference.engine.device import (
+    Staging,
+    device_info,
+    is_out_of_memory,
+    resolve_device,
+)
+from hearthnet.distributed_inference.engine.layers import LayeredSession, LayeredStack
+from hearthnet.distributed_inference.engine.memory import plan_shard
+from hearthnet.distributed_inference.engine.quant import kernel_of
 from hearthnet.distributed_inference.seams import ShardStream
 from hearthnet.errors import (
     BadRequest,

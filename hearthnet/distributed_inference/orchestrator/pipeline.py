@@ -22,27 +22,31 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from hearthnet.distributed_inference.backends.base import ClientHead
-from hearthnet.distributed_inference.backends.small_model_layered import LayeredHead
-from hearthnet.distributed_inference.calls import (
+from hearthnet.distributed_inference.directory.descriptors import PipelineStage
+from hearthnet.distributed_inference.directory.formats import accepted_formats, resolve_format
+from hearthnet.distributed_inference.directory.health import ShardHealthTracker
+from hearthnet.distributed_inference.directory.routing import ShardRouter
+from hearthnet.distributed_inference.engine.base import ClientHead
+from hearthnet.distributed_inference.engine.generation import Generation, PromptLimits, TokenEvent
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.local import LocalEngine, LocalTimings
+from hearthnet.distributed_inference.orchestrator.calls import (
     CallState,
     Connector,
     FellBack,
     Frame,
     StageSession,
 )
-from hearthnet.distributed_inference.decode import DecodeLoop
-from hearthnet.distributed_inference.descriptors import PipelineStage
-from hearthnet.distributed_inference.failover import Failover
-from hearthnet.distributed_inference.formats import accepted_formats, resolve_format
-from hearthnet.distributed_inference.frames import done_frame, error_frame, token_frame
-from hearthnet.distributed_inference.generation import Generation, PromptLimits, TokenEvent
-from hearthnet.distributed_inference.health import ShardHealthTracker
-from hearthnet.distributed_inference.local import LocalEngine, LocalTimings
-from hearthnet.distributed_inference.request import ChatRequest, DistributedChatParams
-from hearthnet.distributed_inference.routing import ShardRouter
-from hearthnet.distributed_inference.sanity import Calibration, SanityChecker, calibrate
-from hearthnet.distributed_inference.wire import WirePlan
+from hearthnet.distributed_inference.orchestrator.decode import DecodeLoop
+from hearthnet.distributed_inference.orchestrator.failover import Failover
+from hearthnet.distributed_inference.orchestrator.frames import done_frame, error_frame, token_frame
+from hearthnet.distributed_inference.orchestrator.request import ChatRequest, DistributedChatParams
+from hearthnet.distributed_inference.orchestrator.sanity import (
+    Calibration,
+    SanityChecker,
+    calibrate,
+)
+from hearthnet.distributed_inference.orchestrator.wire import WirePlan
 from hearthnet.errors import (
     ExperimentalDisabled,
     HearthNetError,

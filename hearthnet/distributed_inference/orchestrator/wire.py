@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hearthnet.constants import CALL_WIRE_DTYPES, WIDE_WIRE_DTYPES
-from hearthnet.distributed_inference.sanity import FP16_MAX, WIRE_MARGIN, Calibration
+from hearthnet.distributed_inference.orchestrator.sanity import FP16_MAX, WIRE_MARGIN, Calibration
 from hearthnet.errors import BadRequest, WireOverflow
 
 

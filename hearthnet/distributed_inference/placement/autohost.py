@@ -38,12 +38,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hearthnet.config import NodeConfig
-from hearthnet.distributed_inference.backends.memory import (
+from hearthnet.distributed_inference.directory.formats import resolve_format
+from hearthnet.distributed_inference.directory.liveness import HostLiveness
+from hearthnet.distributed_inference.directory.store import ShardStore
+from hearthnet.distributed_inference.engine.memory import (
     _layer_tensor_shapes,
     layer_weight_bytes,
 )
-from hearthnet.distributed_inference.backends.quant import compute_dtype_of
-from hearthnet.distributed_inference.community import (
+from hearthnet.distributed_inference.engine.quant import compute_dtype_of
+from hearthnet.distributed_inference.placement.community import (
     CAPACITY,
     CLAIM,
     Claim,
@@ -53,9 +56,7 @@ from hearthnet.distributed_inference.community import (
     claim_payload,
     placement_info,
 )
-from hearthnet.distributed_inference.formats import resolve_format
-from hearthnet.distributed_inference.liveness import HostLiveness
-from hearthnet.distributed_inference.placement import (
+from hearthnet.distributed_inference.placement.planner import (
     HostCapacity,
     Span,
     best_start,
@@ -66,7 +67,6 @@ from hearthnet.distributed_inference.placement import (
     plan_move,
     split_lengths,
 )
-from hearthnet.distributed_inference.store import ShardStore
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.eventlog import EventLog
 from hearthnet.models.store import ModelEntry, ModelStore

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hearthnet.distributed_inference.generation import Generation, TokenEvent
+from hearthnet.distributed_inference.engine.generation import Generation, TokenEvent
 
 Frame = dict[str, Any]
 

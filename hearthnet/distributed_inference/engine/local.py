@@ -13,18 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hearthnet.distributed_inference.backends.base import ClientHead, LayerStack
-from hearthnet.distributed_inference.backends.device import sync
-from hearthnet.distributed_inference.backends.small_model_layered import (
-    LayeredHead,
-    LayeredStack,
-)
-from hearthnet.distributed_inference.generation import (
+from hearthnet.distributed_inference.engine.base import ClientHead, LayerStack
+from hearthnet.distributed_inference.engine.device import sync
+from hearthnet.distributed_inference.engine.generation import (
     Generation,
     PromptLimits,
     TokenEvent,
 )
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.errors import BadRequest
 from hearthnet.models.store import ModelEntry
 

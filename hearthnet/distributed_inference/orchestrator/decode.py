@@ -25,13 +25,13 @@ from concurrent.futures import Executor
 
 import torch
 
-from hearthnet.distributed_inference.backends.base import ClientHead
-from hearthnet.distributed_inference.batcher import RoundBatcher
-from hearthnet.distributed_inference.calls import CallState, Frame, StageFailed
-from hearthnet.distributed_inference.failover import Failover
-from hearthnet.distributed_inference.frames import token_frame
-from hearthnet.distributed_inference.health import ShardHealthTracker
-from hearthnet.distributed_inference.sanity import SanityChecker
+from hearthnet.distributed_inference.directory.health import ShardHealthTracker
+from hearthnet.distributed_inference.engine.base import ClientHead
+from hearthnet.distributed_inference.engine.batcher import RoundBatcher
+from hearthnet.distributed_inference.orchestrator.calls import CallState, Frame, StageFailed
+from hearthnet.distributed_inference.orchestrator.failover import Failover
+from hearthnet.distributed_inference.orchestrator.frames import token_frame
+from hearthnet.distributed_inference.orchestrator.sanity import SanityChecker
 from hearthnet.errors import HearthNetError, PipelineStalled, StreamStalled, WireOverflow
 from hearthnet.observability import Metrics
 from hearthnet.transport.codec import cast_to_wire

@@ -115,10 +115,8 @@ def calibrate(model_dir: Path, device: str | torch.device = "cpu",
         if data.get("version") == _VERSION:
             return Calibration([float(x) for x in data["bounds"]],
                                [float(x) for x in data["absmax"]], float(data["embed_absmax"]))
-    from hearthnet.distributed_inference.backends.small_model_layered import (
-        LayeredHead,
-        LayeredStack,
-    )
+    from hearthnet.distributed_inference.engine.head import LayeredHead
+    from hearthnet.distributed_inference.engine.layers import LayeredStack
     from hearthnet.models.store import ModelEntry
 
     entry = ModelEntry.load(model_dir)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hearthnet.constants import DEFAULT_TIMEOUT_S
-from hearthnet.distributed_inference.descriptors import ShardHealth, ShardID, to_datetime
+from hearthnet.distributed_inference.directory.descriptors import ShardHealth, ShardID, to_datetime
 from hearthnet.stats import percentile
 
 

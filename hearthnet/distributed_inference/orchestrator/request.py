@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hearthnet.constants import DEFAULT_TIMEOUT_S
-from hearthnet.distributed_inference.formats import DEFAULT_MIN_FORMAT, check_policy
-from hearthnet.distributed_inference.sampling import SamplingParams
-from hearthnet.distributed_inference.wire import check_wire_names
+from hearthnet.distributed_inference.directory.formats import DEFAULT_MIN_FORMAT, check_policy
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.orchestrator.wire import check_wire_names
 from hearthnet.errors import BadRequest
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hearthnet.distributed_inference.backends.quant import compute_dtype_of, held_nbytes
+from hearthnet.distributed_inference.engine.quant import compute_dtype_of, held_nbytes
 from hearthnet.models.hashing import read_safetensors_header
 from hearthnet.models.store import ModelEntry
 
@@ -84,7 +84,7 @@ def kv_session_bytes(config: Any, lo: int, hi: int, fmt: str, tokens: int) -> in
     the preallocated slot a session gets (`kv_cache.KVSlot`, issue 13 §3) — capacity
     rounded up to `CAPACITY_QUANTUM`, sliding-window layers full length (so a redo can
     rewind them)."""
-    from hearthnet.distributed_inference.backends.kv_cache import capacity_for, slot_bytes
+    from hearthnet.distributed_inference.engine.kv_cache import capacity_for, slot_bytes
 
     return slot_bytes(config, hi - lo + 1, capacity_for(tokens), compute_dtype_of(fmt))
 
@@ -92,7 +92,7 @@ def kv_session_bytes(config: Any, lo: int, hi: int, fmt: str, tokens: int) -> in
 def plan_shard(entry: ModelEntry, lo: int, hi: int, fmt: str, sessions: int,
                tokens: int) -> MemoryPlan:
     """The memory plan of a shard of layers `lo..hi` held as `fmt` (a resolved format)."""
-    from hearthnet.distributed_inference.backends.small_model_layered import load_config
+    from hearthnet.distributed_inference.engine.families import load_config
 
     config = load_config(entry)
     per_session = kv_session_bytes(config, lo, hi, fmt, tokens)

@@ -1,6 +1,6 @@
 """Automatic placement: which layer range an automatic host loads (issue 17; M26 §10).
 
-Pure functions, no I/O: the daemon (`hearthnet.distributed_inference.autohost`) feeds them
+Pure functions, no I/O: the daemon (`hearthnet.distributed_inference.placement.autohost`) feeds them
 what the event log says and acts on the answer.
 
 The rule is Petals' block selection, restated for HearthNet's inclusive layer ranges:

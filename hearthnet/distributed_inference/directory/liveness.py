@@ -16,7 +16,7 @@ the next probe), makes it up again. A down host's shards are
 
 - **offline** in the node's status (`hearthnet status`, ``/status``, the web page,
   ``/v1/models`` coverage) with the reason (`reason`);
-- **never chosen** by the router (`hearthnet.distributed_inference.routing`), so a new call
+- **never chosen** by the router (`directory.routing`), so a new call
   does not open a session on a dead host (failover already excludes a stage that fails);
 - left out of automatic placement, which re-hosts their ranges (`autohost`).
 
@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from hearthnet.distributed_inference.store import ShardStore
+from hearthnet.distributed_inference.directory.store import ShardStore
 from hearthnet.observability import get_logger
 
 log = get_logger("distributed_inference.liveness")

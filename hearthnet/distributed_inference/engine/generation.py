@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hearthnet.distributed_inference.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.errors import BadRequest
 
 

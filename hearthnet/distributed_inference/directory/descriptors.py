@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from hearthnet.distributed_inference.formats import HELD_FORMATS, KERNELS
+from hearthnet.distributed_inference.directory.formats import HELD_FORMATS, KERNELS
 from hearthnet.errors import BadRequest, PeerDataError
 from hearthnet.ids import NODE_ID_RE
 from hearthnet.mesh.eventlog import EVENT_TYPES, EventType

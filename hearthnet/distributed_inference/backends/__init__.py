@@ -1,1 +1,0 @@
-"""distributed_inference/backends."""

@@ -1,0 +1,180 @@
+"""The orchestrator's head (M26 §5.3): tokenizer and chat template, the embedding, the
+final norm and the lm_head, read from the store and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hearthnet.distributed_inference.directory.formats import (
+    HEAD_FORMATS,
+    resolve_format,
+)
+from hearthnet.distributed_inference.engine.device import (
+    resolve_device,
+)
+from hearthnet.distributed_inference.engine.families import (
+    check_device_format,
+    load_config,
+    meta_base_model,
+)
+from hearthnet.distributed_inference.engine.quant import (
+    Int8Linear,
+    compute_dtype_of,
+    format_name,
+    held_bytes,
+)
+from hearthnet.distributed_inference.engine.weights import (
+    WeightsReader,
+    fill_module,
+    materialise_buffers,
+)
+from hearthnet.errors import BadRequest
+from hearthnet.models.store import ModelEntry
+
+
+class LayeredHead:
+    """The orchestrator's part of a model: tokenizer, embeddings, final norm, lm_head."""
+
+    def __init__(self, entry: ModelEntry, weights: str | torch.dtype = "fp32",
+                 device: str | torch.device = "cpu", *, lm_head: bool = True) -> None:
+        """`lm_head=False`: tokenizer, embeddings and norm only (calibration embeds prompts
+        and never needs logits; an untied 7B lm_head is 2.2 GB in fp32)."""
+        from transformers import AutoTokenizer
+
+        self.format = resolve_format(format_name(weights), entry.dtype)
+        if self.format not in HEAD_FORMATS:
+            raise BadRequest(f"a head holds its weights as {', '.join(HEAD_FORMATS)} (or "
+                             f"native); not {self.format}")
+        self.device = resolve_device(device)
+        check_device_format(self.format, self.device)
+        entry.check_files()
+        self.entry = entry
+        self.dtype = compute_dtype_of(self.format)
+        self.config = load_config(entry)
+        self.hidden_size = int(self.config.hidden_size)
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(entry.path))
+        reader = WeightsReader(entry.path)
+        base = meta_base_model(self.config)
+        p = reader.layer_prefix
+        self.embed_tokens: nn.Module = base.embed_tokens
+        self.norm: nn.Module = base.norm
+        self._load_embeddings(reader, p + "embed_tokens.", base)
+        norm_keys = [k for k in reader.index if k.startswith(p + "norm.")]
+        fill_module(self.norm, reader, norm_keys, p + "norm.", self.format,
+                    f"{entry.path} norm", base, self.device)
+        self.embed_tokens.eval()
+        self.norm.eval()
+        # Gemma-2's final-logit soft-capping, applied as its CausalLM head does
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        self.final_logit_softcapping: float | None = float(cap) if cap else None
+        self.lm_head_q: Int8Linear | None = None
+        self.lm_head_weight: torch.Tensor = torch.empty(0)
+        if lm_head:
+            self._load_lm_head(reader)
+        self.eos_token_ids = self._eos_ids()
+        del base
+
+    def _load_embeddings(self, reader: WeightsReader, prefix: str, base: Any) -> None:
+        """Embeddings as held: a float matrix, or (int8) an `Int8Linear` whose rows are
+        looked up — the family's embedding module keeps its scale buffers (Gemma)."""
+        where = f"{self.entry.path} embeddings"
+        self.embed_q: Int8Linear | None = None
+        if self.format != "int8":
+            fill_module(self.embed_tokens, reader, [prefix + "weight"], prefix, self.format, where,
+                  base, self.device)
+            return
+        self.embed_q = Int8Linear(reader.read([prefix + "weight"])[prefix + "weight"], None,
+                                  keep_rows=True)
+        self.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        materialise_buffers(self.embed_tokens, base, where, self.device)
+
+    def _load_lm_head(self, reader: WeightsReader) -> None:
+        tied = "lm_head.weight" not in reader.index or bool(
+            getattr(self.config, "tie_word_embeddings", False))  # M26: lm_head tied or not
+        if self.format == "int8":
+            if tied and self.embed_q is not None:
+                self.embed_q.pack()  # rows for embeddings, packed for the product
+            self.lm_head_q = self.embed_q if tied else Int8Linear(
+                reader.read(["lm_head.weight"])["lm_head.weight"], None)
+        elif tied:
+            self.lm_head_weight = self.embed_tokens.weight  # type: ignore[assignment]
+        else:
+            self.lm_head_weight = reader.read(["lm_head.weight"], self.device)[
+                "lm_head.weight"].to(self.dtype)
+
+    def param_bytes(self) -> int:
+        """Bytes of the head's weights in their held format (a tied matrix counted once)."""
+        mods = [self.embed_tokens, self.norm, *(m for m in (self.embed_q, self.lm_head_q) if m)]
+        total = held_bytes(nn.ModuleList(mods))
+        emb: torch.Tensor = self.embed_tokens.weight  # type: ignore[assignment]
+        if self.lm_head_weight.numel() and self.lm_head_weight.data_ptr() != emb.data_ptr():
+            total += self.lm_head_weight.numel() * self.lm_head_weight.element_size()
+        return total
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = self.entry.path / "generation_config.json"
+        if gen.is_file():
+            e: Any = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(e if isinstance(e, list) else [e] if e is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` with the model's chat template and a generation prompt."""
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
+                    or m.get("role") not in ("system", "user", "assistant"):
+                raise BadRequest("each message needs a role (system|user|assistant) and "
+                                 "string content")
+        if not self.tokenizer.chat_template:
+            text = "".join(m["content"] + "\n" for m in messages)
+            return list(self.tokenizer(text)["input_ids"])
+        out: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=True)
+        ids: Any = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(i) for i in ids]
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """(1, T, H) input hidden state for `token_ids`, on the head's device."""
+        ids = torch.tensor([token_ids], dtype=torch.long).to(self.device, non_blocking=True)
+        if self.embed_q is None:
+            out: torch.Tensor = self.embed_tokens(ids)
+            return out
+        rows = self.embed_q.rows(ids)
+        scale = getattr(self.embed_tokens, "embed_scale", None)  # Gemma's scaled embedding
+        return rows * scale.float() if scale is not None else rows
+
+    def embed_host(self, token_ids: list[int]) -> torch.Tensor:
+        """`embed` as a host tensor the caller owns (sent to a shard, kept for replay)."""
+        return self.embed(token_ids).cpu()
+
+    def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        """(vocab,) fp32 host logits of the last position of a (1, T, H) final hidden state
+        (from any device): the sampler and its seeded generator stay on the host."""
+        return self.logits_batch([hidden_last])[0]
+
+    @torch.inference_mode()
+    def logits_batch(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """`logits` of several chats' final hidden states as one norm + lm_head product
+        (issue 16 §3): the lm_head's weights are read once for all rows."""
+        h = torch.cat([x[:, -1:, :].to(self.device, self.dtype) for x in hidden])  # (B, 1, H)
+        h = self.norm(h)
+        if self.lm_head_q is not None:
+            logits = self.lm_head_q(h)[:, -1]
+        else:
+            logits = torch.nn.functional.linear(h, self.lm_head_weight)[:, -1]
+        assert isinstance(logits, torch.Tensor)
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return list(logits.float().cpu().unbind(0))
