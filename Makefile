@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(HN) models import smollm2
 
-# node keys + member lists of the example configs (issue 7), both written to each node's
+# node keys + member lists of the example configs (M26 §5.8), both written to each node's
 # data dir (the TOMLs stay as committed); idempotent: existing keys are kept.
 keys: $(STAMP)
 	$(HN) keys provision config/mesh3 config/mesh4 config/auto3
@@ -47,7 +47,7 @@ browser:
 
 # Two workers (pytest-xdist), a whole test file per worker (--dist loadfile: a module's mesh
 # fixture stays in one process). Most tests wait on node processes, so two files at once
-# use the cores better: on the 2-core VM pytest took 15 min instead of 23 (README).
+# use the cores better: on the 2-core VM pytest took 15 min instead of 23 (docs/benchmarks.md).
 # TEST_WORKERS=0 runs one test at a time.
 TEST_WORKERS ?= 2
 test: install browser
@@ -56,6 +56,7 @@ test: install browser
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hearthnet tests scripts
 	$(VENV)/bin/mypy --strict hearthnet
+	$(VENV)/bin/lint-imports
 
 bench: install
 	$(HN) bench local --model smollm2 --tokens 64 --json
@@ -64,13 +65,13 @@ bench: install
 	$(HN) bench failover --json
 	$(HN) bench api --json
 	$(HN) bench placement --json
-	HEARTHNET_WIRE_REPORT=1 $(PY) -m pytest -q -s -p no:timeout tests/integration/test_wire_report.py  # issue 11
+	HEARTHNET_WIRE_REPORT=1 $(PY) -m pytest -q -s -p no:timeout tests/integration/test_wire_report.py  # first divergence of each wire dtype vs fp32
 	$(HN) bench quality --json
-	for w in fp32 bf16; do $(HN) bench pipeline --weights $$w --wire $$w --tokens 64 --concurrency 1 2 4 8 16 --concurrency-only --json; done  # issue 16
+	for w in fp32 bf16; do $(HN) bench pipeline --weights $$w --wire $$w --tokens 64 --concurrency 1 2 4 8 16 --concurrency-only --json; done  # continuous batching, SmolLM2
 	$(HN) models synth qwen2.5-1.5b
 	$(HN) models synth qwen2.5-3b
-	for w in bf16 int8; do $(HN) bench local --model qwen2.5-1.5b --weights $$w --against fp32 --parts full --tokens 32 --json --results-dir bench-results/qwen2.5-1.5b-$$w; done  # issue 12: int8 ≥ 2.5× fp32
-	$(HN) bench pipeline --model qwen2.5-1.5b --weights bf16 --wire bf16 --tokens 32 --concurrency 1 2 4 8 16 --concurrency-only --json  # issue 16
+	for w in bf16 int8; do $(HN) bench local --model qwen2.5-1.5b --weights $$w --against fp32 --parts full --tokens 32 --json --results-dir bench-results/qwen2.5-1.5b-$$w; done  # goal: int8 decode ≥ 2.5× fp32
+	$(HN) bench pipeline --model qwen2.5-1.5b --weights bf16 --wire bf16 --tokens 32 --concurrency 1 2 4 8 16 --concurrency-only --json  # goal: 8 chats ≥ 4× one, p95 ≤ 2×
 	$(HN) bench pipeline --model qwen2.5-3b --weights int8 --shards 2 --node-threads 2 --tokens 32 --no-fp32 --concurrency 1 --json
 	$(HN) bench reach --model qwen2.5-3b --shards 2 --weights int8 --json
 

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 
 # Modules providing `register(subparsers: argparse._SubParsersAction) -> None`.
 _COMMAND_MODULES = (
-    "hearthnet.models.cli",
+    "hearthnet.commands.models",
     "hearthnet.commands.chat",
     "hearthnet.commands.bench",
     "hearthnet.commands.node",
     "hearthnet.commands.status",
     "hearthnet.commands.demo",
-    "hearthnet.security.cli",
+    "hearthnet.commands.keys",
 )
 
 

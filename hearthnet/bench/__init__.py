@@ -1,4 +1,4 @@
-"""Benchmarks behind `hearthnet bench local|pipeline|failover` (issues 2, 5 and 6).
+"""Benchmarks behind `hearthnet bench local|pipeline|failover` (M26 §8.2, §8.4).
 
 Each module exposes ``add_args(parser)`` and ``run(args) -> (figures, report)`` for the
 `BENCHMARKS` table of `hearthnet.commands.bench`. This module holds what they share:

@@ -1,4 +1,4 @@
-"""`hearthnet bench api`: what the OpenAI-compatible HTTP API costs over the bus (issue 15).
+"""`hearthnet bench api`: the OpenAI-compatible API's cost over the bus (DESIGN.md decision 13).
 
 Starts the demo's mesh (node A orchestrates, two shard nodes split the layers) with
 `LocalMesh`, then alternates the same greedy chat through node A's capability bus (as
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hearthnet.argtypes import decode_tokens, positive
 from hearthnet.bench import PROMPTS, machine, median, percentile, table, write_results
-from hearthnet.commands import decode_tokens, positive
 from hearthnet.errors import HearthNetError
 
 

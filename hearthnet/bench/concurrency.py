@@ -1,4 +1,4 @@
-"""The concurrency part of `hearthnet bench pipeline` (issue 16): continuous batching, measured.
+"""The concurrency part of `hearthnet bench pipeline` (M26 §5.3): continuous batching, measured.
 
 At each ``--concurrency`` level C, C greedy chats start at once through the orchestrating
 node (prompts cycled from `PROMPTS`), ``--runs`` times. Per level:
@@ -13,12 +13,12 @@ node (prompts cycled from `PROMPTS`), ``--runs`` times. Per level:
   ``shard_batch_size`` Prometheus histogram, the difference over the level) and the
   orchestrator's head batch sizes (``head_batch_size``);
 - local fallbacks: chats that ended on the orchestrator's local engine (``fallback`` in
-  their `done` frame) — a busy shard must make a chat wait, not fall back (issue 16 §2);
+  their `done` frame) — a busy shard must make a chat wait for a slot, not fall back to local;
 - agreement: each chat's tokens against the same prompt run alone (the solo reference
   pass before the levels): identical, or the index of the first divergence. In fp32 they
   must all be identical; in bf16/int8 a batched matmul may round differently.
 
-Goals (issue 16, the 2-core CPU machine): aggregate tokens/s at 8 chats ≥ 4× the single
+Goals (set for the 2-core CPU machine): aggregate tokens/s at 8 chats ≥ 4× the single
 chat's, with p95 inter-token latency ≤ 2× the single chat's.
 """
 
@@ -172,7 +172,7 @@ async def measure(uri: str, a: argparse.Namespace, scrape: Scrape) -> dict[str, 
 
 
 def goals(levels: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 16's goals, where both the single chat and 8 chats were measured."""
+    """The batching goals above, where both the single chat and 8 chats were measured."""
     by = {lv["concurrency"]: lv for lv in levels}
     one, many = by.get(1), by.get(GOALS["at_concurrency"])
     if one is None or many is None:

@@ -1,4 +1,4 @@
-"""`hearthnet bench failover`: a shard host dies mid-answer (issue 6, M26 §8.2).
+"""`hearthnet bench failover`: a shard host dies mid-answer (M26 §5.4, §8.2).
 
 A four-node mesh of separate processes on 127.0.0.1: node A orchestrates, B hosts layers
 0–14, C hosts 15–29 and D is a spare (15–29 by default, or ``--spare 10-29``). Per run:
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hearthnet.argtypes import positive
 from hearthnet.bench import PROMPTS, machine, median, table, write_results
-from hearthnet.commands import positive
 from hearthnet.constants import WIRE_DTYPES
 from hearthnet.errors import BadRequest, HearthNetError
 

@@ -1,4 +1,4 @@
-"""`hearthnet bench local`: one machine's figures for a model (issue 2).
+"""`hearthnet bench local`: one machine's figures for a model (M26 §8.2's baseline).
 
 Prefill time and decode tokens/s of the whole model in one process (`LocalEngine`, greedy,
 median of ``--runs`` runs after a warm-up), and the peak resident memory of the processes a
@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any
 
+from hearthnet.argtypes import decode_tokens, positive
 from hearthnet.bench import (
     PROMPTS,
     goals_text,
@@ -33,7 +34,6 @@ from hearthnet.bench import (
     table,
     write_results,
 )
-from hearthnet.commands import decode_tokens, positive
 from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
 from hearthnet.errors import HearthNetError
 
@@ -48,7 +48,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="held format of layers and head (default fp32; int4: head int8)")
     p.add_argument("--against", choices=FORMATS, default=None,
                    help="also run the whole model held in this format, in its own fresh "
-                        "process, and report the decode speed-up over it (issue 12: "
+                        "process, and report the decode speed-up over it (e.g. "
                         "--weights int8 --against fp32)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                    help="which parts to measure (default all; `full` is always measured)")
@@ -118,15 +118,15 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 SCALE_GOALS = {"decode_speedup": 2.5}
-"""Issue 12's goal: int8 decode of the qwen2.5-1.5b shape at least 2.5× the fp32 decode."""
+"""The int8 goal: decode of the qwen2.5-1.5b shape at least 2.5× the fp32 decode."""
 
 
 def goals_for(model: str, weights: str, against: str | None, device: str
               ) -> tuple[str, dict[str, float]]:
-    """The goals a run is checked against and the issue that set them; ("", {}) where no
-    issue set one."""
+    """The goals a run is checked against and the scene they were set for; ("", {}) where
+    none was set."""
     if (model, weights, against, device) == ("qwen2.5-1.5b", "int8", "fp32", "cpu"):
-        return "issue 12", SCALE_GOALS
+        return "int8 vs fp32 decode, 1.5B on CPU", SCALE_GOALS
     return "", {}
 
 

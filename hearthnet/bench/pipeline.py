@@ -1,4 +1,4 @@
-"""`hearthnet bench pipeline`: distributed against local on one machine (issue 5 item 8).
+"""`hearthnet bench pipeline`: distributed against local on one machine (M26 §8.2, §8.4).
 
 Starts a mesh of separate `hearthnet node` processes on 127.0.0.1 (`LocalMesh`): node A
 orchestrates, and N shard nodes host an even split of the layers (N=2: 0–14/15–29; N=3:
@@ -13,14 +13,14 @@ the median of ``--runs``:
 - per-hop overhead (a stage's round trip minus the shard's own compute), first-token ms
   and construction ms, from the `done` frame's timings;
 - at each ``--concurrency`` level, that many chats at once through the same mesh
-  (issue 16, `hearthnet.bench.concurrency`): aggregate and per-chat tokens/s, inter-token
+  (continuous batching, `hearthnet.bench.concurrency`): aggregate and per-chat tokens/s, inter-token
   latency, the shards' and the head's batch sizes, tokens against each prompt run alone.
   ``--concurrency-only`` measures just that (no local baseline, no wire comparison).
 
 Local and distributed runs alternate so a change in the machine's load hits both. Every
-node process runs ``--node-threads`` torch threads. The goals checked are those an issue
-set for the run's scene (`goals_for`): issue 5's for SmolLM2 on CPU, issue 12's for
-qwen2.5-3b over two shards on CPU, issue 13's on a GPU; none for any other model or split.
+node process runs ``--node-threads`` torch threads. The goals checked are those set for the
+run's scene (`goals_for`): SmolLM2's on CPU (`GOALS`), qwen2.5-3b's over two shards on CPU
+(`SCALE_GOALS`), the 3B shape's on a GPU (`GPU_GOALS`); none for any other model or split.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hearthnet.argtypes import decode_tokens, positive
 from hearthnet.bench import (
     PROMPTS,
     concurrency,
@@ -46,32 +47,31 @@ from hearthnet.bench import (
     write_results,
 )
 from hearthnet.bench.local import weights_of
-from hearthnet.commands import decode_tokens, positive
 from hearthnet.constants import WIRE_DTYPES
 from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
 from hearthnet.errors import BadRequest, HearthNetError
 
 GOALS = {"ratio_min": 0.85, "first_token_ms_max": 300.0, "construction_ms_max": 100.0,
          "overhead_p95_ms_max": 2.0}
-"""Issue 5's goals: the default SmolLM2 split over shard nodes on CPU."""
+"""Goals of the default SmolLM2 split over shard nodes on CPU, tighter than M26 §8.4's."""
 SCALE_GOALS = {"ratio_min": 0.95}
-"""Issue 12's goal: qwen2.5-3b over two shards on CPU, where compute dominates and the hop
+"""Goal of qwen2.5-3b over two shards on CPU, where compute dominates and the hop
 must not show."""
 GPU_GOALS = {"ratio_min": 0.7, "first_token_ms_max": 100.0, "construction_ms_max": 50.0,
              "overhead_p95_ms_max": 1.0, "tokens_per_second_min": 100.0}
-"""Issue 13's goals on one H100 with the shard processes sharing the GPU (3B shape)."""
+"""Goals on one H100 with the shard processes sharing the GPU (3B shape)."""
 
 
 def goals_for(model: str, shards: int, gpu: bool) -> tuple[str, dict[str, float]]:
-    """The goals a run is checked against and the issue that set them: ("", {}) for a scene
-    no issue set goals for (issue 5's first-token goal, say, was set for SmolLM2, not for
-    a 3B on a 2-core CPU)."""
+    """The goals a run is checked against and the scene they were set for: ("", {}) for a
+    scene without goals (SmolLM2's 300 ms first token, say, is no goal for a 3B on a
+    2-core CPU)."""
     if gpu:
-        return "issue 13", GPU_GOALS
+        return "3B shape on a GPU", GPU_GOALS
     if model == "qwen2.5-3b" and shards == 2:
-        return "issue 12", SCALE_GOALS
+        return "3B over two CPU shards", SCALE_GOALS
     if model == "smollm2":
-        return "issue 5", GOALS
+        return "SmolLM2 on CPU", GOALS
     return "", {}
 
 
@@ -86,8 +86,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=decode_tokens, default=64, help="tokens generated per chat")
     p.add_argument("--runs", type=positive, default=3, help="measured runs (median; default 3)")
     p.add_argument("--concurrency", type=positive, nargs="+", default=[1, 2, 4],
-                   help="concurrent chats for the aggregate figure (default 1 2 4; issue "
-                        "16's goals compare 8 with 1)")
+                   help="concurrent chats for the aggregate figure (default 1 2 4; the "
+                        "batching goals compare 8 with 1)")
     p.add_argument("--concurrency-only", action="store_true",
                    help="only the concurrency levels: no local baseline, no wire comparison")
     p.add_argument("--batch-window-ms", type=float, default=None,

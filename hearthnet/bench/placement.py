@@ -1,4 +1,4 @@
-"""`hearthnet bench placement`: automatic split vs equal split on unequal hosts (issue 17 §4).
+"""`hearthnet bench placement`: automatic split vs equal split on unequal hosts (M26 §10).
 
 Two meshes of separate node processes on 127.0.0.1, one after the other, each with an
 orchestrator (``node-o``, no shards) and three hosts that differ in torch threads and
@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hearthnet.argtypes import positive
 from hearthnet.bench import PROMPTS, machine, median, table, write_results
-from hearthnet.commands import positive
 from hearthnet.errors import BadRequest, HearthNetError
 
 HOSTS = ("host-1", "host-2", "host-3")

@@ -1,7 +1,7 @@
-"""`hearthnet bench quality`: what a compact weight format costs in answers (issue 12 §5).
+"""`hearthnet bench quality`: what a compact weight format costs in answers against fp32.
 
 Teacher-forced next-token prediction over a fixed English text the project ships
-(`hearthnet/bench/data/quality.txt`, a snapshot of SECURITY.md): the text is cut into
+(`hearthnet/bench/data/quality.txt`, a snapshot of docs/security.md): the text is cut into
 windows of ``--window`` tokens; each window runs through a local engine of every format
 and through the fp32 reference; at every position the formats' next-token distributions
 are compared with the reference's: top-1 agreement (same arg-max) and mean KL(fp32 ‖
@@ -14,8 +14,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from hearthnet.argtypes import positive
 from hearthnet.bench import machine, table, write_results
-from hearthnet.commands import positive
 from hearthnet.distributed_inference.directory.formats import HELD_FORMATS, head_format
 
 TEXT = Path(__file__).parent / "data" / "quality.txt"

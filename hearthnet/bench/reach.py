@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hearthnet.argtypes import positive
 from hearthnet.bench import (
     PROMPTS,
     machine,
@@ -27,7 +28,6 @@ from hearthnet.bench import (
     table,
     write_results,
 )
-from hearthnet.commands import positive
 from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
 
 

@@ -72,9 +72,9 @@ BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
     "pipeline": ("distributed vs local tokens/s, per-hop overhead, first token, concurrency "
                  "(shards in separate processes on 127.0.0.1)", *_lazy("pipeline")),
     "quality": ("compact weight formats against fp32: top-1 agreement and mean KL of the "
-                "next-token prediction over a shipped text (issue 12)", *_lazy("quality")),
+                "next-token prediction over a shipped text", *_lazy("quality")),
     "reach": ("the mission's headline: a model split over shard processes that each hold "
-              "under half of it; peak RSS per process, tok/s, tokens vs local (issue 12)",
+              "under half of it; peak RSS per process, tok/s, tokens vs local",
               *_lazy("reach")),
     "api": ("the OpenAI-compatible HTTP API against the capability bus: first token, "
             "tokens/s, gap between token chunks (shards in separate processes)",
@@ -82,7 +82,7 @@ BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
     "failover": ("kill -9 the last-stage shard mid-answer: time to the next token, total "
                  "time and tokens against an unfaulted run", *_lazy("failover")),
     "placement": ("automatic vs equal layer split on three hosts with different threads "
-                  "and memory budgets (issue 17)", *_lazy("placement")),
+                  "and memory budgets", *_lazy("placement")),
 }
 """name → (help, add_args, run). ``run`` returns (figures as a JSON-able dict, report)."""
 

@@ -8,10 +8,22 @@ import sys
 import time
 from typing import Any
 
-from hearthnet.commands import positive
+from hearthnet.argtypes import positive
+from hearthnet.commands.remote import chat_via_node
 from hearthnet.constants import CALL_WIRE_DTYPES
 from hearthnet.distributed_inference.directory.formats import EXACT, HELD_FORMATS
 from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.frames import (
+    Done,
+    ErrorFrame,
+    OtherFrame,
+    PipelineAborted,
+    ShardFailover,
+    ShardStatus,
+    StreamFrame,
+    TokenDelta,
+    is_incident,
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -31,7 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="hidden-state wire dtype (default: the node's activation_dtype, auto)")
     p.add_argument("--weights", choices=[*HELD_FORMATS, EXACT], default=None,
                    help="which shard formats the call accepts: a minimum format, or exact "
-                        "(only the node's own head format); default int8 (issue 12)")
+                        "(only the node's own head format); default int8")
     p.add_argument("--json", action="store_true", help="one JSON object per frame")
     p.add_argument("--threads", type=positive, default=2, help="torch threads in this process")
     p.set_defaults(func=_run)
@@ -43,25 +55,21 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
                           stop=tuple(args.stop))
 
 
-def emit(frame: dict[str, Any], as_json: bool) -> None:
-    """Print one stream frame: JSON lines, or text for a person."""
+def emit(frame: StreamFrame | OtherFrame, as_json: bool) -> None:
+    """Print one stream frame: its wire map as a JSON line, or text for a person (routine
+    frames — a stage ``ok``, a widened wire — only in `--json`)."""
     if as_json:
-        print(json.dumps(frame), flush=True)
+        print(json.dumps(frame.to_wire()), flush=True)
         return
-    kind = frame.get("type")
-    if kind == "token_delta":
-        sys.stdout.write(frame["text"])
+    if isinstance(frame, TokenDelta):
+        sys.stdout.write(frame.text)
         sys.stdout.flush()
-    elif kind == "done":
+    elif isinstance(frame, Done):
         sys.stdout.write("\n")
-        t = frame.get("timings", {})
-        u = frame.get("usage", {})
-        print(f"[{u.get('completion_tokens', 0)} tokens, first token "
-              f"{t.get('first_token_ms', 0):.0f} ms, {t.get('tokens_per_second', 0):.1f} tok/s]",
-              file=sys.stderr)
-    elif kind == "shard_status" and frame.get("status") == "ok":
-        return  # routine; `--json` shows it
-    elif kind in ("shard_status", "shard_failover", "pipeline_aborted", "error"):
+        t, n = frame.timings, frame.text_tokens
+        print(f"[{n} tokens, first token {t.get('first_token_ms', 0):.0f} ms, "
+              f"{t.get('tokens_per_second', 0):.1f} tok/s]", file=sys.stderr)
+    elif is_incident(frame) or isinstance(frame, ErrorFrame):
         print("\n" + describe(frame), file=sys.stderr)
 
 
@@ -69,27 +77,27 @@ def _short(shard_id: Any) -> str:
     return str(shard_id).rsplit(":", 1)[-1]  # "0-14@node-b"
 
 
-def describe(frame: dict[str, Any]) -> str:
+def describe(frame: StreamFrame | OtherFrame) -> str:
     """A diagnostic frame as one line for a person; an error reads as the CLI's own."""
     from hearthnet.errors import one_line
 
-    kind = frame.get("type")
-    if kind == "error":
-        return one_line(str(frame.get("code")), str(frame.get("message")))
-    if kind == "pipeline_aborted":
-        then = "; continuing on the local engine" if frame.get("continuing") == "local" else ""
-        return f"[pipeline_aborted] {frame.get('reason')}{then}"
-    if kind == "shard_failover":
-        new = ", ".join(_short(s) for s in frame.get("replacement", [])) or "?"
-        return (f"[failover] {_short(frame.get('failed'))} → {new} in {frame.get('ms')} ms, "
-                f"{frame.get('replayed_positions')} positions replayed")
-    return (f"[{frame.get('status', kind)}] {_short(frame.get('shard_id'))}: "
-            f"{frame.get('code')}: {frame.get('message')}")
+    if isinstance(frame, ErrorFrame):
+        return one_line(frame.code, frame.message)
+    if isinstance(frame, PipelineAborted):
+        then = "; continuing on the local engine" if frame.continuing == "local" else ""
+        return f"[pipeline_aborted] {frame.reason}{then}"
+    if isinstance(frame, ShardFailover):
+        new = ", ".join(_short(s) for s in frame.replacement) or "?"
+        return (f"[failover] {_short(frame.failed)} → {new} in {frame.ms} ms, "
+                f"{frame.replayed_positions} positions replayed")
+    if isinstance(frame, ShardStatus):
+        return f"[{frame.status}] {_short(frame.shard_id)}: {frame.code}: {frame.message}"
+    return f"[{frame.to_wire()['type']}]"
 
 
 def _run(args: argparse.Namespace) -> int:
-    """Exit 0 only for a call that ended with `done` (issue 14 §3); every failure is an
-    `error` frame in `--json` mode (a lost node included) and exit code 1."""
+    """Exit 0 only for a call that ended with `done`, so a script sees a cut answer; every
+    failure is an `error` frame in `--json` mode (a lost node included) and exit code 1."""
     from hearthnet.errors import ConfigError, HearthNetError
 
     try:
@@ -100,31 +108,29 @@ def _run(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(args.threads)
             return _run_local(args, messages, params)
-        from hearthnet.commands.remote import chat_via_node
-
-        return chat_via_node(args, messages, params)
+        return chat_via_node(args, messages, params, emit)
     except ConfigError:
         raise  # exit code 2 (cli.main)
     except HearthNetError as e:
-        emit({"type": "error", "code": e.code, "message": e.message}, args.json)
+        emit(ErrorFrame.of(e), args.json)
         return 1
 
 
 def _run_local(args: argparse.Namespace, messages: list[dict[str, str]],
                params: SamplingParams) -> int:
     from hearthnet.distributed_inference.engine.local import LocalEngine, LocalTimings
+    from hearthnet.distributed_inference.orchestrator.frames import done_frame, token_frame
     from hearthnet.models import ModelStore
 
     engine = LocalEngine(ModelStore().get(args.model))
     timings = LocalTimings()
     t0 = time.perf_counter()
-    n = 0
-    for ev in engine.generate(messages, params, timings):
-        n += 1
-        emit({"type": "token_delta", "text": ev.text, "token_id": ev.token_id}, args.json)
-    total = time.perf_counter() - t0
-    emit({"type": "done", "usage": {"completion_tokens": n},
-          "timings": {"first_token_ms": timings.first_token_ms,
-                      "tokens_per_second": timings.decode_tokens_per_s,
-                      "total_ms": total * 1000}}, args.json)
+    gen = engine.new_generation(messages, params)
+    for ev in engine.run(gen, timings):
+        emit(token_frame(ev), args.json)
+    # the node's fallback `done` (one builder): every path's done frame has the same keys
+    emit(done_frame(gen, t0=t0, first_ms=timings.first_token_ms,
+                    tokens_per_s=timings.decode_tokens_per_s, pipeline=["local"],
+                    formats={"head": engine.head.format, "stages": [engine.stack.format]}),
+         args.json)
     return 0

@@ -30,6 +30,16 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
+from hearthnet.frames import (
+    Done,
+    ErrorFrame,
+    OtherFrame,
+    PipelineAborted,
+    ShardFailover,
+    StreamFrame,
+    TokenDelta,
+    read_frame,
+)
 
 if TYPE_CHECKING:
     from hearthnet.distributed_inference.engine.sampling import SamplingParams
@@ -45,7 +55,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--weights", default="fp32", choices=FORMATS,
-                   help="how the shards (and node A's head) hold their weights (issue 12)")
+                   help="how the shards (and node A's head) hold their weights")
     p.add_argument("--json", action="store_true", help="one JSON object per frame on stdout")
     p.add_argument("--serve", action="store_true",
                    help="after the answer keep the mesh running until Ctrl-C, with node A's "
@@ -155,31 +165,31 @@ async def _chat(uri: str, args: argparse.Namespace, sampling: SamplingParams) ->
 
     call = chat_args(args.prompt, MODEL, sampling)
     _say(f"> {args.prompt}\n", args.json)
-    last: dict[str, Any] = {}
-    async for frame in bus_call(uri, CHAT_CAPABILITY, call):
-        last = frame
-        if args.json or frame.get("type") in ("token_delta", "shard_failover",
-                                              "pipeline_aborted", "error"):
+    last: StreamFrame | OtherFrame | None = None
+    async for raw in bus_call(uri, CHAT_CAPABILITY, call):
+        last = frame = read_frame(raw)
+        if args.json or isinstance(frame, (TokenDelta, ShardFailover, PipelineAborted,
+                                           ErrorFrame)):
             emit(frame, args.json)
-    if last.get("type") != "done":
+    if not isinstance(last, Done):
         return 1
     if not args.json:
         print("\n\n" + summary(last), flush=True)
     return 0
 
 
-def summary(done: dict[str, Any]) -> str:
+def summary(done: Done) -> str:
     """The per-shard latency summary of a `done` frame, for a person."""
-    t = done.get("timings", {})
+    t = done.timings
     rows = [f"{'shard':<28} {'layers':>7} {'p50 ms':>8} {'p95 ms':>8} {'overhead p50/p95 ms':>20}"]
     for sid, s in t.get("per_shard", {}).items():
         name = sid.rsplit(":", 1)[-1]  # "0-14@node-b"
         rows.append(f"{name:<28} {s['layers'][0]:>3}–{s['layers'][1]:<3} {s['p50_ms']:>8.1f} "
                     f"{s['p95_ms']:>8.1f} {s['overhead_p50_ms']:>9.2f} / "
                     f"{s['overhead_p95_ms']:<8.2f}")
-    n = done.get("usage", {}).get("completion_tokens", 0)
-    via = "local fallback" if done.get("fallback") else " → ".join(
-        str(s).rsplit(":", 1)[-1] for s in done.get("pipeline", []))
+    n = done.text_tokens
+    via = "local fallback" if done.fallback else " → ".join(
+        s.rsplit(":", 1)[-1] for s in done.pipeline)
     rows.append(f"{n} tokens via {via}: first token {t.get('first_token_ms', 0):.0f} ms, "
                 f"{t.get('tokens_per_second', 0):.1f} tokens/s, pipeline construction "
                 f"{t.get('construction_ms', 0):.0f} ms, total {t.get('total_ms', 0):.0f} ms")

@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _reload(config: str) -> int:
-    """Signal the running node of `config` to reload (issue 7 item 7)."""
+    """Signal the running node of `config` to reload: member changes apply without a restart."""
     import os
     import signal
     import sys
@@ -71,8 +71,9 @@ def run_node(node: Node) -> None:
 
 def exit_promptly(grace_s: float = 2.0) -> None:
     """End the process within `grace_s` of the node stopping, whatever compute threads do
-    (issue 14 §1): the interpreter would otherwise join a busy executor thread for as long
-    as its forward runs. Threads still busy after the grace are logged, then `os._exit`."""
+    (SIGTERM must work mid-prefill): the interpreter would otherwise join a busy executor thread
+    for as long as its forward runs. Threads still busy after the grace are logged, then
+    `os._exit`."""
     import os
     import sys
     import threading

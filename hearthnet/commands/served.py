@@ -32,10 +32,10 @@ def _common(p: argparse.ArgumentParser, op: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hearthnet.commands.remote import node_uri
     from hearthnet.errors import error_from_code
     from hearthnet.loop import run
     from hearthnet.mesh.bus import bus_call
+    from hearthnet.node.admin import node_uri
     from hearthnet.node.capabilities import SERVED_MODELS_CAPABILITY
 
     uri = node_uri(args.config)

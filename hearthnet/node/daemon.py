@@ -8,7 +8,7 @@ One asyncio process per machine (DESIGN.md decision 6). One WebSocket server on
 - `/bus`    capability calls (`experimental.distributed_llm.chat`)
 - plain HTTP `GET /metrics` (Prometheus), `GET /health`, `GET /status` (JSON)
 
-Security (issue 7, `mesh.guard`): the listener is ``wss://`` with mutual TLS pinned to
+Security (M26 §5.8, §5.9; `node.guard`): the listener is ``wss://`` with mutual TLS pinned to
 the community members (plain ``ws://`` only with ``insecure_plaintext = true``); every
 connection is rate- and count-limited per peer; shard opens must be signed by a member
 at ``min_trust`` or higher *before* any shard work (or weight reload); gossiped events
@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,6 +80,7 @@ from hearthnet.errors import (
     ShardUnavailable,
     WeightsMismatch,
 )
+from hearthnet.frames import StreamFrame, is_incident
 from hearthnet.mesh.bus import BUS_PATH, CapabilityBus
 from hearthnet.mesh.discovery import LanDiscovery
 from hearthnet.mesh.eventlog import EventLog
@@ -121,13 +123,15 @@ class Node:
         self.admin_uri = ""
         self.port = cfg.node.listen_port
         self._tasks: list[asyncio.Task[Any]] = []
-        # a task that failed within three heartbeats is unhealthy (issue 14 §6)
+        # a task that failed within three heartbeats is unhealthy, not silently dead
         self.supervisor = Supervisor(
             self.metrics, failing_window_s=max(5.0, 3 * cfg.di.heartbeat_interval_s))
         self._gossip_ws: dict[str, set[Any]] = {}  # incoming gossip connections by member
         self._stopping = asyncio.Event()
         self.started_at = time.time()
         self.api: Any = None  # hearthnet.api.server.ApiServer once started
+        self._metrics_server: Any = None  # prometheus_client's server, when configured
+        self.discovery: LanDiscovery | None = None
         # gossip peers by node id: (connected, since) — incoming and outgoing links
         self.peer_links: dict[str, tuple[bool, float]] = {}
         # recent shard_failover / pipeline_aborted / degraded frames, for the status page
@@ -136,12 +140,40 @@ class Node:
     # ---- lifecycle ----
 
     async def start(self) -> None:
+        """Bring the node up in the order its parts depend on one another: the security
+        guard and the event log, the directory folded from it, the listeners, the shards
+        this node hosts, the orchestrator, the mesh links, the background tasks, the API,
+        and last the `node_ready` line (and automatic hosting, which acts on all of them).
+        """
         cfg = self.cfg
         torch.set_num_threads(cfg.node.torch_threads)  # the compute thread's
         serial_torch_here()  # the event loop's: one OpenMP team per process (node/threads.py)
         data = cfg.effective_data_dir()
         data.mkdir(parents=True, exist_ok=True)
-        self.guard = NodeGuard(cfg, self.metrics)  # key, members, TLS, limits (issue 7)
+        self._open_event_log()
+        self._build_directory()
+        await self._listen()
+        await self._start_shards()
+        self._build_orchestrator()
+        await self._join_mesh()
+        self.supervisor.spawn("heartbeat", self._heartbeat_loop)  # restarts if it dies
+        self.supervisor.spawn("liveness", self.liveness.run)
+        self._start_metrics()
+        if cfg.distributed_enabled and cfg.di.prepare_heads_at_start:
+            # load heads + sanity bounds now, not in the first call
+            self.supervisor.spawn("prepare", self._prepare_models)  # idempotent: retried
+        await self._start_api()
+        self._announce_ready(data)
+        if cfg.auto_hosting:  # shards = "auto" (DESIGN.md decision 14)
+            self.auto = AutoHost(cfg, log_=self.log, store=self.store, models=self.models,
+                                 host=self, view=self.placement, liveness=self.liveness,
+                                 executor=self.executor)
+            self.auto.start()
+
+    def _open_event_log(self) -> None:
+        """The guard (key, members, TLS, limits) and the signed event log it admits to."""
+        cfg = self.cfg
+        self.guard = NodeGuard(cfg, self.metrics)  # key, members, TLS, limits (M26 §5.8)
         self._gate = self.guard.gate()
         self.log = EventLog(cfg.event_log_path(), self.node_id, metrics=self.metrics,
                             compact_retain_s=cfg.di.advertisement_expiry_s,
@@ -150,6 +182,12 @@ class Node:
         self.log.serve_filter = lambda origin: origin in self.guard.directory
         self.guard.on_reload.append(self._drop_removed_members)
         self.guard.stored_count = self.log.count_of  # per-origin event quotas (§5)
+
+    def _build_directory(self) -> None:
+        """Who hosts what: the store of advertisements, health, liveness and placement,
+        folded from the event log and kept current by subscribing to it; and the models
+        this node holds."""
+        cfg = self.cfg
         self.health = ShardHealthTracker(
             offline_after_s=cfg.di.shard_health_timeout_seconds)
         self.store = ShardStore(cfg.di.advertisement_expiry_s,
@@ -157,7 +195,7 @@ class Node:
                                 tracker=self.health)
         self.store.rebuild(self.log.all_events())
         self.log.subscribe(self.store.apply)
-        # every node probes the hosts it sees advertised (issue 15 §6, issue 17 §2)
+        # every node probes the hosts it sees advertised: a dead host shows in seconds
         self.liveness = HostLiveness(self.store, self.node_id,
                                      interval_s=cfg.di.host_probe_interval_seconds,
                                      failures=cfg.di.host_probe_failures)
@@ -165,6 +203,10 @@ class Node:
         self.placement.rebuild(self.log.all_events())
         self.log.subscribe(self.placement.apply)
         self.models = ModelStore(cfg.effective_models_dir())
+
+    async def _listen(self) -> None:
+        """The main listener (mutual TLS for members) and the loopback admin listener."""
+        cfg = self.cfg
         size = max(max_frame_bytes(cfg.di.chunk_bytes), MAX_MESSAGE_BYTES)
         with binding("the node listener", "[node] listen_port", cfg.node.listen_host,
                      cfg.node.listen_port):
@@ -172,7 +214,7 @@ class Node:
                                       ssl=self.guard.server_ssl(),
                                       process_request=self._process, max_size=size,
                                       compression=None, ping_interval=20, ping_timeout=20,
-                                      close_timeout=CLOSE_TIMEOUT_S)  # issue 14 §8
+                                      close_timeout=CLOSE_TIMEOUT_S)  # cut off floods
         self.port = self.server.sockets[0].getsockname()[1] if self.server.sockets else \
             cfg.node.listen_port
         if cfg.security.admin_port >= 0:
@@ -185,7 +227,10 @@ class Node:
             admin_port = self.admin_server.sockets[0].getsockname()[1]
             self.admin_uri = f"ws://127.0.0.1:{admin_port}"
         self.endpoint = cfg.endpoint(self.port)
-        await self._start_shards()
+
+    def _build_orchestrator(self) -> None:
+        """The router over the directory and the orchestrator that serves chats."""
+        cfg = self.cfg
         self.router = ShardRouter(self.store, RoutingSettings.from_config(cfg.di), self.health,
                                   self_node_id=self.node_id,
                                   host_allowed=self.guard.host_allowed,
@@ -209,23 +254,27 @@ class Node:
             batch_window_ms=cfg.di.batch_window_ms,
             local_weights=cfg.di.head_weights,
             head_device=str(resolve_device(cfg.di.head_device)))  # absent: start-up error
+
+    async def _join_mesh(self) -> None:
+        """The bus capabilities, the links to configured peers, and mDNS discovery."""
+        cfg = self.cfg
         self.bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(SERVED_MODELS_CAPABILITY, self._served_capability)
         for peer in cfg.peer_uris():
             self._link(peer)
-        self.discovery: LanDiscovery | None = None
-        if cfg.node.discovery == "mdns":  # addresses only; TLS pins members (issue 17 §5)
+        if cfg.node.discovery == "mdns":  # addresses only; TLS pins members (DESIGN.md decision 14)
             self.discovery = LanDiscovery(
                 self.node_id, cfg.advertise_host(), self.port,
                 "wss" if self.guard.tls else "ws",
                 allowed=lambda nid: nid in self.guard.directory,
                 on_found=lambda _nid, uri: self._link(uri))
             await self.discovery.start()
-        self.supervisor.spawn("heartbeat", self._heartbeat_loop)  # issue 14 §6
-        self.supervisor.spawn("liveness", self.liveness.run)
-        self._metrics_server: Any = None
-        if cfg.node.metrics_port:  # a plain-HTTP /metrics for a LAN Prometheus (TLS-free)
+
+    def _start_metrics(self) -> None:
+        """A plain-HTTP /metrics for a LAN Prometheus, when a port is configured."""
+        cfg = self.cfg
+        if cfg.node.metrics_port:  # TLS-free: Prometheus scrapes plain HTTP
             from prometheus_client import start_http_server
 
             with binding("the metrics listener", "[node] metrics_port", cfg.node.listen_host,
@@ -233,10 +282,11 @@ class Node:
                 self._metrics_server, _ = start_http_server(
                     cfg.node.metrics_port, addr=cfg.node.listen_host,
                     registry=self.metrics.registry)
-        if cfg.distributed_enabled and cfg.di.prepare_heads_at_start:
-            # load heads + sanity bounds now, not in the first call
-            self.supervisor.spawn("prepare", self._prepare_models)  # idempotent: retried
-        await self._start_api()
+
+    def _announce_ready(self, data: Path) -> None:
+        """Log the start, write the node's state file (read by the CLI) and print the
+        `node_ready` line that launchers wait for."""
+        cfg = self.cfg
         for w in cfg.warnings():
             log.warning("config_warning", warning=w)
         log.info("node_started", endpoint=self.endpoint, admin=self.admin_uri,
@@ -247,11 +297,6 @@ class Node:
                  "shards": list(self.shards), "api": self.api.url if self.api else ""}
         write_state(data, {k: v for k, v in ready.items() if k != "event"})
         print(json.dumps(ready), flush=True)
-        if cfg.auto_hosting:  # shards = "auto" (issue 17)
-            self.auto = AutoHost(cfg, log_=self.log, store=self.store, models=self.models,
-                                 host=self, view=self.placement, liveness=self.liveness,
-                                 executor=self.executor)
-            self.auto.start()
 
     async def _start_shards(self) -> None:
         for spec in self.cfg.hosted_shards():
@@ -285,7 +330,7 @@ class Node:
         await self._advertise(shard)
         return shard
 
-    # ---- automatic hosting (issue 17; `AutoHost` drives these) ----
+    # ---- automatic hosting (DESIGN.md decision 14; `AutoHost` drives these) ----
 
     def hosted(self) -> list[ShardServer]:
         return list(self.shards.values())
@@ -312,7 +357,7 @@ class Node:
         log.info("shard_dropped", shard_id=shard_id, reason=reason)
 
     async def _start_api(self) -> None:
-        """The OpenAI-compatible API and the status page (issue 15), if enabled."""
+        """The OpenAI-compatible API and the status page (DESIGN.md decision 13), if enabled."""
         api = self.cfg.api
         if not api.enabled:
             return
@@ -345,9 +390,9 @@ class Node:
 
     # ---- the API's view of this node (hearthnet.api.server.ApiHost) ----
 
-    def chat(self, args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        """A chat call in-process, as over ``/bus``."""
-        return self._chat_capability(args)
+    def chat(self, args: dict[str, Any]) -> AsyncGenerator[StreamFrame, None]:
+        """A chat call in-process, as over ``/bus`` but typed (the API reads the frames)."""
+        return self._chat(args)
 
     def model_known(self, name: str) -> None:
         """Raises `ModelNotFound` unless `name` is a stored model."""
@@ -357,9 +402,9 @@ class Node:
         return self.orchestrator.has_free_slot()
 
     async def _check_weights(self, shard: ShardServer) -> None:
-        """Before each session open and each heartbeat (issue 14 §8): a hosted weights file
-        truncated, replaced or removed under the running shard withdraws the shard (logged
-        `shard_weights_changed`); the caller gets the `weights_mismatch` error."""
+        """Before each session open and each heartbeat (a truncated mmap would SIGBUS): a hosted
+        weights file truncated, replaced or removed under the running shard withdraws the shard
+        (logged `shard_weights_changed`); the caller gets the `weights_mismatch` error."""
         try:
             await shard.check_weights()
         except WeightsMismatch as e:
@@ -418,11 +463,11 @@ class Node:
             await self.stop()
 
     def reload(self) -> bool:
-        """Re-read the config's member list and trust minimums (SIGHUP, issue 7 item 7)."""
+        """Re-read the config's member list and trust minimums (SIGHUP): no restart needed."""
         return self.guard.reload() if hasattr(self, "guard") else False
 
     def _drop_removed_members(self) -> None:
-        """After a reload (issue 14 §7): close the gossip links and shard sessions of
+        """After a reload: close the gossip links and shard sessions of
         members no longer in the list; their events are no longer served (`serve_filter`)."""
         gone = [p for p in self._gossip_ws if p and p not in self.guard.directory]
         for peer in gone:
@@ -483,7 +528,7 @@ class Node:
                     await self._serve_shard(ws, peer)
                 elif path == GOSSIP_PATH:
                     self._gossip_ws.setdefault(peer or "", set()).add(ws)
-                    try:  # the hello must name the TLS peer (issue 14 §7)
+                    try:  # the hello must name the TLS peer: no posing
                         await handle_gossip_connection(
                             self.log, self.guard.rate_limited(ws, peer or str(
                                 addr[0] if addr else "?")),
@@ -556,7 +601,7 @@ class Node:
 
     def _max_tensor_bytes(self) -> int:
         """The largest tensor any hosted shard's session can legitimately send: every
-        position it may hold at the hidden width in fp32 (issue 14 §2); each accepted
+        position it may hold at the hidden width in fp32, no more; each accepted
         session then lowers it to its own `max_length` and wire dtype."""
         tokens = self.cfg.di.host.max_session_tokens
         return max((tokens * s.entry.hidden_size * 4 for s in self.shards.values()),
@@ -566,7 +611,7 @@ class Node:
                        deadline_s: float) -> TensorChannel:
         di = self.cfg.di
         host = str(params.get("shard_id", "")).rsplit("@", 1)[-1]
-        ssl = self.guard.client_ssl(host)  # pinned to the shard's host (issue 7 item 5)
+        ssl = self.guard.client_ssl(host)  # pinned to the shard's host (M26 §5.8)
         if ssl is not None and not uri.startswith("wss://"):
             raise AuthError(f"refusing to send activations to {host} over plaintext {uri}",
                             reason="plaintext_peer")
@@ -587,7 +632,7 @@ class Node:
             if refused is not None:
                 return refused
         if request.headers.get("Upgrade", "").lower() != "websocket":
-            # plain HTTP paths share the peer's connection-rate bucket (issue 14 §8)
+            # plain HTTP paths share the peer's connection-rate bucket, like upgrades
             addr = conn.remote_address
             peer = self.guard.peer_of(conn) if self.guard.tls else None
             who = peer or str(addr[0] if addr else "?")
@@ -599,14 +644,19 @@ class Node:
         return await self._http(conn, request)
 
     async def _chat_capability(self, args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """The chat over ``/bus``: each frame as its wire map (`hearthnet.frames`)."""
+        async with contextlib.aclosing(self._chat(args)) as it:
+            async for frame in it:
+                yield frame.to_wire()
+
+    async def _chat(self, args: dict[str, Any]) -> AsyncGenerator[StreamFrame, None]:
         request = ChatRequest.from_dict(args.get("request", {}))
         params = DistributedChatParams.from_dict(args.get("params", {}),
                                                  self.orchestrator.defaults)
         async with contextlib.aclosing(self.orchestrator.chat(request, params)) as it:
             async for frame in it:
-                if frame.get("type") in ("shard_failover", "pipeline_aborted") or (
-                        frame.get("type") == "shard_status" and frame.get("status") != "ok"):
-                    self.recent_events.append({**frame, "time": time.time()})
+                if is_incident(frame):
+                    self.recent_events.append({**frame.to_wire(), "time": time.time()})
                 yield frame
 
     async def _served_capability(self, args: dict[str, Any]
@@ -624,7 +674,7 @@ class Node:
     def _edit_served(self, op: str, name: object) -> dict[str, Any]:
         if not isinstance(name, str) or not name:
             raise BadRequest("model must be a model alias or id")
-        if not self.guard.is_steward(self.node_id):  # only a steward edits it (issue 17)
+        if not self.guard.is_steward(self.node_id):  # only a steward edits the list
             raise AuthError(f"{self.node_id} is not a steward of this community; only a "
                             "steward edits the served-model list", reason="not_steward")
         current = self.placement.served()

@@ -1,4 +1,4 @@
-"""Tensor ⇄ frames: the data-frame header, chunking and reassembly (PROTOCOL.md §4).
+"""Tensor ⇄ frames: the data-frame header, chunking and reassembly (docs/protocol.md §4).
 
 This module owns the bytes of INPUT and OUTPUT frames and nothing else: no sockets, no
 asyncio, no protocol state. A tensor of dtype fp16, bf16 or fp32 and rank 1–4 travels as
@@ -27,16 +27,17 @@ from math import prod
 import torch
 
 from hearthnet.constants import MAX_TENSOR_BYTES, TENSOR_CHUNK_BYTES, WIRE_DTYPES
+from hearthnet.dtypes import FLOAT_DTYPES
 from hearthnet.errors import BadRequest, FrameTooLarge, ProtocolError, WireOverflow
 
 MAX_RANK = 4
-"""Largest number of dimensions of a tensor on the wire (PROTOCOL.md §4)."""
+"""Largest number of dimensions of a tensor on the wire (docs/protocol.md §4)."""
 
 OP_INPUT = 0x03
 OP_OUTPUT = 0x04
-"""Opcodes of the two data frames; the full list is `protocol.Opcode` (PROTOCOL.md §2)."""
+"""Opcodes of the two data frames; the full list is `protocol.Opcode` (docs/protocol.md §2)."""
 
-# PROTOCOL.md §4: opcode, dtype, ndim, flags, stream_id, step, start_pos, chunk_index,
+# docs/protocol.md §4: opcode, dtype, ndim, flags, stream_id, step, start_pos, chunk_index,
 # chunk_count, dim0..dim3, compute_us, payload_bytes — 48 bytes, little-endian.
 HEADER = struct.Struct("<4B11I")
 HEADER_SIZE = HEADER.size
@@ -53,7 +54,7 @@ with warnings.catch_warnings():
 
 
 class WireDtype(enum.IntEnum):
-    """Element types a tensor may have on the wire (PROTOCOL.md §4, `dtype` byte)."""
+    """Element types a tensor may have on the wire (docs/protocol.md §4, `dtype` byte)."""
 
     FP16 = 1
     BF16 = 2
@@ -99,16 +100,13 @@ class WireDtype(enum.IntEnum):
                          "or float32", dtype=str(dtype))
 
 
-_TORCH = {WireDtype.FP16: torch.float16, WireDtype.BF16: torch.bfloat16,
-          WireDtype.FP32: torch.float32}
-FLOAT_DTYPES: dict[str, torch.dtype] = {d.wire_name: d.torch_dtype for d in WireDtype}
-"""The torch dtype of each wire dtype name (``constants.WIRE_DTYPES``, same order)."""
+_TORCH = {d: FLOAT_DTYPES[d.wire_name] for d in WireDtype}
 _BY_CODE = {int(d): d for d in WireDtype}
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkHeader:
-    """The decoded 48-byte header of one data frame (PROTOCOL.md §4)."""
+    """The decoded 48-byte header of one data frame (docs/protocol.md §4)."""
 
     opcode: int
     dtype: WireDtype
@@ -136,7 +134,7 @@ def max_frame_bytes(chunk_bytes: int = TENSOR_CHUNK_BYTES) -> int:
     """The largest WebSocket message a stream with this chunk size may receive.
 
     This is what the WebSocket layer's ``max_size`` must be set to, so an oversized
-    frame is refused before it is buffered (PROTOCOL.md §1). Control frames carrying
+    frame is refused before it is buffered (docs/protocol.md §1). Control frames carrying
     msgpack (OPEN, ACCEPT, ERROR) are at most 64 KiB.
     """
     return max(HEADER_SIZE + chunk_bytes, 64 * 1024 + 64)
@@ -150,7 +148,7 @@ def cast_to_wire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` in the wire ``dtype``; `WireOverflow` when finite values become Inf.
 
     A narrowing cast (fp32 → fp16) of values beyond the dtype's range gives Inf: that is a
-    transport limit, not corrupt activations, and the sender says so (issue 11 §2). Only
+    transport limit, not corrupt activations, and the sender says so. Only
     a narrowing cast is checked; values that were already non-finite stay the receiver's
     sanity check's business.
     """
@@ -255,7 +253,7 @@ _SWAP_VIEW = {2: torch.int16, 4: torch.int32}
 
 
 def _byteswapped(t: torch.Tensor, itemsize: int) -> torch.Tensor:  # pragma: no cover
-    """A copy of the 1-D tensor ``t`` with every element's bytes reversed (PROTOCOL.md §1).
+    """A copy of the 1-D tensor ``t`` with every element's bytes reversed (docs/protocol.md §1).
 
     Only big-endian hosts need it: the wire is little-endian.
     """
@@ -281,7 +279,7 @@ def parse_header(frame: bytes | bytearray | memoryview, *, chunk_bytes: int,
                  max_tensor_bytes: int) -> ChunkHeader:
     """Decode and validate the header of one data frame; allocates nothing.
 
-    Checks (PROTOCOL.md §4.2): frame length, data opcode, flags, dtype, rank, dims,
+    Checks (docs/protocol.md §4.2): frame length, data opcode, flags, dtype, rank, dims,
     tensor size within ``max_tensor_bytes``, chunk count for the negotiated
     ``chunk_bytes``, index < count, and this chunk's exact payload length.
 
@@ -330,7 +328,7 @@ class TensorAssembler:
     """Rebuilds tensors from their frames, one tensor at a time, chunks in order.
 
     A tensor of one chunk is a view of that frame's bytes; a tensor of several chunks is
-    a view of one buffer that grows with the chunks actually received (issue 14 §2: a
+    a view of one buffer that grows with the chunks actually received (a
     peer that declares a huge tensor and sends one chunk makes us hold one chunk, not the
     declared size). The caller must feed frames of one direction of one stream.
     """

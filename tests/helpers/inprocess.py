@@ -24,10 +24,10 @@ from hearthnet.distributed_inference.directory.routing import RoutingSettings, S
 from hearthnet.distributed_inference.directory.store import ShardStore
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.engine.quant import kernel_of
+from hearthnet.dtypes import FLOAT_DTYPES
 from hearthnet.errors import ConnectionLost, ShardUnavailable
 from hearthnet.mesh.eventlog import EventLog
 from hearthnet.models.store import ModelEntry
-from hearthnet.transport.codec import FLOAT_DTYPES
 
 _WIRE = FLOAT_DTYPES
 

@@ -12,8 +12,8 @@ from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.orchestrator.sanity import calibrate
 from hearthnet.distributed_inference.orchestrator.wire import WirePlan
+from hearthnet.dtypes import FLOAT_DTYPES
 from hearthnet.models.store import ModelEntry
-from hearthnet.transport.codec import FLOAT_DTYPES
 
 DTYPES = FLOAT_DTYPES
 REPORT_PROMPTS = ("What is the capital of France?",

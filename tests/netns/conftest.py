@@ -45,7 +45,7 @@ PORT = 7710  # every node listens on its own address; the same port everywhere i
 #   chat <prompt> <max_tokens> <timeout_s>   one JSON frame per line, then {"type": "exit"}
 CLIENT = r"""
 import asyncio, json, sys, time, urllib.request
-from hearthnet.commands.remote import node_uri
+from hearthnet.node.admin import node_uri
 from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.mesh.bus import bus_call
 from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args

@@ -1,4 +1,4 @@
-"""Tensor ⇄ frames (hearthnet/transport/codec.py, PROTOCOL.md §4): pure, bytes in and out."""
+"""Tensor ⇄ frames (hearthnet/transport/codec.py, docs/protocol.md §4): pure, bytes in and out."""
 
 from __future__ import annotations
 
@@ -285,7 +285,8 @@ def test_the_wire_dtype_names_are_one_list() -> None:
 
     from hearthnet.config import DistributedInferenceSection
     from hearthnet.constants import WIRE_DTYPES
-    from hearthnet.transport.codec import FLOAT_DTYPES, WireDtype
+    from hearthnet.dtypes import FLOAT_DTYPES
+    from hearthnet.transport.codec import WireDtype
 
     assert tuple(d.wire_name for d in WireDtype) == WIRE_DTYPES == tuple(FLOAT_DTYPES)
     assert "bf16" in WIRE_DTYPES

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-from hearthnet.distributed_inference.engine import device as dev
 from pydantic import ValidationError
 
 from hearthnet.config import HostSection, ShardSection
 from hearthnet.distributed_inference.directory.descriptors import ShardDescriptor
+from hearthnet.distributed_inference.engine import device as dev
 from hearthnet.distributed_inference.engine.device import Staging, resolve_device
 from hearthnet.errors import BadRequest, ConfigError
 

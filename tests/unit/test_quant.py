@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hearthnet.distributed_inference.engine import quant
 
 from hearthnet.distributed_inference.directory import formats
+from hearthnet.distributed_inference.engine import quant
 from hearthnet.distributed_inference.engine.quant import Int4Linear, Int8Linear
 from hearthnet.errors import BadRequest
 

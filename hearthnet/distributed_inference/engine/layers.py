@@ -90,7 +90,7 @@ class _DecodeGraph:
 
     Captured once per slot at position ``capacity - 1`` (a harmless write: any session
     writes a position before a query can see it), then replayed by every session that
-    takes the slot — no capture on the hot path after the first (issue 13 item 3).
+    takes the slot — no capture on the hot path after the first (DESIGN.md decision 11).
     """
 
     def __init__(self, session: LayeredSession) -> None:
@@ -231,7 +231,7 @@ class LayeredSession:
 class LayeredStack:
     """Decoder layers `[lo, hi]` of one stored model, and nothing else (DESIGN.md 4).
 
-    The layers live on `device` (issue 13 item 1); KV cache slots are preallocated there,
+    The layers live on `device` (DESIGN.md decision 11); KV cache slots are preallocated there,
     counted against `budget_mb` (`shard_max_vram_mb`, M26 §5.6) together with the weights,
     and kept for reuse after a session closes (with their captured CUDA graph) until the
     budget needs the room.
@@ -267,8 +267,8 @@ class LayeredStack:
             layer = base.layers[i]
             keys = reader.keys_for_layer(i)
             prefix = f"{reader.layer_prefix}layers.{i}."
-            fill_module(layer, reader, keys, prefix, self.format, f"{entry.path} layer {i}", base,
-                  self.device)
+            fill_module(layer, reader, keys, prefix, self.format, f"{entry.path} layer {i}",
+                        base, self.device)
             layer.eval()
             self.layers.append(layer)
             release_free_heap()  # the layer's conversion temporaries, not kept resident
@@ -337,7 +337,7 @@ class LayeredStack:
     def decode_batch(self, sessions: list[LayeredSession], hidden: list[torch.Tensor],
                      starts: list[int]) -> torch.Tensor:
         """One decode position of each of several sessions over the same sub-range, run as
-        one forward (issue 16 §1): (B, 1, H) on the device, row ``b`` for ``sessions[b]``.
+        one forward (DESIGN.md decision 12): (B, 1, H) on the device, row ``b`` for ``sessions[b]``.
 
         Weight reads dominate a decode step, so B rows cost about one. Each row keeps its
         own cache (`BatchKV` writes into the session's slot), rotary position and length
@@ -387,7 +387,7 @@ class LayeredStack:
     def forward_packed(self, sessions: list[LayeredSession], hidden: list[torch.Tensor],
                        starts: list[int]) -> list[torch.Tensor]:
         """Steps of several sessions over one sub-range — decode rows and prefill chunks
-        alike — as one forward (issue 16 §1, mixed rounds): their positions are packed
+        alike — as one forward (mixed rounds, DESIGN.md decision 12): their positions are packed
         along the sequence dimension, ``(1, N, H)``, each with its own rotary position; a
         `PackedKV` writes each session's keys/values into its own slot and a block-diagonal
         mask keeps every token inside its own session's history. The layers' weights are

@@ -1,4 +1,4 @@
-"""Memory truth (issue 12 §4): what a shard needs, known before loading it.
+"""Memory truth (M26 §4.1 `vram_required_mb`, §5.6): what a shard needs, known before loading it.
 
 A shard's resident need is its layers' weights in their held format plus the KV cache of
 its session limit (`max_concurrent_streams` sessions of `max_session_tokens` positions,
@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hearthnet.distributed_inference.engine.families import load_config
+from hearthnet.distributed_inference.engine.kv_cache import capacity_for, slot_bytes
 from hearthnet.distributed_inference.engine.quant import compute_dtype_of, held_nbytes
 from hearthnet.models.hashing import read_safetensors_header
 from hearthnet.models.store import ModelEntry
@@ -81,19 +83,15 @@ def layer_weight_bytes(entry: ModelEntry, lo: int, hi: int, fmt: str) -> int:
 
 def kv_session_bytes(config: Any, lo: int, hi: int, fmt: str, tokens: int) -> int:
     """KV-cache bytes of one session of `tokens` positions over layers `lo..hi`: exactly
-    the preallocated slot a session gets (`kv_cache.KVSlot`, issue 13 §3) — capacity
+    the preallocated slot a session gets (`kv_cache.KVSlot`) — capacity
     rounded up to `CAPACITY_QUANTUM`, sliding-window layers full length (so a redo can
     rewind them)."""
-    from hearthnet.distributed_inference.engine.kv_cache import capacity_for, slot_bytes
-
     return slot_bytes(config, hi - lo + 1, capacity_for(tokens), compute_dtype_of(fmt))
 
 
 def plan_shard(entry: ModelEntry, lo: int, hi: int, fmt: str, sessions: int,
                tokens: int) -> MemoryPlan:
     """The memory plan of a shard of layers `lo..hi` held as `fmt` (a resolved format)."""
-    from hearthnet.distributed_inference.engine.families import load_config
-
     config = load_config(entry)
     per_session = kv_session_bytes(config, lo, hi, fmt, tokens)
     return MemoryPlan(weights_bytes=layer_weight_bytes(entry, lo, hi, fmt),

@@ -60,8 +60,8 @@ class WeightsReader:
 
     def tensors(self, keys: Iterable[str], prefix: str, device: torch.device | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name relative to `prefix`, tensor) for `keys`, read one at a time (issue 12 §2)
-        straight onto `device` (issue 13 §1)."""
+        """(name relative to `prefix`, tensor) for `keys`, read one at a time
+        straight onto `device`, never the whole model in host memory (DESIGN.md decision 11)."""
         for k in keys:
             yield k[len(prefix):], self.read([k], device)[k]
 
@@ -103,12 +103,12 @@ class WeightsReader:
 def _owned(t: torch.Tensor) -> torch.Tensor:
     """`t` in memory of its own: safetensors' CPU tensors alias the file's mmap, so a weights
     file truncated under a running shard would kill the process with SIGBUS on the next
-    forward (issue 14 §8). Device tensors are copies already."""
+    forward, with no log. Device tensors are copies already."""
     return t.clone() if t.device.type == "cpu" else t
 
 
 def fill_module(module: nn.Module, reader: WeightsReader, keys: Iterable[str], prefix: str,
-          fmt: str, where: str, base: Any, device: torch.device | None = None) -> None:
+                fmt: str, where: str, base: Any, device: torch.device | None = None) -> None:
     """Materialise a meta module from the tensors `keys` (under `prefix`), strictly, one
     tensor at a time converted to the held format `fmt` (`quant.load_module`).
 

@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     rm.set_defaults(func=_remove)
     from hearthnet.commands.served import register_served
 
-    register_served(msub)  # serve / unserve / served: the community's list (issue 17)
+    register_served(msub)  # serve / unserve / served: the community's list (DESIGN.md decision 14)
 
 
 def _store(args: argparse.Namespace) -> ModelStore:

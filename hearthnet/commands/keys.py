@@ -1,4 +1,4 @@
-"""`hearthnet keys init|show|provision`: the node's identity (issue 7 item 1).
+"""`hearthnet keys init|show|provision`: the node's identity (M26 §5.8).
 
 ``keys init`` creates ``<data_dir>/node.key`` (mode 0600) if it does not exist and prints
 the node id, the public key and a ``[[community.members]]`` block to paste into every
