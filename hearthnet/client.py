@@ -1,4 +1,4 @@
-"""`HearthNetClient`: call `experimental.distributed_llm.chat` from a host app (issue 15 §3).
+"""`HearthNetClient`: call `experimental.distributed_llm.chat` from a host app (M26 §4.3).
 
     async with HearthNetClient.from_config("config/mesh3/node-a.toml") as hn:
         async for frame in hn.chat([{"role": "user", "content": "Hi"}], max_tokens=32):
@@ -6,10 +6,12 @@
                 print(frame.text, end="", flush=True)
 
 The client speaks the node's capability bus (``/bus``, msgpack frames) and turns each frame
-into a typed dataclass (`TokenDelta`, `ShardStatus`, `ShardFailover`, `PipelineAborted`,
-`Done`). An ``error`` frame raises the matching `hearthnet.errors` class (the spec's codes:
-`BadRequest`, `ShardUnavailable`, `PipelineStalled` …); a call that ends without ``done``
-or ``error`` raises `ConnectionLost`. Every frame keeps its wire map in ``raw``.
+into its type in `hearthnet.frames`, the node's own definition (`TokenDelta`, `ShardStatus`,
+`ShardFailover`, `WireWidened`, `PipelineAborted`, `Done`; `to_wire()` gives the map back).
+A frame of a type this version does not know (a newer node's) is an `OtherFrame`; a
+malformed one raises `PeerDataError`. An ``error`` frame raises the matching
+`hearthnet.errors` class (the spec's codes: `BadRequest`, `ShardUnavailable`,
+`PipelineStalled` …); a call that ends without ``done`` or ``error`` raises `ConnectionLost`.
 """
 
 from __future__ import annotations
@@ -17,112 +19,45 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hearthnet.errors import BadRequest, ConnectionLost, error_from_code
+from hearthnet.errors import BadRequest, ConnectionLost
+from hearthnet.frames import (
+    Done,
+    ErrorFrame,
+    OtherFrame,
+    PipelineAborted,
+    ShardFailover,
+    ShardStatus,
+    TokenDelta,
+    WireWidened,
+    read_frame,
+)
 from hearthnet.mesh.bus import bus_call
+from hearthnet.node.admin import node_uri
 from hearthnet.node.capabilities import CHAT_CAPABILITY
 
-
-@dataclass(frozen=True)
-class TokenDelta:
-    """One more piece of the answer."""
-
-    text: str
-    token_id: int
-    index: int
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+# the frame types are re-exported: a host app imports them from here (docs/api.md)
+__all__ = ["ChatFrame", "Done", "HearthNetClient", "OtherFrame", "PipelineAborted",
+           "ShardFailover", "ShardStatus", "TokenDelta", "WireWidened", "parse_frame"]
 
 
-@dataclass(frozen=True)
-class ShardStatus:
-    """A shard of the pipeline is ``ok`` (at construction) or ``degraded`` (failed)."""
-
-    shard_id: str
-    status: str
-    code: str | None = None
-    message: str | None = None
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+ChatFrame = (TokenDelta | ShardStatus | ShardFailover | WireWidened | PipelineAborted | Done
+             | OtherFrame)
 
 
-@dataclass(frozen=True)
-class ShardFailover:
-    """A failed stage was replaced and its state replayed (M26 §5.4)."""
-
-    failed: str
-    replacement: list[str]
-    pipeline: list[str]
-    ms: float
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-
-
-@dataclass(frozen=True)
-class PipelineAborted:
-    """The pipeline gave up; ``continuing == "local"`` when the answer goes on locally."""
-
-    reason: str
-    continuing: str | None
-    tokens_so_far: int
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-
-
-@dataclass(frozen=True)
-class Done:
-    """The answer is complete."""
-
-    finish_reason: str | None
-    usage: dict[str, int]
-    timings: dict[str, Any]
-    pipeline: list[str]
-    failovers: int
-    fallback: bool
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def text_tokens(self) -> int:
-        return int(self.usage.get("completion_tokens", 0))
-
-
-@dataclass(frozen=True)
-class OtherFrame:
-    """A frame type this client version does not know (newer node); kept, not dropped."""
-
-    type: str
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-
-
-ChatFrame = TokenDelta | ShardStatus | ShardFailover | PipelineAborted | Done | OtherFrame
-
-
-def parse_frame(f: dict[str, Any]) -> ChatFrame:
-    """The typed frame of one wire map.
+def parse_frame(raw: dict[str, Any]) -> ChatFrame:
+    """The typed frame of one wire map (`hearthnet.frames.read_frame`).
 
     Raises:
         HearthNetError: the matching class of an ``error`` frame's code.
+        PeerDataError: a malformed frame.
     """
-    kind = str(f.get("type"))
-    if kind == "token_delta":
-        return TokenDelta(str(f.get("text", "")), int(f.get("token_id", -1)),
-                          int(f.get("index", -1)), f)
-    if kind == "shard_status":
-        return ShardStatus(str(f.get("shard_id")), str(f.get("status")), f.get("code"),
-                           f.get("message"), f)
-    if kind == "shard_failover":
-        return ShardFailover(str(f.get("failed")), list(f.get("replacement", [])),
-                             list(f.get("pipeline", [])), float(f.get("ms", 0.0)), f)
-    if kind == "pipeline_aborted":
-        return PipelineAborted(str(f.get("reason", "")), f.get("continuing"),
-                               int(f.get("tokens_so_far", 0)), f)
-    if kind == "done":
-        return Done(f.get("finish_reason"), dict(f.get("usage", {})),
-                    dict(f.get("timings", {})), list(f.get("pipeline", [])),
-                    int(f.get("failovers", 0)), bool(f.get("fallback", False)), f)
-    if kind == "error":
-        details = f.get("details") if isinstance(f.get("details"), dict) else {}
-        raise error_from_code(str(f.get("code")), str(f.get("message")), details)
-    return OtherFrame(kind, f)
+    frame = read_frame(raw)
+    if isinstance(frame, ErrorFrame):
+        raise frame.exception()
+    return frame
 
 
 class HearthNetClient:
@@ -145,8 +80,6 @@ class HearthNetClient:
     @classmethod
     def from_config(cls, config: str | Path, **kwargs: Any) -> HearthNetClient:
         """The client of the running node of a config file (reads its ``node.json``)."""
-        from hearthnet.commands.remote import node_uri
-
         return cls(node_uri(str(config)), **kwargs)
 
     async def __aenter__(self) -> HearthNetClient:
@@ -169,7 +102,7 @@ class HearthNetClient:
 
         `messages` is a list of ``{"role", "content"}`` or one user prompt. `params` are
         the spec's call parameters (``fallback_to_local``, ``wire_dtype``, ``timeout_s``,
-        ``max_shards``, ``weights``: which shard formats the call accepts, issue 12).
+        ``max_shards``, ``weights``: which shard formats the call accepts, DESIGN.md decision 10).
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]

@@ -1,1 +1,1 @@
-"""HTTP interfaces of a node: the OpenAI-compatible API and the web status page (issue 15)."""
+"""A node's HTTP interfaces: OpenAI-compatible API, web status page (DESIGN.md decision 13)."""

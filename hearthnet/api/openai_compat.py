@@ -1,4 +1,4 @@
-"""OpenAI chat-completions shapes ↔ HearthNet's `experimental.distributed_llm.chat` (issue 15).
+"""OpenAI chat-completions shapes ↔ `experimental.distributed_llm.chat` (DESIGN.md decision 13).
 
 Owns the translation only — no I/O: `parse_chat_request` turns an OpenAI request body into
 the bus arguments of a chat call (every bound checked before any work), `CompletionBuilder`
@@ -17,9 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hearthnet.errors import BadRequest, HearthNetError
+from hearthnet.errors import BadRequest
+from hearthnet.frames import Done, ErrorFrame, StreamFrame, TokenDelta, is_incident
 
-Frame = dict[str, Any]
+Json = dict[str, Any]  # an OpenAI-shaped object (a chunk, a response, an error body)
 
 # M26 §6 error codes → (HTTP status, OpenAI error type)
 _STATUS: dict[str, tuple[int, str]] = {
@@ -49,7 +50,7 @@ def status_of(code: str) -> int:
     return _STATUS.get(code, (500, "server_error"))[0]
 
 
-def openai_error(code: str, message: str, *, param: str | None = None) -> tuple[int, Frame]:
+def openai_error(code: str, message: str, *, param: str | None = None) -> tuple[int, Json]:
     """(HTTP status, body) of an error in OpenAI's shape."""
     status, kind = _STATUS.get(code, (500, "server_error"))
     return status, {"error": {"message": message, "type": kind, "param": param,
@@ -147,7 +148,7 @@ def _seed(v: Any) -> int | None:
 
 def _extension(v: Any) -> dict[str, Any]:
     """The request's own ``hearthnet`` field: wire_dtype, fallback_to_local, timeout_s,
-    max_shards, weights (the shard formats the call accepts, issue 12)."""
+    max_shards, weights (the shard formats the call accepts, DESIGN.md decision 10)."""
     if v is None:
         return {}
     allowed = {"wire_dtype", "fallback_to_local", "timeout_s", "max_shards", "weights"}
@@ -190,68 +191,66 @@ class CompletionBuilder:
     id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
-    events: list[Frame] = field(default_factory=list)
-    done: Frame | None = None
+    events: list[Json] = field(default_factory=list)  # the incidents, as their wire maps
+    done: Done | None = None
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> Frame:
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> Json:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "system_fingerprint": None,
                 "choices": [{"index": 0, "delta": delta, "logprobs": None,
                              "finish_reason": finish}]}
 
-    def first_chunk(self) -> Frame:
+    def first_chunk(self) -> Json:
         return self._chunk({"role": "assistant", "content": ""})
 
-    def feed(self, frame: Frame) -> Frame | None:
+    def feed(self, frame: StreamFrame) -> Json | None:
         """Take one frame; returns the chunk to stream for it, if any.
 
         Raises:
-            HearthNetError: the frame is an ``error`` frame.
+            HearthNetError: the frame is an ``error`` frame (its code's class).
         """
-        kind = frame.get("type")
-        if kind == "token_delta":
-            text = str(frame.get("text", ""))
-            self.text.append(text)
-            return self._chunk({"content": text})
-        if kind in ("shard_failover", "pipeline_aborted") or \
-                (kind == "shard_status" and frame.get("status") != "ok"):
-            self.events.append(frame)
-        elif kind == "done":
+        if isinstance(frame, TokenDelta):
+            self.text.append(frame.text)
+            return self._chunk({"content": frame.text})
+        if is_incident(frame):
+            self.events.append(frame.to_wire())
+        elif isinstance(frame, Done):
             self.done = frame
-        elif kind == "error":
-            raise HearthNetError(str(frame.get("message", "")),
-                                 code=str(frame.get("code", "internal")))
+        elif isinstance(frame, ErrorFrame):
+            raise frame.exception()
         return None
 
     @property
     def finish_reason(self) -> str:
-        reason = (self.done or {}).get("finish_reason")
+        reason = self.done.finish_reason if self.done is not None else None
         return _FINISH.get(str(reason), "stop")
 
     def usage(self) -> dict[str, int]:
-        u = (self.done or {}).get("usage", {})
+        u = self.done.usage if self.done is not None else {}
         p, c = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def extension(self) -> dict[str, Any]:
         """HearthNet's facts of the call (the ``hearthnet`` field)."""
-        d = self.done or {}
-        return {"pipeline": d.get("pipeline", []), "failovers": d.get("failovers", 0),
-                "fallback": bool(d.get("fallback", False)), "timings": d.get("timings", {}),
-                "events": self.events}
+        d = self.done
+        if d is None:
+            return {"pipeline": [], "failovers": 0, "fallback": False, "timings": {},
+                    "events": self.events}
+        return {"pipeline": list(d.pipeline), "failovers": d.failovers or 0,
+                "fallback": d.fallback, "timings": d.timings, "events": self.events}
 
-    def last_chunk(self) -> Frame:
+    def last_chunk(self) -> Json:
         chunk = self._chunk({}, self.finish_reason)
         chunk["hearthnet"] = self.extension()
         return chunk
 
-    def usage_chunk(self) -> Frame:
+    def usage_chunk(self) -> Json:
         """The ``stream_options.include_usage`` chunk: no choices, the usage."""
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "system_fingerprint": None, "choices": [],
                 "usage": self.usage()}
 
-    def response(self) -> Frame:
+    def response(self) -> Json:
         """The non-streaming ``chat.completion`` object."""
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "system_fingerprint": None,

@@ -1,4 +1,4 @@
-"""The node's HTTP listener: the OpenAI-compatible API and the web status page (issue 15).
+"""The node's HTTP listener: OpenAI-compatible API and web status page (DESIGN.md decision 13).
 
 An aiohttp application running in the node's own event loop (asyncio/uvloop): aiohttp is
 one dependency, serves server-sent events with a plain `StreamResponse`, and cancels a
@@ -11,7 +11,7 @@ shard sessions at once. Routes:
 - ``GET /api/status`` — the node's `mesh_status` JSON, polled by the page;
 - ``GET /`` and ``/static/*`` — the status page (plain HTML/CSS/JS, no build step, no CDN).
 
-Who may call (issue 15 §2): on a loopback address anyone on this machine; on any other
+Who may call (DESIGN.md decision 13): on a loopback address anyone on this machine; on any other
 address every ``/v1`` and ``/api`` call needs ``Authorization: Bearer <key>``, compared in
 constant time (`hmac.compare_digest`); refusals count in
 ``hearthnet_auth_failures_total{reason="api_key"}``. Body size, message count and
@@ -39,12 +39,13 @@ from hearthnet.api.openai_compat import (
     parse_chat_request,
 )
 from hearthnet.errors import HearthNetError, ModelNotFound
+from hearthnet.frames import StreamFrame
 from hearthnet.observability import Metrics, get_logger
 
 log = get_logger("api")
 
 STATIC = Path(__file__).parent / "static"
-Frame = dict[str, Any]
+Json = dict[str, Any]  # an OpenAI-shaped chunk
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PUBLIC = ("/", "/favicon.ico")  # the page itself (and /static/*) holds no mesh data
 
@@ -55,7 +56,7 @@ class ApiHost(Protocol):
     node_id: str
     metrics: Metrics
 
-    def chat(self, args: dict[str, Any]) -> AsyncGenerator[Frame, None]: ...
+    def chat(self, args: dict[str, Any]) -> AsyncGenerator[StreamFrame, None]: ...
 
     def model_known(self, name: str) -> None: ...
 
@@ -114,7 +115,7 @@ class ApiServer:
             await self._runner.cleanup()
             self._runner = None
 
-    # ---- who may call (issue 15 §2) ----
+    # ---- who may call: loopback by default, keys on the LAN (DESIGN.md decision 13) ----
 
     def _authorised(self, request: web.Request) -> bool:
         auth = request.headers.get("Authorization", "")
@@ -192,10 +193,10 @@ class ApiServer:
             return await self._answer(request, parsed, frames)
 
     async def _answer(self, request: web.Request, parsed: ParsedChat,
-                      frames: AsyncIterator[Frame]) -> web.StreamResponse:
+                      frames: AsyncIterator[StreamFrame]) -> web.StreamResponse:
         """Run the call; its first token (or error) decides the HTTP status."""
         out = CompletionBuilder(parsed.model)
-        first: Frame | None = None
+        first: Json | None = None
         try:
             async for frame in frames:
                 chunk = out.feed(frame)
@@ -214,7 +215,7 @@ class ApiServer:
         return await self._stream(request, parsed, out, first, frames)
 
     async def _stream(self, request: web.Request, parsed: ParsedChat, out: CompletionBuilder,
-                      first: Frame | None, frames: AsyncIterator[Frame]) -> web.StreamResponse:
+                      first: Json | None, frames: AsyncIterator[StreamFrame]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
@@ -244,7 +245,7 @@ class ApiServer:
         return resp
 
 
-async def _sse(resp: web.StreamResponse, obj: Frame) -> None:
+async def _sse(resp: web.StreamResponse, obj: Json) -> None:
     await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
 

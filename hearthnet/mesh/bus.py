@@ -28,8 +28,8 @@ from hearthnet.errors import (
     HearthNetError,
     InternalError,
     ProtocolError,
-    error_from_code,
 )
+from hearthnet.frames import ErrorFrame, from_wire
 from hearthnet.observability import get_logger
 from hearthnet.security.tls import tls_refusals
 
@@ -68,7 +68,7 @@ class CapabilityBus:
 
         `caller` is the authenticated member at the other end (None: the local CLI or a
         plaintext mesh); `authorize(capability, caller)` raises `AuthError` to refuse the
-        call before any work (issue 14 §4).
+        call before any work, so a guest cannot chat under this node's identity.
         """
         capability = None
         label, result = "malformed", "error"
@@ -159,12 +159,13 @@ def _frame(raw: bytes | str) -> dict[str, Any]:
 async def _send_error(ws: Any, err: HearthNetError) -> None:
     """The call's last frames: the typed error, then ``end``."""
     with contextlib.suppress(ConnectionClosed):
-        await ws.send(safe_msgpack.packb({"type": "error", "code": err.code,
-                                     "message": err.message}))
+        await ws.send(safe_msgpack.packb(ErrorFrame.of(err).to_wire()))
         await ws.send(safe_msgpack.packb({"type": "end"}))
 
 
 def raise_for_error(frame: dict[str, Any]) -> None:
-    """Raise the HearthNet error an `error` frame carries."""
-    if frame.get("type") == "error":
-        raise error_from_code(str(frame.get("code")), str(frame.get("message")))
+    """Raise the HearthNet error an `error` frame carries (`PeerDataError` for a malformed
+    one)."""
+    error = from_wire(frame) if frame.get("type") == "error" else None
+    if isinstance(error, ErrorFrame):
+        raise error.exception()

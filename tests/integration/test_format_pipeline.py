@@ -33,7 +33,7 @@ def _orch(mesh: InProcessMesh, model_store, own: str) -> PipelineOrchestrator:
 async def _run(orch, **kw) -> list[dict]:
     params = DistributedChatParams(sampling=SamplingParams(max_tokens=N), wire_dtype="fp32",
                                    **kw)
-    return [f async for f in orch.chat(ChatRequest("smollm2", PROMPT), params)]
+    return [f.to_wire() async for f in orch.chat(ChatRequest("smollm2", PROMPT), params)]
 
 
 def _tokens(frames):

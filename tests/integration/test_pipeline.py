@@ -39,7 +39,7 @@ def _orch(mesh: InProcessMesh, model_store) -> tuple[PipelineOrchestrator, Metri
 async def _run(orch, **kw) -> list[dict]:
     params = DistributedChatParams(sampling=SamplingParams(max_tokens=24), wire_dtype="fp32",
                                    **kw)
-    return [f async for f in orch.chat(ChatRequest("smollm2", PROMPT), params)]
+    return [f.to_wire() async for f in orch.chat(ChatRequest("smollm2", PROMPT), params)]
 
 
 def _tokens(frames):
@@ -149,7 +149,7 @@ async def test_abandoned_call_closes_every_session(smollm2, model_store):
     agen = orch.chat(ChatRequest("smollm2", PROMPT), params)
     n = 0
     async for f in agen:
-        n += f["type"] == "token_delta"
+        n += f.to_wire()["type"] == "token_delta"
         if n == 3:
             break
     await agen.aclose()  # the caller walks away mid-answer

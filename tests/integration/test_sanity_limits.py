@@ -76,7 +76,7 @@ async def test_plausible_garbage_is_not_detected_and_changes_the_answer(
                                 metrics=metrics, connect=mesh.connect,
                                 executor=ThreadPoolExecutor(1))
     params = DistributedChatParams(sampling=SamplingParams(max_tokens=N), wire_dtype="fp32")
-    frames = [f async for f in orch.chat(ChatRequest("smollm2", PROMPT), params)]
+    frames = [f.to_wire() async for f in orch.chat(ChatRequest("smollm2", PROMPT), params)]
     # the orchestrator saw nothing wrong ...
     assert frames[-1]["type"] == "done" and frames[-1]["failovers"] == 0
     assert not [f for f in frames if f["type"] == "shard_status" and f["status"] != "ok"]

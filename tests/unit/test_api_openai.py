@@ -19,6 +19,7 @@ import pytest
 from hearthnet.api.openai_compat import Limits, parse_chat_request
 from hearthnet.api.server import ApiServer
 from hearthnet.errors import BadRequest, ModelNotFound
+from hearthnet.frames import StreamFrame, from_wire
 from hearthnet.observability import Metrics
 
 KEY = "k" * 24
@@ -47,13 +48,13 @@ class ScriptedNode:
         self.closed = asyncio.Event()
         self.gate: asyncio.Event | None = None
 
-    async def chat(self, args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def chat(self, args: dict[str, Any]) -> AsyncIterator[StreamFrame]:
         self.calls.append(args)
         try:
             for i, f in enumerate(self.frames):
                 if i == 2 and self.gate is not None:
                     await self.gate.wait()
-                yield f
+                yield from_wire(f)  # typed, as the node's in-process chat gives them
         finally:
             self.closed.set()  # the node's shard sessions would close here
 

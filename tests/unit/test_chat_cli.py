@@ -14,7 +14,7 @@ from hearthnet.commands import remote
 from hearthnet.mesh import bus
 
 DONE = {"type": "done", "finish_reason": "stop", "usage": {"completion_tokens": 0},
-        "timings": {}}
+        "timings": {}, "pipeline": ["m:0-29@node-b"]}
 
 
 @pytest.fixture

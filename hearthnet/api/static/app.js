@@ -100,7 +100,8 @@ function renderShards(st) {
 }
 
 function renderPlacement(st) {
-  // issue 17: the served-model list, who chose which layers and why, last re-host/rebalance
+  // automatic hosting (DESIGN.md decision 14): the served-model list, who chose which
+  // layers and why, last re-host/rebalance
   const p = st.placement;
   if (!p) return;
   const when = (t) => new Date(t * 1000).toLocaleTimeString();

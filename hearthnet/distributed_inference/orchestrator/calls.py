@@ -9,7 +9,6 @@ failover replay (`failover.py`); neither ever reaches a caller.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from prometheus_client import Histogram
@@ -20,12 +19,11 @@ from hearthnet.distributed_inference.orchestrator.request import DistributedChat
 from hearthnet.distributed_inference.orchestrator.wire import WirePlan
 from hearthnet.distributed_inference.seams import Channel, Connector, StepOutput
 from hearthnet.errors import ConnectionLost, HearthNetError
+from hearthnet.frames import StreamFrame
 from hearthnet.stats import LatencyWindow
 
-__all__ = ["CallState", "ClosedChannel", "Connector", "FellBack", "Frame", "StageFailed",
+__all__ = ["CallState", "ClosedChannel", "Connector", "FellBack", "StageFailed",
            "StageSession"]
-
-Frame = dict[str, Any]
 
 
 class StageFailed(Exception):
@@ -68,8 +66,8 @@ class StageSession:
 
     stage: PipelineStage
     channel: Channel
-    wire: str  # the wire dtype of this stage's stream (issue 11 §2)
-    # this shard's latency and hop-overhead histograms, bound once (issue 10 §8)
+    wire: str  # the wire dtype of this stage's stream (M26 §5.3)
+    # this shard's latency and hop-overhead histograms, bound once (DESIGN.md hot path rules)
     latency: Histogram
     overhead: Histogram
     history: list[torch.Tensor] = field(default_factory=list)  # inputs, (1, T_i, H) each
@@ -109,11 +107,11 @@ class CallState:
     params: DistributedChatParams
     max_len: int
     wire: WirePlan
-    formats: frozenset[str] | None = None  # weight formats the call accepts (issue 12 §2)
+    formats: frozenset[str] | None = None  # weight formats the call accepts (DESIGN.md decision 10)
     failures: int = 0
     step: int = 0
     failover_ms: list[float] = field(default_factory=list)
-    frames: list[Frame] = field(default_factory=list)  # diagnostics raised mid-step
+    frames: list[StreamFrame] = field(default_factory=list)  # diagnostics raised mid-step
     first_ms: float | None = None  # time to the first token, once there is one
     decode_t0: float = 0.0  # perf_counter() at the first token
 
@@ -123,6 +121,6 @@ class CallState:
         n = len(self.gen.tokens)
         return (n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0
 
-    def take_frames(self) -> list[Frame]:
+    def take_frames(self) -> list[StreamFrame]:
         out, self.frames = self.frames, []
         return out

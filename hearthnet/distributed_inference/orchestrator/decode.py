@@ -2,15 +2,15 @@
 
 Per step: embed → relay the hidden state through each stage → norm and lm_head → sample.
 The norm + lm_head of concurrent chats on one orchestrator run as one batched product per
-round (`RoundBatcher`, issue 16 §3): each call submits its last hidden state and gets its
+round (`RoundBatcher`, DESIGN.md decision 12): each call submits its last hidden state and gets its
 own logits back.
 The orchestrator relays between stages (DESIGN.md decision 1) and records every stage's
 input (`StageSession.history`) so that `Failover` can replay it into a replacement; a stage
 failure inside a step is handed to `Failover.replace` and the step is redone from the
 replaced stage.
 
-Per-token path (issue 10 §8): a step's input is converted to the first stage's wire dtype
-once (`embed_for_wire`; the prompt's on the executor), so the transport sends it as is;
+Per-token path (DESIGN.md hot path rules): a step's input is converted to the first stage's
+wire dtype once (`embed_for_wire`; the prompt's on the executor), so the transport sends it as is;
 each stage's histograms are bound once per session (`StageSession`), and a stage's step
 runs under one deadline (`Channel.step`).
 """
@@ -28,11 +28,12 @@ import torch
 from hearthnet.distributed_inference.directory.health import ShardHealthTracker
 from hearthnet.distributed_inference.engine.base import ClientHead
 from hearthnet.distributed_inference.engine.batcher import RoundBatcher
-from hearthnet.distributed_inference.orchestrator.calls import CallState, Frame, StageFailed
+from hearthnet.distributed_inference.orchestrator.calls import CallState, StageFailed
 from hearthnet.distributed_inference.orchestrator.failover import Failover
 from hearthnet.distributed_inference.orchestrator.frames import token_frame
 from hearthnet.distributed_inference.orchestrator.sanity import SanityChecker
 from hearthnet.errors import HearthNetError, PipelineStalled, StreamStalled, WireOverflow
+from hearthnet.frames import StreamFrame
 from hearthnet.observability import Metrics
 from hearthnet.transport.codec import cast_to_wire
 
@@ -69,7 +70,7 @@ class DecodeLoop:
             self.metrics.head_batch_wait_ms.observe(w)
 
     async def run(self, call: CallState, head: ClientHead, checker: SanityChecker,
-                  t0: float) -> AsyncIterator[Frame]:
+                  t0: float) -> AsyncIterator[StreamFrame]:
         """Stream the call's token frames (and diagnostics) until the generation ends.
 
         Sets `call.first_ms` and `call.decode_t0`. Raises `FellBack` when the pipeline
@@ -85,12 +86,12 @@ class DecodeLoop:
                 batcher.expected_changed()
 
     async def _run(self, call: CallState, head: ClientHead, checker: SanityChecker,
-                   t0: float) -> AsyncIterator[Frame]:
+                   t0: float) -> AsyncIterator[StreamFrame]:
         gen = call.gen
         heads = self.head_batcher(head)
         loop = asyncio.get_running_loop()
         # the prompt's embeddings and their one cast to the first stage's wire dtype run off
-        # the loop: a long prompt is thousands of rows (issue 10 §8)
+        # the loop: a long prompt is thousands of rows
         x = await loop.run_in_executor(self.executor, embed_for_wire, head, gen.prompt_ids,
                                        call.stages[0].channel.wire_dtype)
         pos = 0
@@ -99,7 +100,7 @@ class DecodeLoop:
             for f in call.take_frames():
                 yield f
             # norm + lm_head (~7 ms for SmolLM2) run off the loop, batched with the other
-            # calls' heads of this round (issue 16 §3)
+            # calls' heads of this round (DESIGN.md decision 12)
             ev = gen.step(await heads.submit(h, key=id(call)))
             if call.first_ms is None:
                 call.first_ms = (time.perf_counter() - t0) * 1000
@@ -114,7 +115,7 @@ class DecodeLoop:
     async def relay_chunked(self, call: CallState, x: torch.Tensor, pos: int,
                             checker: SanityChecker) -> torch.Tensor:
         """`relay` a long prefill in chunks of `prefill_chunk_tokens` positions: each chunk
-        is its own step, so other calls' steps interleave (issue 14 §1)."""
+        is its own step, so other calls' steps interleave."""
         n = self.prefill_chunk_tokens
         t = int(x.shape[1])
         for at in range(0, t - n, n):  # every chunk but the last
@@ -131,7 +132,7 @@ class DecodeLoop:
             try:
                 return await self.through(call, x, pos, k, checker)
             except StageFailed as f:
-                if isinstance(f.cause, WireOverflow):  # the wire, not the shard (issue 11 §2)
+                if isinstance(f.cause, WireOverflow):  # the wire, not the shard: widen it
                     k, x = await self.failover.widen(call, f, pos)
                 else:
                     k, x = await self.failover.replace(call, f, pos)
@@ -144,7 +145,7 @@ class DecodeLoop:
             t = time.perf_counter()
             try:
                 res = await st.channel.step(call.step, pos, x, call.params.timeout_s)
-                # a wrong shape or dtype is corruption too (issue 14 §3): failover
+                # a wrong shape or dtype is corruption too (M26 §5.8): failover
                 checker.check(st.shard_id, st.stage.end, res.tensor, shape=x.shape,
                               dtype=st.channel.wire_dtype)
             except StreamStalled as e:  # the transport's stall is the pipeline's (M26 §6)
@@ -166,7 +167,7 @@ class DecodeLoop:
 def embed_for_wire(head: ClientHead, token_ids: list[int], wire: torch.dtype) -> torch.Tensor:
     """The embeddings of `token_ids` on the host, converted once to the first stage's wire
     dtype (run on the executor). Left unconverted when the cast overflows: sending it then
-    reports the `WireOverflow` for that stage, which widens it (issue 11 §2)."""
+    reports the `WireOverflow` for that stage, which widens it."""
     x = head.embed_host(token_ids)
     try:
         return cast_to_wire(x, wire)

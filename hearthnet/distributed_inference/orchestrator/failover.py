@@ -1,4 +1,4 @@
-"""Failover by replay (M26 §5.4, issue 6): replace a failed stage and rebuild its cache.
+"""Failover by replay (M26 §5.4): replace a failed stage and rebuild its cache.
 
 When a stage fails — its stream errors, closes, stalls past the deadline, or returns
 activations that fail the sanity check — it is excluded, `router.repick` finds a
@@ -7,13 +7,13 @@ replacement to rebuild its KV cache, and the in-flight step is redone. Nothing a
 streamed is lost or repeated. After `fallback_after_failures` failures in one call, or when
 no replacement exists, `FellBack` tells the orchestrator to continue locally or abort.
 
-A `wire_overflow` is not a stage failure (issue 11 §2): `widen` reopens the same stage with
-a wider wire dtype, replays it and redoes the step — nobody is blamed. Nor is a replacement
-that refuses the open because it is at its `max_concurrent_streams` (busy, issue 16 §2): it
-is neither suspected nor counted. Another replacement is tried first; when only busy shards
-could replace the failed stage, the call waits for a slot as opening one does (up to its
-`timeout_s`, `BusyWait`) before it falls back — a household's orchestrator often cannot
-hold the whole model, and then falling back means ending the answer.
+A `wire_overflow` is not a stage failure (a transport limit, not a fault): `widen` reopens the
+same stage with a wider wire dtype, replays it and redoes the step — nobody is blamed. Nor is a
+replacement that refuses the open because it is at its `max_concurrent_streams` (busy, M26
+§5.6): it is neither suspected nor counted. Another replacement is tried first; when only busy
+shards could replace the failed stage, the call waits for a slot as opening one does (up to its
+`timeout_s`, `BusyWait`) before it falls back — a household's orchestrator often cannot hold the
+whole model, and then falling back means ending the answer.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from hearthnet.errors import (
     WeightsMismatch,
     WireOverflow,
 )
+from hearthnet.frames import ShardFailover, ShardStatus, WireWidened
 from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.observability import Metrics, get_logger
 
@@ -70,8 +71,7 @@ class Failover:
         self.health.mark_suspect(sid, cause.code)
         log.warning("shard_failed", shard_id=sid, code=cause.code, step=call.step,
                     failures=call.failures)
-        call.frames.append({"type": "shard_status", "shard_id": sid, "status": "degraded",
-                            "code": cause.code, "message": cause.message})
+        call.frames.append(ShardStatus.degraded(sid, cause))
         if call.failures >= call.params.fallback_after_failures:
             raise FellBack(f"{call.failures} shard failures in one call (fallback after "
                            f"{call.params.fallback_after_failures}); last: {sid}: "
@@ -104,9 +104,8 @@ class Failover:
         call.stages[f.index] = new
         log.info("wire_widened", shard_id=old.shard_id, step=call.step, old=old.wire,
                  new=new.wire)
-        call.frames.append({"type": "wire_widened", "shard_id": old.shard_id,
-                            "layers": [old.stage.start, old.stage.end], "step": call.step,
-                            "from": old.wire, "to": new.wire})
+        call.frames.append(WireWidened(old.shard_id, (old.stage.start, old.stage.end),
+                                       call.step, old.wire, new.wire))
         return f.index, f.x_in
 
     async def replace(self, call: CallState, f: StageFailed, pos: int
@@ -146,10 +145,9 @@ class Failover:
         ms = (time.perf_counter() - t0) * 1000
         call.failover_ms.append(ms)
         self.metrics.failovers_total.inc()
-        call.frames.append({"type": "shard_failover", "failed": failed.shard_id,
-                            "replacement": fresh,
-                            "pipeline": [s.shard_id for s in call.stages],
-                            "replayed_positions": pos, "ms": round(ms, 1)})
+        call.frames.append(ShardFailover(failed.shard_id, tuple(fresh),
+                                         tuple(s.shard_id for s in call.stages), pos,
+                                         round(ms, 1)))
         return resume, x
 
     async def rebuild(self, call: CallState, new: Pipeline, pos: int, f: StageFailed

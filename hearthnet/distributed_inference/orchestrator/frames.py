@@ -1,8 +1,9 @@
-"""The frames a chat streams (M26 §4.3): built here, in one place, for every path.
+"""The two frames built from a generation's state: `token_frame` and `done_frame`.
 
-Frames are plain JSON-safe dicts: `token_delta`, `shard_status`, `shard_failover`,
-`pipeline_aborted`, `done`, `error`. The `done` frame of the pipeline and of the local
-fallback share one builder (`done_frame`), so their common keys cannot drift apart.
+The frame types themselves are `hearthnet.frames` (torch-free, so the client and the CLI
+read them without the model runtime); the others are built there by their constructors.
+The `done` frame of the pipeline, of the local fallback and of ``hearthnet chat --local``
+share `done_frame`, so their common keys cannot drift apart.
 """
 
 from __future__ import annotations
@@ -11,19 +12,18 @@ import time
 from typing import Any
 
 from hearthnet.distributed_inference.engine.generation import Generation, TokenEvent
+from hearthnet.frames import Done, TokenDelta
 
-Frame = dict[str, Any]
 
-
-def token_frame(ev: TokenEvent) -> Frame:
+def token_frame(ev: TokenEvent) -> TokenDelta:
     """One streamed token."""
-    return {"type": "token_delta", "text": ev.text, "token_id": ev.token_id,
-            "index": ev.index}
+    return TokenDelta(ev.text, ev.token_id, ev.index)
 
 
 def done_frame(gen: Generation, *, t0: float, first_ms: float, tokens_per_s: float,
                pipeline: list[str], timings: dict[str, Any] | None = None,
-               **extra: Any) -> Frame:
+               formats: dict[str, Any] | None = None, failovers: int | None = None,
+               fallback: bool = False) -> Done:
     """The final frame of a successful call.
 
     Args:
@@ -33,18 +33,12 @@ def done_frame(gen: Generation, *, t0: float, first_ms: float, tokens_per_s: flo
         pipeline: the shard ids that served the end of the call (``["local"]`` after a
             fallback).
         timings: more entries of ``timings`` (construction, failover, per shard).
-        extra: more top-level keys (``failovers``, ``fallback``).
+        formats: the head's and the stages' weight formats; failovers: the pipeline's
+            count; fallback: the local engine finished the answer.
     """
-    return {"type": "done", "finish_reason": gen.finish_reason,
-            "usage": {"prompt_tokens": len(gen.prompt_ids),
-                      "completion_tokens": len(gen.tokens)},
-            "timings": {"first_token_ms": round(first_ms, 1),
-                        "tokens_per_second": round(tokens_per_s, 2),
-                        "total_ms": round((time.perf_counter() - t0) * 1000, 1),
-                        **(timings or {})},
-            "pipeline": pipeline, **extra}
-
-
-def error_frame(code: str, message: str) -> Frame:
-    """The final frame of a failed call."""
-    return {"type": "error", "code": code, "message": message}
+    return Done(gen.finish_reason,
+                {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.tokens)},
+                {"first_token_ms": round(first_ms, 1),
+                 "tokens_per_second": round(tokens_per_s, 2),
+                 "total_ms": round((time.perf_counter() - t0) * 1000, 1), **(timings or {})},
+                tuple(pipeline), formats=formats, failovers=failovers, fallback=fallback)
