@@ -1,4 +1,4 @@
-"""The node's append-only event log in SQLite (DESIGN.md decision 7, issue 4 item 3).
+"""The node's append-only event log in SQLite (DESIGN.md decision 7, M26 §5.1).
 
 Every event has an id, an origin node, a per-origin sequence number, a type, a payload and
 a timestamp, optionally a signature. The log is the source of truth of the mesh: read
@@ -81,7 +81,7 @@ class EventType:
         subject: ``subject(payload) -> str | None``, what an event is about; a later event
             of the same origin with the same subject supersedes it (compaction). None:
             events of this type are never superseded.
-        max_payload_bytes: the largest canonical payload of this type (issue 14 §5).
+        max_payload_bytes: the largest canonical payload of this type (no member fills logs).
         min_trust: the lowest trust of a member that may originate it (guest, member,
             trusted, steward); the daemon's admission policy enforces it.
         max_per_origin: how many events of this type one origin may have stored at once.
@@ -130,7 +130,10 @@ class EventTypes:
             return None
         try:
             return known.subject(event.payload)
-        except Exception:  # a malformed payload simply has no subject
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            # a payload of an unexpected shape has no subject: never compacted, still stored
+            _log.warning("event_subject_failed", type=event.type, origin=event.origin,
+                         seq=event.seq, error=type(e).__name__)
             return None
 
 
@@ -225,7 +228,7 @@ class EventLog:
         verifier: ``verifier(origin, data, signature) -> bool`` for ingested events; when
             set, unsigned events are rejected too.
         admit: ``admit(event) -> reason | None`` for ingested events that passed the
-            other checks (the daemon's membership policy, issue 7 item 2): a reason
+            other checks (the daemon's membership policy: signed by a member): a reason
             rejects the event, counted in ``events_rejected_total{reason}``.
         clock: wall clock for event timestamps (Unix seconds).
         compact_retain_s: when set, `compact(compact_retain_s)` runs every
@@ -260,8 +263,8 @@ class EventLog:
         # which origins' events catch-up serves (the daemon: current members only)
         self.serve_filter: Callable[[str], bool] | None = None
         self._lock = threading.RLock()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._sql("open"):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, check_same_thread=False,
                                        isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -272,10 +275,13 @@ class EventLog:
 
     @contextlib.contextmanager
     def _sql(self, action: str) -> Iterator[None]:
-        """Every SQLite failure leaves the log as a `StorageError` naming the file."""
+        """Every SQLite (or file system) failure leaves the log as a `StorageError` naming
+        the file, logged here where the foreign error is translated (DESIGN.md Errors)."""
         try:
             yield
-        except sqlite3.Error as e:
+        except (sqlite3.Error, OSError) as e:
+            _log.error("event_log_failed", node=self.node_id, path=str(self.path),
+                       action=action, error=f"{type(e).__name__}: {e}")
             raise StorageError(f"cannot {action} the event log {self.path}: {e}; check the "
                                "data directory (disk space, permissions)") from e
 
@@ -372,9 +378,10 @@ class EventLog:
         if self._admit_policy is not None:
             try:
                 reason = self._admit_policy(ev)
-            except Exception as e:  # a policy bug must not break ingestion
+            except Exception as e:  # a policy bug must not break ingestion: a rejection
                 reason = "policy_error"
-                _log.warning("event_policy_failed", node=self.node_id, error=repr(e))
+                _log.warning("event_policy_failed", node=self.node_id, error=repr(e),
+                             exc_info=True)
             if reason is not None:
                 self._reject(reason, ev)
                 return False
@@ -397,8 +404,7 @@ class EventLog:
             try:
                 self._transaction(rows, highs)
             except sqlite3.Error:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
         for origin, seq in highs.items():
             self._vector[origin] = max(self._vector.get(origin, 0), seq)
@@ -416,6 +422,15 @@ class EventLog:
             " DO UPDATE SET max_seq = max(max_seq, excluded.max_seq)",
             list(highs.items()))
         self._db.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        """Undo a failed write's open transaction; the write's own error is what the caller
+        gets, so a failing ROLLBACK (no transaction began, or the disk is gone) is logged."""
+        try:
+            self._db.execute("ROLLBACK")
+        except sqlite3.Error as e:
+            _log.warning("event_log_rollback_failed", node=self.node_id, path=str(self.path),
+                         error=f"{type(e).__name__}: {e}")
 
     def _after_store(self, events: list[Event]) -> None:
         for ev in events:
@@ -437,7 +452,7 @@ class EventLog:
                     page: int = CATCH_UP_PAGE) -> Iterator[list[Event]]:
         """Events a peer with `vector` lacks up to `upto` (a `vector()` snapshot), each
         origin in increasing seq order, read `page` rows at a time: a catch-up holds one
-        page in memory, not the log (issue 14 §5). Origins `serve_filter` refuses (members
+        page in memory, not the log. Origins `serve_filter` refuses (members
         removed by a reload) are skipped."""
         for origin, high in upto.items():
             have = vector.get(origin, 0)
@@ -448,9 +463,10 @@ class EventLog:
                         " LIMIT ?", (origin, have, high, page)).fetchall()
                 if not rows:
                     break
-                events = [_row_event(r) for r in rows]
-                have = events[-1].seq
-                yield events
+                have = int(rows[-1][2])
+                events = self._events(rows)
+                if events:
+                    yield events
 
     def _serves(self, origin: str) -> bool:
         return self.serve_filter is None or bool(self.serve_filter(origin))
@@ -465,7 +481,7 @@ class EventLog:
                     continue
                 rows = self._db.execute(_SELECT + " WHERE origin = ? AND seq > ? ORDER BY seq",
                                         (origin, have)).fetchall()
-                out.extend(_row_event(r) for r in rows)
+                out.extend(self._events(rows))
                 if limit is not None and len(out) >= limit:
                     return out[:limit]
         return out
@@ -474,7 +490,20 @@ class EventLog:
         """Every stored event in the order this node stored them (to rebuild read models)."""
         with self._lock, self._sql("read"):
             rows = self._db.execute(_SELECT + " ORDER BY rowid").fetchall()
-        return [_row_event(r) for r in rows]
+        return self._events(rows)
+
+    def _events(self, rows: list[tuple[Any, ...]]) -> list[Event]:
+        """The events of `rows`; a row that no longer decodes (a damaged file, an edit by
+        hand) is logged and skipped, so one bad row cannot stop a node from rebuilding its
+        read models or serving a catch-up."""
+        out: list[Event] = []
+        for r in rows:
+            try:
+                out.append(_row_event(r))
+            except (ValueError, TypeError, msgpack.UnpackException) as e:
+                _log.warning("event_row_unreadable", node=self.node_id, path=str(self.path),
+                             origin=r[1], seq=r[2], error=f"{type(e).__name__}: {e}")
+        return out
 
     def count_of(self, origin: str, type: str) -> int:
         """How many events of `type` from `origin` this node holds (per-origin quotas),
@@ -524,7 +553,7 @@ class EventLog:
         return int(n)
 
     def _expire_by_type(self) -> int:
-        """Retention per type (issue 14 §5): delete events older than their type's
+        """Retention per type, so no type grows without bound: delete events older than their type's
         `retain_s`, and a type's oldest events of one origin over its `max_per_origin`."""
         now = float(self._clock())
         n = 0
@@ -546,8 +575,11 @@ class EventLog:
         """Close the database (idempotent)."""
         with self._lock:
             self._subscribers.clear()
-            with contextlib.suppress(sqlite3.Error):
+            try:
                 self._db.close()
+            except sqlite3.Error as e:  # closing is the last thing: report, do not raise
+                _log.warning("event_log_close_failed", node=self.node_id,
+                             path=str(self.path), error=f"{type(e).__name__}: {e}")
 
 
 _SCHEMA = """
@@ -576,7 +608,10 @@ _SELECT = "SELECT event_id, origin, seq, type, payload, ts, signature FROM event
 
 
 def _row_event(r: tuple[Any, ...]) -> Event:
+    """The event of one stored row; `ValueError` (or `TypeError`) when it does not decode."""
     payload = msgpack.unpackb(r[4], raw=False)
+    if not isinstance(payload, dict):
+        raise ValueError(f"the payload is a {type(payload).__name__}, not a map")
     return Event(r[0], r[1], int(r[2]), r[3], payload, float(r[5]),
                  bytes(r[6]) if r[6] is not None else None)
 

@@ -130,25 +130,42 @@ async def test_concurrent_decode_steps_share_a_forward_and_match_solo(shard, lla
     await wait_until(lambda: server.active == 0, "every session closed")
 
 
-async def test_a_nan_row_fails_only_its_own_session(shard, llama):
+def _spy_decode_batch(server: ShardServer, monkeypatch: Any, fail: bool = False
+                      ) -> list[tuple[int, bool]]:
+    """Record (rows, any row NaN) of every batched decode forward; with `fail`, each one
+    raises after being recorded."""
+    assert isinstance(server.stack, LayeredStack)
+    calls: list[tuple[int, bool]] = []
+    real = server.stack.decode_batch
+
+    def spy(sessions: Any, xs: list[torch.Tensor], starts: Any) -> Any:
+        calls.append((len(sessions), any(bool(x.isnan().any()) for x in xs)))
+        if fail:
+            raise RuntimeError("simulated failure of the batched forward")
+        return real(sessions, xs, starts)
+
+    monkeypatch.setattr(server.stack, "decode_batch", spy)
+    return calls
+
+
+async def test_a_nan_row_fails_only_its_own_session(shard, llama, monkeypatch):
     server, uri = shard
+    calls = _spy_decode_batch(server, monkeypatch)
     # decoding in lockstep: the bad row is in a batch with the two others
     runs = await _together(server, uri, 3, bad=1)
     bad = runs[1][1]
     assert isinstance(bad[-1], StepFailed) and "non-finite" in bad[-1].message
     _assert_solo(llama, [runs[0], runs[2]])
+    assert (3, True) in calls, calls  # the NaN row really shared its forward
 
 
 async def test_a_failed_batched_forward_runs_each_row_alone(shard, llama, monkeypatch):
     server, uri = shard
-    assert server.stack is not None
-
-    def out_of_memory(*a: Any) -> None:
-        raise RuntimeError("simulated failure of the batched forward")
-
-    monkeypatch.setattr(server.stack, "decode_batch", out_of_memory)
+    calls = _spy_decode_batch(server, monkeypatch, fail=True)
     runs = await _together(server, uri, 2)
     _assert_solo(llama, runs)
+    # every round was a real batch that failed, then its rows ran alone
+    assert calls == [(3, False), (3, False)], calls
 
 
 async def test_stalled_and_vanished_sessions_leave_the_others_going(shard, llama):

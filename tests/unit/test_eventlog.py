@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from hearthnet.distributed_inference.directory.descriptors import ADVERTISED, WITHDRAWN
 from hearthnet.errors import BadRequest, PeerDataError, StorageError
@@ -310,3 +311,76 @@ def test_every_sqlite_failure_is_a_storage_error(tmp_path: Path) -> None:
     (tmp_path / "dir.db").mkdir()
     with pytest.raises(StorageError, match="cannot open"):
         EventLog(tmp_path / "dir.db", "node-a")
+
+
+# ---- error paths: translated at the boundary and logged (DESIGN.md Errors) ----
+
+
+def _logged(logs: list[dict[str, object]], event: str) -> list[dict[str, object]]:
+    return [e for e in logs if e["event"] == event]
+
+
+def test_a_corrupt_database_file_is_a_logged_storage_error(tmp_path: Path) -> None:
+    (tmp_path / "a.db").write_bytes(b"this is not an SQLite database" * 100)
+    with capture_logs() as logs, pytest.raises(StorageError, match="cannot open") as info:
+        EventLog(tmp_path / "a.db", "node-a")
+    assert info.value.code == "event_log" and "a.db" in info.value.message
+    (failed,) = _logged(logs, "event_log_failed")
+    assert failed["action"] == "open" and "DatabaseError" in str(failed["error"])
+
+
+def test_an_unusable_data_folder_is_a_storage_error_not_an_oserror(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("a file where the data folder should be")
+    with capture_logs() as logs, pytest.raises(StorageError, match="cannot open"):
+        EventLog(tmp_path / "file" / "a.db", "node-a")
+    assert _logged(logs, "event_log_failed")
+
+
+def test_a_locked_database_fails_the_write_without_using_up_a_seq(tmp_path: Path) -> None:
+    """Another process holding the write lock: the append is a `StorageError`, logged; the
+    failed transaction is rolled back and the next append takes the seq it would have."""
+    log = EventLog(tmp_path / "a.db", "node-a", clock=Clock())
+    log.append("t", {"n": 1})
+    log._db.execute("PRAGMA busy_timeout = 0")  # fail at once instead of after 5 s
+    other = sqlite3.connect(tmp_path / "a.db", isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    with capture_logs() as logs, pytest.raises(StorageError, match="locked"):
+        log.append("t", {"n": 2})
+    (failed,) = _logged(logs, "event_log_failed")
+    assert failed["action"] == "write to"
+    assert log.vector() == {"node-a": 1}
+    other.execute("ROLLBACK")
+    other.close()
+    assert log.append("t", {"n": 2}).seq == 2
+    assert [e.payload["n"] for e in log.all_events()] == [1, 2]
+    log.close()
+
+
+def test_an_unreadable_row_is_logged_and_skipped_by_every_read(tmp_path: Path) -> None:
+    """A row whose payload no longer decodes (or decodes to no map) is skipped with a
+    warning naming it — without its contents — and the other events are still served."""
+    log = EventLog(tmp_path / "a.db", "node-a", clock=Clock())
+    good = [log.append("t", {"n": n}) for n in range(4)]
+    log._db.execute("UPDATE events SET payload = ? WHERE seq = 2", (b"\xc1",))
+    log._db.execute("UPDATE events SET payload = ? WHERE seq = 3", (b"\x05",))
+    want = [good[0], good[3]]
+    with capture_logs() as logs:
+        assert log.all_events() == want
+        assert log.since({}) == want
+        assert [e for page in log.since_pages({}, log.vector(), page=1) for e in page] == want
+    bad = _logged(logs, "event_row_unreadable")
+    assert sorted({(e["origin"], e["seq"]) for e in bad}) == [("node-a", 2), ("node-a", 3)]
+    assert len(bad) == 6 and all("payload" not in e for e in bad)
+    log.close()
+
+
+def test_a_subject_failing_on_a_payload_is_logged_and_the_event_kept(tmp_path: Path) -> None:
+    types = EventTypes()
+    types.register(EventType("t.keyed", lambda p: p["key"]))
+    log = EventLog(tmp_path / "a.db", "node-a", types=types)
+    with capture_logs() as logs:
+        ev = log.append("t.keyed", {"other": 1})
+    assert log.all_events() == [ev]
+    (failed,) = _logged(logs, "event_subject_failed")
+    assert (failed["type"], failed["seq"], failed["error"]) == ("t.keyed", 1, "KeyError")
+    log.close()

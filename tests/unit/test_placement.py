@@ -85,7 +85,9 @@ def test_plan_move_raises_the_weakest_coverage() -> None:
 def test_plan_move_respects_the_margin() -> None:
     a, b, c = Span("a", 0, 14, 1.0), Span("b", 15, 29, 1.0), Span("c", 0, 14, 1.4)
     # a moving: min goes from 1/15 to 1.4/15 -> quality 0.71
-    assert plan_move(30, [a, b, c], a, 0.75) is not None
+    move = plan_move(30, [a, b, c], a, 0.75)
+    assert move is not None and (move.new_lo, move.new_hi) == (15, 29)  # beside b
+    assert move.min_after == pytest.approx(1.4 / 15)
     assert plan_move(30, [a, b, c], a, 0.6) is None
 
 

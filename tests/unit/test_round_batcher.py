@@ -1,7 +1,8 @@
 """`RoundBatcher` (issue 16 §1-2): rounds, fairness, prefill interleaving, per-row results.
 
-A fake `run_batch` records each executor job; nothing here waits on wall-clock time
-except the collection window bounds, which the tests set far beyond any real delay.
+A fake `run_batch` records each executor job. Time is a `FakeClock` the tests move (a
+waiting round re-reads it when woken by `expected_changed`); no test sleeps, and the real
+waits a round may make are bounded by windows far beyond any test's run time.
 """
 
 from __future__ import annotations
@@ -35,6 +36,29 @@ def pool() -> Iterator[ThreadPoolExecutor]:
         yield p
 
 
+class FakeClock:
+    """The batcher's clock, in seconds; only the test moves it."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def settle() -> None:
+    """Let the rounds task run up to its next wait."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def tick(b: RoundBatcher[Any, Any], clock: FakeClock, to: float) -> None:
+    """Move the clock to `to` and wake a waiting round so that it re-reads it."""
+    clock.t = to
+    b.expected_changed()
+    await settle()
+
+
 async def test_concurrent_steps_form_one_batch_and_each_gets_its_row(pool):
     rec = Recorder()
     sizes: list[int] = []
@@ -53,17 +77,64 @@ async def test_a_lone_session_never_waits_for_the_window(pool):
 
 
 async def test_a_stalled_session_does_not_hold_the_round_beyond_the_window(pool):
-    rec = Recorder()
-    # 3 sessions expected, 2 send: the round runs once the (short) window is over
-    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=0.05, expected=lambda: 3)
-    assert await asyncio.wait_for(asyncio.gather(b.submit(1), b.submit(2)), 20) == [10, 20]
-    assert rec.rounds == [[1, 2]]
+    rec, clock = Recorder(), FakeClock()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3,
+                                             clock=clock)
+    # three sessions step together (no wait: all are in), then c goes silent
+    assert await asyncio.wait_for(asyncio.gather(
+        *(b.submit(i, key=k) for i, k in ((1, "a"), (2, "b"), (3, "c")))), 20) == [10, 20, 30]
+    both = asyncio.gather(b.submit(4, key="a"), b.submit(5, key="b"))
+    await settle()
+    assert b.queued == 2  # the round waits for c ...
+    await tick(b, clock, 1029.9)
+    assert b.queued == 2 and b.waited_out == 0  # ... the whole window ...
+    await tick(b, clock, 1030.1)
+    assert await asyncio.wait_for(both, 20) == [40, 50]  # ... and not a moment longer
+    assert rec.rounds == [[1, 2, 3], [4, 5]] and b.waited_out == 1
+
+
+async def test_a_session_due_by_its_pace_is_waited_for_beyond_the_window(pool):
+    """Two chats stepping every 100 s; b arrives 50 s early (drifted): the round waits for
+    a until a's due time plus a tenth of its cycle (230), past the 30 s window (180), so
+    the two merge into one row pair again."""
+    rec, clock = Recorder(), FakeClock()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 2,
+                                             clock=clock)
+    for t in (0.0, 100.0):  # a's pace: one job every 100 s, the last at 1100
+        clock.t = 1000.0 + t
+        await asyncio.wait_for(asyncio.gather(b.submit(1, key="a"), b.submit(2, key="b")), 20)
+    clock.t = 1150.0
+    early = asyncio.ensure_future(b.submit(3, key="b"))
+    await settle()
+    await tick(b, clock, 1185.0)  # past the window: a is due at 1200, so still waiting
+    assert b.queued == 1 and b.waited_out == 0
+    clock.t = 1199.0
+    got = await asyncio.wait_for(asyncio.gather(early, b.submit(4, key="a")), 20)
+    assert got == [30, 40] and rec.rounds[-1] == [3, 4] and b.waited_out == 0
+
+
+async def test_a_session_late_against_its_pace_is_not_waited_for_longer(pool):
+    rec, clock = Recorder(), FakeClock()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 2,
+                                             clock=clock)
+    for t in (0.0, 100.0):
+        clock.t = 1000.0 + t
+        await asyncio.wait_for(asyncio.gather(b.submit(1, key="a"), b.submit(2, key="b")), 20)
+    clock.t = 1150.0
+    early = asyncio.ensure_future(b.submit(3, key="b"))
+    await settle()
+    await tick(b, clock, 1229.0)
+    assert b.queued == 1
+    await tick(b, clock, 1231.0)  # a is a tenth of its cycle overdue: b goes alone
+    assert await asyncio.wait_for(early, 20) == 30
+    assert rec.rounds[-1] == [3] and b.waited_out == 1
 
 
 async def test_a_failing_row_fails_only_its_caller(pool):
     rec = Recorder(fail={2})
     b: RoundBatcher[int, int] = RoundBatcher(rec, pool, expected=lambda: 3)
     got = await asyncio.gather(*(b.submit(i) for i in (1, 2, 3)), return_exceptions=True)
+    assert rec.rounds == [[1, 2, 3]]  # one batch, not three solo rounds
     assert got[0] == 10 and got[2] == 30
     assert isinstance(got[1], ValueError) and str(got[1]) == "row 2"
 
@@ -132,13 +203,18 @@ async def test_a_cancelled_caller_is_dropped_and_not_waited_for(pool):
 
 
 async def test_a_session_that_stops_stepping_is_not_waited_for_after_a_few_rounds(pool):
-    rec = Recorder()
-    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=0.05, expected=lambda: 3)
+    rec, clock = Recorder(), FakeClock()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3,
+                                             clock=clock)
     await asyncio.wait_for(asyncio.gather(
         *(b.submit(i, key=k) for i, k in ((1, "a"), (2, "b"), (3, "c")))), 20)
     for t in range(3 * LIVE_ROUNDS):  # c stalls; a and b step on
-        await asyncio.wait_for(asyncio.gather(b.submit(t, key="a"), b.submit(t, key="b")), 20)
-    # rounds waited for c (to the window's end) only while it was recently active
+        pair = asyncio.gather(b.submit(t, key="a"), b.submit(t, key="b"))
+        await settle()
+        if t < LIVE_ROUNDS:  # c stepped recently: the round waits the window out for it
+            assert b.queued == 2, t
+            await tick(b, clock, clock.t + 31.0)
+        assert await asyncio.wait_for(pair, 20) == [10 * t, 10 * t]  # then at once
     assert b.waited_out == LIVE_ROUNDS
 
 

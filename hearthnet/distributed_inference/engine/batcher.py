@@ -1,4 +1,4 @@
-"""`RoundBatcher`: steps of concurrent sessions run as one executor job per round (issue 16).
+"""`RoundBatcher`: steps of concurrent sessions run as one executor job per round (M26 §5.3).
 
 Decode is bound by reading the weights, so B one-position steps cost about one when they run
 as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`). A shard
@@ -18,7 +18,7 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   chats that drifted apart in a pipeline (one group at this shard while another is at the
   next stage or the head) so merge into one batch — the wait costs the waiting group the
   offset once, the merge saves a forward per round for good; a fixed short window leaves
-  them in 2-4 groups that each re-read the weights (measured, README). A session that is
+  them in 2-4 groups that each re-read the weights (measured, docs/operations.md). A session that is
   late against its pace is not waited for beyond ``window_s``, and one that stops
   stepping (stalled caller) is not expected after `LIVE_ROUNDS` rounds;
 - non-batchable jobs (prefill chunks, each ``tokens`` positions) join the round (mixed
@@ -27,10 +27,10 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   any (at least one chunk per round), in the same ``run_batch`` call as the decode rows,
   so the owner can run them as one forward (the shard packs them,
   `LayeredStack.forward_packed`): while other chats prefill, a decoding chat's round costs
-  about one forward, not two, and a long prefill (already chunked, issue 14 §1) never
+  about one forward, not two, and a long prefill (already chunked) never
   stalls decode rows for more than one chunk;
 - the owner's ``run_batch(jobs)`` returns one result or exception per job, so a bad row
-  fails only its own caller (shard.py and head batching decide how rows fail);
+  fails only its own caller (shard/server.py and head batching decide how rows fail);
 - a session that stalls, errs or disconnects simply has no job in the next round; a caller
   cancelled while its job is running waits for the job to end first (its cache is still
   being written) and is then cancelled.
@@ -45,7 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 J = TypeVar("J")
@@ -68,18 +68,24 @@ class _Queued(Generic[J]):
     future: asyncio.Future[Any]
     key: Hashable
     tokens: int = 1
-    queued_at: float = field(default_factory=time.perf_counter)
+    queued_at: float = 0.0  # on the batcher's clock
     running: bool = False
 
 
 class RoundBatcher(Generic[J, R]):
-    """Runs submitted jobs in rounds on `executor`; see the module docstring."""
+    """Runs submitted jobs in rounds on `executor`; see the module docstring.
+
+    `clock` (seconds, monotonic) times every decision — sessions' pace, a round's deadline,
+    the waits reported to `on_batch` — so tests move time instead of sleeping; the wait
+    itself is woken by arrivals and `expected_changed`, which re-read it.
+    """
 
     def __init__(self, run_batch: RunBatch, executor: Executor, *, window_s: float = 0.0,
                  expected: Callable[[], int] = lambda: 1, prefill_budget: int = 0,
                  mixed_budget: int | None = None,
-                 on_batch: Callable[[int, list[float]], None] | None = None) -> None:
-        self.run_batch, self.executor = run_batch, executor
+                 on_batch: Callable[[int, list[float]], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.run_batch, self.executor, self.clock = run_batch, executor, clock
         self.window_s = max(0.0, window_s)
         # positions of prefill chunks per round: without / beside decode rows
         self.prefill_budget = prefill_budget
@@ -108,7 +114,7 @@ class RoundBatcher(Generic[J, R]):
         """Queue `job` of session `key` (a prefill chunk of `tokens` positions when not
         `batchable`) for the next round and return its result (or raise its error)."""
         loop = asyncio.get_running_loop()
-        item: _Queued[J] = _Queued(job, loop.create_future(), key, tokens)
+        item: _Queued[J] = _Queued(job, loop.create_future(), key, tokens, self.clock())
         if key is None:
             item.key = key = id(item)
         self._seen[key] = self._round
@@ -169,9 +175,9 @@ class RoundBatcher(Generic[J, R]):
         every one has a job queued (a session in prefill has its next chunk queued)."""
         if not self._batch or self.window_s <= 0:
             return
-        start = time.perf_counter()
+        start = self.clock()
         while self.queued < min(self.expected(), len(self._seen)):
-            left = self._deadline(start) - time.perf_counter()
+            left = self._deadline(start) - self.clock()
             if left <= 0:
                 self.waited_out += 1
                 return
@@ -206,7 +212,7 @@ class RoundBatcher(Generic[J, R]):
         items = batch + chunks
         if not items:
             return
-        now = time.perf_counter()
+        now = self.clock()
         if batch and self.on_batch is not None:  # decode rows, not prefill chunks
             self.on_batch(len(batch), [(now - i.queued_at) * 1000 for i in batch])
         jobs = [i.job for i in items]

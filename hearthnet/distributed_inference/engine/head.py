@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from jinja2 import TemplateError, TemplateSyntaxError
 from torch import nn
 
 from hearthnet.distributed_inference.directory.formats import (
@@ -87,8 +88,8 @@ class LayeredHead:
         where = f"{self.entry.path} embeddings"
         self.embed_q: Int8Linear | None = None
         if self.format != "int8":
-            fill_module(self.embed_tokens, reader, [prefix + "weight"], prefix, self.format, where,
-                  base, self.device)
+            fill_module(self.embed_tokens, reader, [prefix + "weight"], prefix, self.format,
+                        where, base, self.device)
             return
         self.embed_q = Int8Linear(reader.read([prefix + "weight"])[prefix + "weight"], None,
                                   keep_rows=True)
@@ -138,8 +139,16 @@ class LayeredHead:
         if not self.tokenizer.chat_template:
             text = "".join(m["content"] + "\n" for m in messages)
             return list(self.tokenizer(text)["input_ids"])
-        out: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=True)
+        try:
+            out: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                          tokenize=True)
+        except TemplateSyntaxError:
+            raise  # the model's template is broken: not the caller's doing (internal)
+        except TemplateError as e:  # the template refused these messages (`raise_exception`)
+            raise BadRequest(f"the chat template of {self.entry.alias} refused the messages: "
+                             f"{e.message or type(e).__name__}; send messages it accepts "
+                             "(some models take no system message: put it in the first user "
+                             "message)") from e
         ids: Any = out["input_ids"] if hasattr(out, "keys") else out
         return [int(i) for i in ids]
 
@@ -166,7 +175,7 @@ class LayeredHead:
     @torch.inference_mode()
     def logits_batch(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """`logits` of several chats' final hidden states as one norm + lm_head product
-        (issue 16 §3): the lm_head's weights are read once for all rows."""
+        (DESIGN.md decision 12): the lm_head's weights are read once for all rows."""
         h = torch.cat([x[:, -1:, :].to(self.device, self.dtype) for x in hidden])  # (B, 1, H)
         h = self.norm(h)
         if self.lm_head_q is not None:

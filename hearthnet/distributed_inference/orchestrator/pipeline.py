@@ -4,8 +4,9 @@ Per call: pick a pipeline (timed as construction), open one session per stage co
 then run the decode loop (`decode.py`), which fails stages over by replay (`failover.py`).
 After `fallback_after_failures` failures in one call, or when no replacement exists, the
 *same* `Generation` continues on the local engine when `fallback_to_local` is set. A shard at
-its `max_concurrent_streams` is busy, not gone: construction waits for a slot (up to the
-call's `timeout_s`) rather than falling back (issue 16 §2).
+its `max_concurrent_streams` is busy, not gone: construction waits for a slot (up to the call's
+`timeout_s`) rather than falling back: a household's orchestrator often cannot hold the whole
+model, and then falling back ends the answer.
 
 The parts: request parsing (`request.py`), per-call state (`calls.py`), the decode loop
 (`decode.py`), failover replay (`failover.py`), the frames (`frames.py`). This module
@@ -34,12 +35,11 @@ from hearthnet.distributed_inference.orchestrator.calls import (
     CallState,
     Connector,
     FellBack,
-    Frame,
     StageSession,
 )
 from hearthnet.distributed_inference.orchestrator.decode import DecodeLoop
 from hearthnet.distributed_inference.orchestrator.failover import Failover
-from hearthnet.distributed_inference.orchestrator.frames import done_frame, error_frame, token_frame
+from hearthnet.distributed_inference.orchestrator.frames import done_frame, token_frame
 from hearthnet.distributed_inference.orchestrator.request import ChatRequest, DistributedChatParams
 from hearthnet.distributed_inference.orchestrator.sanity import (
     Calibration,
@@ -55,6 +55,7 @@ from hearthnet.errors import (
     ShardUnavailable,
     WeightsMismatch,
 )
+from hearthnet.frames import Done, ErrorFrame, PipelineAborted, ShardStatus, StreamFrame
 from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.observability import Metrics, get_logger
 from hearthnet.transport.websocket import SHARD_PATH
@@ -63,13 +64,13 @@ log = get_logger("pipeline")
 
 _OPEN_ATTEMPTS = 3
 
-# Adds caller authentication to open params (issue 7); identity when security is off.
+# Adds caller authentication to open params (M26 §5.8); identity when security is off.
 OpenSigner = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class _Prepared:
-    """What the orchestrator keeps per model: built whole, or not at all (issue 11 §3)."""
+    """What the orchestrator keeps per model: built whole or not at all: failures stay loud."""
 
     head: ClientHead
     checker: SanityChecker
@@ -98,7 +99,7 @@ class PipelineOrchestrator:
         self._head_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(max_concurrent_pipelines)
         self.local_weights = local_weights  # the head's and local engine's format
-        self.head_device = head_device  # issue 13 §1: where the head (and fallback) run
+        self.head_device = head_device  # where the head (and fallback) run (DESIGN.md decision 11)
         self.limits = limits or PromptLimits()
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         self.failover = Failover(models=models, router=router, health=health,
@@ -110,14 +111,14 @@ class PipelineOrchestrator:
     # ---- public API ----
 
     async def chat(self, request: ChatRequest, params: DistributedChatParams
-                   ) -> AsyncGenerator[Frame, None]:
+                   ) -> AsyncGenerator[StreamFrame, None]:
         """Stream the frames of one distributed chat (M26 §4.3)."""
         if not self.enabled:
             raise ExperimentalDisabled(
                 "distributed inference is disabled on this node "
                 "(policy.research.enable / research.distributed_inference.enabled)")
         entry = self.models.get(request.model)  # ModelNotFound is a bad_request
-        self.limits.check_request(request.messages, params.sampling)  # issue 14 §1
+        self.limits.check_request(request.messages, params.sampling)  # before any work
         async with self._slots, contextlib.aclosing(self._chat(entry, request, params)) as it:
             async for frame in it:  # aclosing: an abandoned call still closes its sessions
                 yield frame
@@ -133,13 +134,16 @@ class PipelineOrchestrator:
     # ---- the call ----
 
     async def _chat(self, entry: ModelEntry, request: ChatRequest,
-                    params: DistributedChatParams) -> AsyncGenerator[Frame, None]:
+                    params: DistributedChatParams) -> AsyncGenerator[StreamFrame, None]:
         t0 = time.perf_counter()
         prep = await self._head(entry)
         head, checker = prep.head, prep.checker
         wire = WirePlan(params.wire_dtype, params.wire_wide_dtype, prep.calibration)
         wire.check_forced(entry.alias)  # a forced fp16 that cannot fit: refused before work
         call: CallState | None = None
+        # None until the prompt is tokenised: the handlers below also end a call that fails
+        # before that (a chat template refusing the messages)
+        gen: Generation | None = None
         outcome = "error"
         try:
             ids = head.chat_prompt_ids(request.messages)
@@ -156,8 +160,7 @@ class PipelineOrchestrator:
             construct_ms = (time.perf_counter() - t0) * 1000
             self.metrics.pipeline_construct_ms.observe(construct_ms)
             for st in call.stages:
-                yield {"type": "shard_status", "shard_id": st.shard_id, "status": "ok",
-                       "layers": [st.stage.start, st.stage.end], "wire_dtype": st.wire}
+                yield ShardStatus.ok(st.shard_id, (st.stage.start, st.stage.end), st.wire)
             try:
                 async for f in self.decoder.run(call, head, checker, t0):
                     yield f
@@ -174,12 +177,13 @@ class PipelineOrchestrator:
             outcome = "ok"
             yield self._done(call, t0, construct_ms, tps)
         except HearthNetError as e:
-            yield error_frame(e.code, e.message)
+            yield ErrorFrame.of(e)
         except Exception:  # a bug: a typed ending for the caller, the traceback in our log
-            log.exception("chat_failed", model=entry.model_id, tokens=len(gen.tokens))
+            log.exception("chat_failed", model=entry.model_id,
+                          tokens=len(gen.tokens) if gen is not None else 0)
             err = InternalError("internal error in the distributed chat on this node; "
                                 "see its log")
-            yield error_frame(err.code, err.message)
+            yield ErrorFrame.of(err)
         finally:
             self.metrics.chats_total.labels(outcome).inc()
             if call is not None:
@@ -189,7 +193,7 @@ class PipelineOrchestrator:
         """The model's head, sanity checker and calibration — all three, or a typed error.
 
         Nothing half-built is kept: a head or calibration that fails is remembered as the
-        error (logged once, here) and every call of that model gets it (issue 11 §3).
+        error (logged once, here) and every call of that model gets it, typed.
         """
         key = entry.weights_sha256
         async with self._head_lock:
@@ -216,7 +220,7 @@ class PipelineOrchestrator:
                                              self.head_device)
         except HearthNetError:
             raise
-        except Exception as e:  # a foreign failure of transformers/torch, named (issue 11 §3)
+        except Exception as e:  # a foreign failure of transformers/torch, named
             raise ModelUnusable(f"model {entry.alias} ({entry.model_type}) cannot be used: "
                                 f"its {what} failed: {type(e).__name__}: {e}",
                                 model=entry.alias, stage=what) from e
@@ -228,7 +232,7 @@ class PipelineOrchestrator:
 
         A shard that cannot be reached or refuses the open is excluded and the router picks
         again, up to `_OPEN_ATTEMPTS` failures. A shard at its `max_concurrent_streams`
-        (M26 §5.6) is busy, not gone (issue 16 §2): another cover is tried first, and when
+        (M26 §5.6) is busy, not gone: another cover is tried first, and when
         only busy shards cover a layer the call waits for a slot — until one of this node's
         pipelines is released, or a short back-off for other callers' sessions — up to its
         `timeout_s`, instead of continuing on the local engine.
@@ -304,21 +308,19 @@ class PipelineOrchestrator:
 
     async def _give_up(self, entry: ModelEntry, gen: Generation, params: DistributedChatParams,
                        reason: str, t0: float, first_ms: float | None,
-                       code: str = "shard_unavailable") -> AsyncIterator[Frame]:
+                       code: str = "shard_unavailable") -> AsyncIterator[StreamFrame]:
         """The pipeline cannot go on: continue locally, or abort (M26 §5.4)."""
         if params.fallback_to_local and code != "weights_mismatch":
             async for f in self._continue_locally(entry, gen, reason, t0, first_ms):
                 yield f
             return
-        yield {"type": "pipeline_aborted", "reason": reason, "continuing": None,
-               "tokens_so_far": len(gen.tokens)}
-        yield error_frame(code, reason)
+        yield PipelineAborted(reason, None, len(gen.tokens))
+        yield ErrorFrame(code, reason)
 
     async def _continue_locally(self, entry: ModelEntry, gen: Generation, reason: str,
-                                t0: float, first_ms: float | None) -> AsyncIterator[Frame]:
-        """Continue `gen` on the local engine (M26 §5.4 fallback, issue 6 §2)."""
-        yield {"type": "pipeline_aborted", "reason": reason, "continuing": "local",
-               "tokens_so_far": len(gen.tokens)}
+                                t0: float, first_ms: float | None) -> AsyncIterator[StreamFrame]:
+        """Continue `gen` on the local engine (M26 §5.4 fallback), not restarted."""
+        yield PipelineAborted(reason, "local", len(gen.tokens))
         self.metrics.fallback_to_local_total.inc()
         engine = await self._local(entry)
         loop = asyncio.get_running_loop()
@@ -363,7 +365,7 @@ class PipelineOrchestrator:
 
     # ---- endings ----
 
-    def _done(self, call: CallState, t0: float, construct_ms: float, tps: float) -> Frame:
+    def _done(self, call: CallState, t0: float, construct_ms: float, tps: float) -> Done:
         per_shard = {}
         for st in call.stages:
             xs, ov = st.rtt_ms, st.overhead_ms
