@@ -99,7 +99,7 @@ async def test_disconnect_mid_stream_closes_shard_sessions(mesh, oai):
 
 
 async def test_host_app_client_typed_frames_and_errors(mesh, reference):
-    async with HearthNetClient.from_config(mesh.nodes["node-a"].config) as hn:  # README's way
+    async with HearthNetClient.from_config(mesh.nodes["node-a"].config) as hn:  # docs/api.md's way
         frames = [f async for f in hn.chat(PROMPT, max_tokens=N)]
         assert all(isinstance(f, ShardStatus) for f in frames[:2])
         assert "".join(f.text for f in frames if isinstance(f, TokenDelta)) == reference
@@ -112,14 +112,14 @@ async def test_host_app_client_typed_frames_and_errors(mesh, reference):
 
 
 def _readme_blocks(repo_root: Path) -> list[tuple[str, str]]:
-    """(language, code) of the fenced blocks of the README's HTTP API section."""
-    text = (Path(repo_root) / "README.md").read_text()
+    """(language, code) of the fenced blocks of docs/api.md's HTTP API section."""
+    text = (Path(repo_root) / "docs" / "api.md").read_text()
     section = text.split("## HTTP API, host apps and the status page", 1)[1].split("\n## ")[0]
     return re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S)
 
 
 def test_readme_examples_run_against_a_mesh(mesh, repo_root):
-    """The README's curl call, openai-client call and host-app client example, as printed
+    """docs/api.md's curl call, openai-client call and host-app client example, as printed
     there, with the example's address and config swapped for this mesh's."""
     a = mesh.nodes["node-a"]
     blocks = _readme_blocks(repo_root)

@@ -173,7 +173,7 @@ def test_runs_on_uvloop() -> None:
     assert module.startswith("uvloop") and ok
 
 
-# -- backpressure (PROTOCOL.md §6) --------------------------------------------------------
+# -- backpressure (docs/protocol.md §6) --------------------------------------------------------
 
 
 async def test_paused_receiver_stops_the_sender_at_the_window_with_bounded_memory() -> None:

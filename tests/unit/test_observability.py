@@ -30,7 +30,7 @@ def _within(buckets: tuple[float, ...], lo: float, hi: float) -> int:
 
 
 def test_buckets_resolve_the_measured_ranges():
-    # measured on SmolLM2 through two CPU shards (README, `hearthnet bench pipeline`): steps
+    # measured on SmolLM2 through two CPU shards (docs/benchmarks.md, `bench pipeline`): steps
     # 15-50 ms (382 of 532 samples sat in one 20-50 ms bucket before), first token
     # 0.1-2 s, 5-40 tokens/s, per-hop overhead 0.5-10 ms
     assert _within(LATENCY_BUCKETS_MS, 15, 50) >= 8

@@ -1,6 +1,6 @@
 """The pure stream protocol (hearthnet/transport/protocol.py): bytes in, events and bytes out.
 
-Mirrors python-websockets' tests/test_protocol.py: no sockets, no clock. PROTOCOL.md
+Mirrors python-websockets' tests/test_protocol.py: no sockets, no clock. docs/protocol.md
 sections are cited where a test pins a rule down.
 """
 
@@ -97,7 +97,7 @@ def x(n: int = 32, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     return torch.randn(1, 1, n).to(dtype)
 
 
-# -- handshake (PROTOCOL.md §3.1, §3.2) ---------------------------------------------------
+# -- handshake (docs/protocol.md §3.1, §3.2) ---------------------------------------------------
 
 
 def test_open_accept_negotiates_the_smaller_limits_and_carries_params() -> None:
@@ -198,7 +198,7 @@ def test_refusal_is_a_fatal_error_with_the_callers_error_class() -> None:
     assert c.state is State.CLOSED
 
 
-# -- steps (PROTOCOL.md §4) ---------------------------------------------------------------
+# -- steps (docs/protocol.md §4) ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("wire", ["fp16", "bf16", "fp32"])
@@ -246,7 +246,7 @@ def test_data_frame_for_another_dtype_or_stream_fails(tensor: torch.Tensor, stre
     assert match in failure(s).error.message
 
 
-# -- flow control (PROTOCOL.md §6) --------------------------------------------------------
+# -- flow control (docs/protocol.md §6) --------------------------------------------------------
 
 
 def test_lockstep_decode_never_blocks_and_credit_is_batched() -> None:
@@ -395,7 +395,7 @@ def test_consumed_without_a_received_tensor_is_a_caller_error() -> None:
         s.consumed()
 
 
-# -- errors, close, ping (PROTOCOL.md §3.4–§3.6, §7) --------------------------------------
+# -- errors, close, ping (docs/protocol.md §3.4–§3.6, §7) --------------------------------------
 
 
 def test_non_fatal_error_keeps_the_session_open_and_carries_step_and_details() -> None:
@@ -486,7 +486,7 @@ def test_local_fail_sends_a_fatal_error_and_ignores_the_rest() -> None:
     assert type(ev.error) is StreamStalled and ev.error.code == "stream_stalled"
 
 
-# -- the state table (PROTOCOL.md §5) ----------------------------------------------------
+# -- the state table (docs/protocol.md §5) ----------------------------------------------------
 
 
 def _in_state(role: Role, state: State) -> StreamProtocol:
@@ -572,7 +572,7 @@ def test_bad_local_limits_raise(kwargs: dict[str, int]) -> None:
         StreamProtocol(Role.CLIENT, **kwargs)
 
 
-# -- the receive path never raises (PROTOCOL.md §7) ---------------------------------------
+# -- the receive path never raises (docs/protocol.md §7) ---------------------------------------
 
 _STATES = [(Role.SERVER, State.IDLE), (Role.SERVER, State.OPEN_RECEIVED),
            (Role.SERVER, State.OPEN), (Role.CLIENT, State.OPEN_SENT), (Role.CLIENT, State.OPEN)]
