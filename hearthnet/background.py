@@ -2,7 +2,7 @@
 
 `detach(coro)` schedules `coro` on the running loop and keeps a reference until it ends
 (asyncio holds only weak references to tasks). For closing connections from synchronous
-code (a reload's effects, issue 14 §7); exceptions are retrieved, never raised.
+code (a reload closing what removed members hold open); exceptions are retrieved, never raised.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ WeightFormat = Literal["native", "fp32", "bf16", "fp16", "int8", "int4"]  # form
 CallWeights = Literal["exact", "fp32", "bf16", "fp16", "int8", "int4"]  # formats.check_policy
 DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:[0-9]{1,3})?)$"
 DeviceSpec = Annotated[str, Field(pattern=DEVICE_PATTERN)]
-"""A device setting: auto | cpu | cuda | cuda:N | mps (issue 13 §1)."""
+"""A device setting: auto | cpu | cuda | cuda:N | mps (DESIGN.md decision 11)."""
 _WILDCARDS = {"0.0.0.0", "::", ""}
 
 
@@ -92,7 +92,7 @@ class NodeSection(_Section):
     torch_threads: Annotated[int, Field(ge=1, le=256)] = 1
     peers: list[str] = Field(default_factory=list)
     lan_networks: list[str] = Field(default_factory=lambda: list(DEFAULT_LAN_NETWORKS))
-    # "mdns": announce this node and find peers on the LAN by mDNS/DNS-SD (issue 17 §5);
+    # "mdns": announce this node and find peers on the LAN by mDNS/DNS-SD (DESIGN.md decision 14);
     # discovery only finds addresses, membership still comes from the member list
     discovery: Literal["off", "mdns"] = "off"
 
@@ -145,10 +145,10 @@ class HostSection(_Section):
     session_idle_timeout_seconds: Annotated[float, Field(gt=0)] = 120
     max_session_tokens: Annotated[int, Field(ge=1)] = 8192
     compute_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # the default of `weights`
-    # how hosted layers are held (issue 12 §2); unset: `compute_dtype`. Per shard:
+    # how hosted layers are held (DESIGN.md decision 10); unset: `compute_dtype`. Per shard:
     # `[[shards]] weights`.
     weights: WeightFormat | None = None
-    # issue 13: where hosted layers run (auto = CUDA, then MPS, then CPU; a [[shards]]
+    # DESIGN.md decision 11: where hosted layers run (auto = CUDA, then MPS, then CPU; a [[shards]]
     # entry may override it) and whether CUDA decode steps replay a captured graph
     device: DeviceSpec = "auto"
     cuda_graphs: bool = True
@@ -158,7 +158,8 @@ class AutoSection(_Section):
     """``[research.distributed_inference.auto]``: automatic hosting (``shards = "auto"``).
 
     See `hearthnet.distributed_inference.placement.planner` for the rules and
-    `hearthnet.distributed_inference.placement.autohost` for the daemon's side (issue 17).
+    `hearthnet.distributed_inference.placement.autohost` for the daemon's side
+    (DESIGN.md decision 14).
     """
 
     memory_mb: Annotated[int, Field(ge=0)] = 0  # layer budget; 0 = host.shard_max_vram_mb
@@ -178,15 +179,15 @@ class DistributedInferenceSection(_Section):
     shard_health_timeout_seconds: Annotated[float, Field(gt=0)] = DEFAULT_TIMEOUT_S
     # every node probes the listener of every advertising host this often; after
     # `host_probe_failures` refusals in a row the host is down: its shards are shown offline
-    # and never routed to, long before the health timeout (issue 15 §6, issue 17 §2)
+    # and never routed to, long before the health timeout (so automatic hosts re-host them soon)
     host_probe_interval_seconds: Annotated[float, Field(gt=0, le=600)] = 2.0
     host_probe_failures: Annotated[int, Field(ge=1, le=100)] = 2
     fallback_to_local: bool = True
-    # wire dtype of hidden states (issue 11 §2): auto = fp16 where the calibrated magnitude
+    # wire dtype of hidden states (M26 §5.3): auto = fp16 where the calibrated magnitude
     # fits, activation_wide_dtype where it does not
     activation_dtype: CallWireName = "auto"
     activation_wide_dtype: WideWireName = "bf16"
-    # issue 12 §2: how this node's orchestrator holds the head (and the local engine);
+    # DESIGN.md decision 10: how this node's orchestrator holds the head (and the local engine);
     # `weights` is the default minimum format of the shards a call accepts
     head_weights: WeightFormat = "fp32"
     weights: CallWeights = "int8"
@@ -199,21 +200,22 @@ class DistributedInferenceSection(_Section):
     fallback_after_failures: Annotated[int, Field(ge=1)] = 2  # M26 §5.4
     flow_control_window: Annotated[int, Field(ge=1, le=1024)] = TENSOR_FLOW_CONTROL_WINDOW
     chunk_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = TENSOR_CHUNK_BYTES
-    # issue 14 §1: what one call may ask for, checked before any work (mesh and local path)
+    # what one call may ask for, checked before any work (mesh and local path alike), so
+    # one huge prompt cannot wedge the node
     max_prompt_bytes: Annotated[int, Field(ge=1, le=16 * 1024 * 1024)] = 32 * 1024
     max_prompt_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 4096
     max_completion_tokens: Annotated[int, Field(ge=1, le=8192)] = 2048
     # a long prefill runs in chunks of this many positions (orchestrator and shards)
     prefill_chunk_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 256
-    # issue 16: a shard's decode steps (and an orchestrator's heads) from concurrent
+    # DESIGN.md decision 12: a shard's decode steps (and an orchestrator's heads) from concurrent
     # sessions run as one batched forward; a round waits up to this long for the other
     # sessions' steps (0: batch only what is already queued)
     batch_window_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
-    # issue 16 §1 (mixed rounds): positions of prefill chunks a shard's round packs with
+    # mixed rounds (DESIGN.md decision 12): positions of prefill chunks a shard's round packs with
     # its decode rows (at least one chunk); a round with no decode rows takes up to
     # prefill_chunk_tokens. Small keeps decoding chats' gaps short on compute-bound CPUs
     mixed_prefill_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 32
-    # issue 13: the orchestrator's head (embeddings, norm, lm_head) and local fallback
+    # DESIGN.md decision 11: the orchestrator's head (embeddings, norm, lm_head) and local fallback
     head_device: DeviceSpec = "auto"
     host: HostSection = Field(default_factory=HostSection)
     auto: AutoSection = Field(default_factory=AutoSection)
@@ -225,7 +227,7 @@ class DistributedInferenceSection(_Section):
 
     @property
     def heartbeat_interval_s(self) -> float:
-        """Re-advertise every health timeout / 2 (issue 4 item 3)."""
+        """Re-advertise every health timeout / 2, well before ads expire (M26 §5.1)."""
         return self.shard_health_timeout_seconds / 2
 
 
@@ -272,7 +274,7 @@ class MemberSection(_Section):
 
 
 class CommunitySection(_Section):
-    """``[community]``: who is in the community and how far each is trusted (issue 7).
+    """``[community]``: who is in the community and how far each is trusted (M26 §5.9).
 
     ``min_trust`` is the lowest trust a caller needs to open sessions on this node's
     shards; ``route_min_trust`` the lowest trust of a shard host this node sends
@@ -281,8 +283,8 @@ class CommunitySection(_Section):
 
     min_trust: Trust = "trusted"
     route_min_trust: Trust = "trusted"
-    # issue 14 §4: lowest trust of a member calling a capability over /bus, per capability
-    # name; a capability not listed needs `min_trust`
+    # lowest trust of a member calling a capability over /bus, per capability name (else a
+    # guest chats under this node's identity); a capability not listed needs `min_trust`
     bus_min_trust: dict[str, Trust] = Field(default_factory=dict)
     members: list[MemberSection] = Field(default_factory=list)
 
@@ -297,7 +299,7 @@ class CommunitySection(_Section):
 
 
 class SecuritySection(_Section):
-    """``[security]``: transport security and hostile-input limits (issue 7).
+    """``[security]``: transport security and hostile-input limits (M26 §5.8).
 
     Node links are ``wss://`` with mutual TLS unless ``insecure_plaintext = true``. The
     loopback-only plaintext admin listener (``admin_port``; 0 = any free port, -1 = off)
@@ -317,7 +319,7 @@ class SecuritySection(_Section):
 
 
 class ApiSection(_Section):
-    """``[api]``: the OpenAI-compatible HTTP API and the web status page (issue 15).
+    """``[api]``: the OpenAI-compatible HTTP API and the web status page (DESIGN.md decision 13).
 
     Bound to loopback by default (``listen_port = 0`` picks a free port; the address is in
     the ``node_ready`` line and ``<data_dir>/node.json``). On any other address every
@@ -353,7 +355,7 @@ class NodeConfig(_Section):
 
     node: NodeSection
     research: ResearchSection = Field(default_factory=ResearchSection)
-    # [[shards]] tables, or "auto": the node picks its ranges itself (issue 17)
+    # [[shards]] tables, or "auto": the node picks its ranges itself (DESIGN.md decision 14)
     shards: list[ShardSection] | Literal["auto"] = Field(default_factory=list)
     community: CommunitySection = Field(default_factory=CommunitySection)
     security: SecuritySection = Field(default_factory=SecuritySection)
@@ -415,7 +417,7 @@ class NodeConfig(_Section):
 
     @property
     def auto_hosting(self) -> bool:
-        """``shards = "auto"`` and serving: the node chooses its ranges (issue 17)."""
+        """``shards = "auto"`` and serving: the node chooses its ranges (DESIGN.md decision 14)."""
         return self.shards == "auto" and self._serving
 
     def warnings(self) -> list[str]:

@@ -1,4 +1,4 @@
-"""Facts more than one part of HearthNet relies on, each defined once (issue 10 §5).
+"""Facts more than one part of HearthNet relies on, each defined once so no copies disagree.
 
 Only plain values live here (no torch, no I/O), so the config loader, the mesh and the
 transport can all import it cheaply:
@@ -6,13 +6,13 @@ transport can all import it cheaply:
 - `DEFAULT_TIMEOUT_S`: the one 30 s default — a step's deadline (M26 §6 ``timeout_s``), a
   tensor stream's default deadline, and the shard health timeout (M26 §5.4).
 - `WIRE_DTYPES` / `WIDE_WIRE_DTYPES`: the names of the dtypes hidden states may have on the
-  wire (PROTOCOL.md §4; `transport.codec.WireDtype` carries the same names), and those a
-  call may widen to (issue 11 §2).
+  wire (docs/protocol.md §4; `transport.codec.WireDtype` carries the same names), and those a
+  call may widen to when fp16 overflows.
 - `DEFAULT_LAN_NETWORKS`: the CIDRs counted as this LAN (config ``[node] lan_networks``).
-- `CloseCode`: the WebSocket close codes HearthNet sends (RFC 6455 §7.4.1, PROTOCOL.md §7).
+- `CloseCode`: the WebSocket close codes HearthNet sends (RFC 6455 §7.4.1, docs/protocol.md §7).
 - `TENSOR_CHUNK_BYTES` / `MAX_TENSOR_BYTES` / `TENSOR_FLOW_CONTROL_WINDOW`: the tensor
-  transport's defaults (M26 §5.5, PROTOCOL.md §3–4), also the config's defaults.
-- `DEFAULT_GGUF_DTYPE`: what a GGUF is de-quantised to on import (issue 12 §1), the
+  transport's defaults (M26 §5.5, docs/protocol.md §3–4), also the config's defaults.
+- `DEFAULT_GGUF_DTYPE`: what a GGUF is de-quantised to on import (DESIGN.md decision 10), the
   importer's default and the `models import --dtype` default.
 """
 
@@ -37,20 +37,20 @@ DEFAULT_LAN_NETWORKS: tuple[str, ...] = (
 """Loopback, the RFC 1918 ranges, IPv4 link-local, and IPv6 loopback, ULA and link-local."""
 
 TENSOR_CHUNK_BYTES = 1 << 20
-"""Default largest payload of one data frame (M26 §5.5, PROTOCOL.md §4)."""
+"""Default largest payload of one data frame (M26 §5.5, docs/protocol.md §4)."""
 
 MAX_TENSOR_BYTES = 256 << 20
-"""Default largest tensor a stream accepts (PROTOCOL.md §3)."""
+"""Default largest tensor a stream accepts (docs/protocol.md §3)."""
 
 TENSOR_FLOW_CONTROL_WINDOW = 16
 """Default credit window in chunks (M26 §5.5)."""
 
 DEFAULT_GGUF_DTYPE = "bf16"
-"""A GGUF is imported to bf16 unless `--dtype` says otherwise (issue 12 §1)."""
+"""A GGUF is imported to bf16 unless `--dtype` says otherwise: half fp32's size."""
 
 
 class CloseCode(enum.IntEnum):
-    """WebSocket close codes HearthNet sends (RFC 6455 §7.4.1, PROTOCOL.md §7)."""
+    """WebSocket close codes HearthNet sends (RFC 6455 §7.4.1, docs/protocol.md §7)."""
 
     NORMAL = 1000
     PROTOCOL_ERROR = 1002

@@ -194,7 +194,7 @@ class ConnectionLost(TransportError):
 
 
 class WireOverflow(TransportError):
-    """Finite activations became Inf when cast to the wire dtype (issue 11 §2).
+    """Finite activations became Inf when cast to the wire dtype (M26 §5.3).
 
     A transport limit, not a shard fault: the sender reports it and the orchestrator redoes
     the step with a wider wire dtype; no shard is blamed.

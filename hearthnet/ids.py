@@ -1,4 +1,4 @@
-"""The node-id pattern: the one definition every layer checks against (issue 10 §5).
+"""The node-id pattern: the one definition every layer checks against, so no two copies disagree.
 
 A node id is 1–63 of ``[a-z0-9-]``, a letter or digit first: safe in file names, TOML,
 certificate names, metric labels, shard ids (``…@<node id>``) and event origins.

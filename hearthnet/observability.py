@@ -28,16 +28,16 @@ from prometheus_client import (
     generate_latest,
 )
 
-# Buckets fitted to measured values (issue 15 §6): SmolLM2 decode steps through one shard
-# take 15-50 ms on a CPU host (most samples fell in one 20-50 ms bucket before), first
-# tokens 100 ms-2 s, decode 5-40 tokens/s, per-hop overhead 0.5-10 ms.
+# Buckets fitted to measured values, so the dashboard's quantiles mean something: SmolLM2 decode
+# steps through one shard take 15-50 ms on a CPU host (most samples fell in one 20-50 ms bucket
+# before), first tokens 100 ms-2 s, decode 5-40 tokens/s, per-hop overhead 0.5-10 ms.
 LATENCY_BUCKETS_MS = (0.5, 1, 2, 3, 5, 7.5, 10, 12.5, 15, 17.5, 20, 22.5, 25, 30, 35, 40,
                       50, 65, 80, 100, 150, 200, 300, 500, 1000, 2000, 5000, 10000)
 CALL_BUCKETS_MS = (10, 25, 50, 75, 100, 150, 200, 250, 300, 400, 500, 650, 800, 1000, 1250,
                    1500, 2000, 3000, 5000, 10000, 30000)
 TOKENS_PER_S_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20, 22.5, 25, 30, 35, 40, 50,
                         64, 80, 100, 128, 256)
-# issue 16: decode rows per batched forward (max_concurrent_streams is 8 by default) and
+# batching: decode rows per batched forward (max_concurrent_streams is 8 by default) and
 # how long a row waited for its round (the collection window is 2 ms by default)
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 BATCH_WAIT_BUCKETS_MS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 50, 100, 250, 1000)
@@ -80,7 +80,7 @@ class Metrics:
             p + "chats_total", "Distributed chat calls by outcome", ["outcome"], registry=r)
         self.tokens_generated_total = Counter(
             p + "tokens_generated_total", "Tokens streamed to callers", registry=r)
-        # shard host side (issue 4 item 8)
+        # shard host side (M26 §5.10)
         self.shard_forward_ms = Histogram(
             p + "shard_forward_ms", "Compute time of one forward on a hosted shard (ms)",
             ["shard_id"], buckets=LATENCY_BUCKETS_MS, registry=r)
@@ -109,7 +109,7 @@ class Metrics:
             "hearthnet_transport_bytes_in_total", "Tensor transport bytes received", registry=r)
         self.transport_bytes_out_total = Counter(
             "hearthnet_transport_bytes_out_total", "Tensor transport bytes sent", registry=r)
-        # event log (issue 4 item 8, issue 7 item 2)
+        # event log: appended, received, and rejected unsigned or foreign events
         self.events_appended_total = Counter(
             "hearthnet_events_appended_total", "Events appended by this node", ["type"],
             registry=r)

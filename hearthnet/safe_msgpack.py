@@ -4,8 +4,8 @@
 - `canonical(obj)` / `canonical_packb(obj)`: the deterministic form that is hashed and
   signed (event ids, event and OPEN signatures): maps with sorted ``str`` keys, tuples as
   lists, finite floats only, at most `MAX_DEPTH` deep. Both ends derive the same bytes
-  whatever a dict's insertion order or a tuple-vs-list round trip (issue 10 §5).
-- `unpackb(data, max_depth=...)` (issue 14 §8): `msgpack.unpackb(raw=False,
+  whatever a dict's insertion order or a tuple-vs-list round trip: signatures check anywhere.
+- `unpackb(data, max_depth=...)`, for peer input: `msgpack.unpackb(raw=False,
   strict_map_key=True)` plus a nesting-depth check, so a 600-deep payload is refused with a
   `ValueError` at the door instead of raising `RecursionError` in whatever walks it later.
   The walk is iterative: it cannot overflow the stack itself.

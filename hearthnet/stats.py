@@ -7,7 +7,7 @@ frame's per-shard figures and every benchmark use `percentile`; the median is it
 
 `LatencyWindow` keeps the last `size` samples of a stream that can be arbitrarily long
 (every decode step of a long chat), so per-call and per-shard latency figures take bounded
-memory (issue 10 §8).
+memory (DESIGN.md hot path rules).
 """
 
 from __future__ import annotations

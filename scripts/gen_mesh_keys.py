@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Give every node config in a folder a key and a complete member list (issue 7).
+"""Give every node config in a folder a key and a complete member list (M26 §5.8).
 
     python scripts/gen_mesh_keys.py config/ [--trust trusted] [--json]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real-host test of HearthNet failover (issue 6): four nodes in four network namespaces on
+# Real-host test of HearthNet failover (M26 §5.4, §8.2): four nodes in four network namespaces on
 # one bridge (10.231.0.0/24), each with its own address; a happy-path chat, a whole host
 # killed mid-answer and a link cut mid-answer (veth down) must all finish with the exact
 # answer. The namespaces, veths, bridge and processes are removed at the end.

@@ -1,4 +1,4 @@
-"""The transport seams of distributed inference, as Protocols (issue 10 §4).
+"""The transport seams of distributed inference, as Protocols, so no room imports the transport.
 
 The orchestrator and the shard server never name the WebSocket transport's classes: the
 orchestrator dials through a `Connector` and steps a `Channel`; the shard server serves a
@@ -32,7 +32,7 @@ class StepOutput(Protocol):
 
 
 class Channel(Protocol):
-    """The orchestrator's end of one stage session (PROTOCOL.md §3)."""
+    """The orchestrator's end of one stage session (docs/protocol.md §3)."""
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -67,7 +67,7 @@ class StepIn(Protocol):
 
 
 class ShardStream(Protocol):
-    """The shard server's end of one session (PROTOCOL.md §3)."""
+    """The shard server's end of one session (docs/protocol.md §3)."""
 
     def limit_tensor_bytes(self, limit: int) -> None:
         """Lower the largest tensor this session accepts (before `accept`)."""

@@ -1,4 +1,4 @@
-"""LAN discovery by mDNS/DNS-SD (issue 17 §5), with python-zeroconf.
+"""LAN discovery by mDNS/DNS-SD (DESIGN.md decision 14), with python-zeroconf.
 
 With ``[node] discovery = "mdns"`` a node announces itself as a ``_hearthnet._tcp.local.``
 service (TXT: its node id and URI scheme) on the interface of its advertised address, and

@@ -1,4 +1,4 @@
-"""Gossip of the event log between nodes over a WebSocket feed (issue 4 item 3).
+"""Gossip of the event log between nodes over a WebSocket feed (M26 §5.1).
 
 Wire (one msgpack map per binary WebSocket message)::
 
@@ -57,7 +57,7 @@ MAX_BATCH_EVENTS = 512
 HELLO_TIMEOUT_S = 10.0
 # A close (a policy close above all) is sent at once; a peer that has not completed the
 # close handshake within this is cut off. websockets' default, 10 s, is what a flooding
-# peer waited for its 1008 before (issue 14 §8): its close reply sits unread behind the
+# peer waited for its 1008 before: its close reply sits unread behind the
 # flood, so the handshake never completes. Servers of `/gossip` pass it as `close_timeout`.
 CLOSE_TIMEOUT_S = 2.0
 LIVE_QUEUE_MAX = 10_000
@@ -210,7 +210,7 @@ async def run_gossip_session(log: EventLog, ws: GossipConnection, *,
         raise _Closing(CloseCode.PROTOCOL_ERROR, "first message must be hello")
     if hello.node == log.node_id:
         raise _Closing(CloseCode.POLICY_VIOLATION, "connected to self")
-    if expect_peer is not None and hello.node != expect_peer:  # issue 14 §7
+    if expect_peer is not None and hello.node != expect_peer:  # no member may pose as another
         _count(log, "hello_not_peer")
         raise _Closing(CloseCode.POLICY_VIOLATION, "hello node id is not the TLS peer")
     if on_hello is not None:
@@ -227,7 +227,7 @@ async def run_gossip_session(log: EventLog, ws: GossipConnection, *,
             overflow.set()
 
     unsubscribe = log.subscribe(on_event)
-    # same synchronous step as subscribe: no gap. Paged: one page in memory (issue 14 §5)
+    # same synchronous step as subscribe: no gap. Paged: one page in memory, not the log
     backlog = log.since_pages(dict(peer_known), log.vector())
     sender = asyncio.create_task(_send_loop(ws, backlog, queue, peer_known))
     overflowed = asyncio.create_task(overflow.wait())
@@ -354,7 +354,7 @@ class GossipPeerLink:
     waits and dials again with exponential backoff from `min_backoff` to `max_backoff`
     seconds (±20 % jitter), reset only after a connection that got past the hello and
     then held for `stable_after_s` seconds: a peer that answers the hello and fails at once
-    cannot make the link redial in a tight loop (issue 14 §6).
+    cannot make the link redial in a tight loop.
 
     Args:
         log: this node's event log.
@@ -363,7 +363,7 @@ class GossipPeerLink:
             (``ssl=``, ``additional_headers=`` ... for the security work).
         on_peer: called ``(peer_node_id, True/False)`` on connect / disconnect.
         ssl_factory: builds the ``ssl=`` context for each dial, so a dial reflects the
-            current member list (issue 7 item 5).
+            current member list (mutual TLS pinned to member keys).
         check_peer: called with the open connection before the session; raising (e.g.
             `AuthError` from `tls.peer_node_id`) drops it and retries with backoff.
     """

@@ -5,7 +5,7 @@ directory per node, the shared model store), starts each node as a separate proc
 waits for its `node_ready` line and for the model to be covered, and stops every process
 it started — on exit, on error and on Ctrl-C.
 
-Secure by default (issue 7): `LocalMesh` gives every node a key and every config the
+Secure by default (M26 §5.8, §5.9): `LocalMesh` gives every node a key and every config the
 full member list (`security.provision`), so the nodes talk ``wss://`` with mutual TLS and
 sign their events and session opens. Clients in this process reach a node through its
 loopback admin listener (`NodeProc.uri`). Pass ``insecure_plaintext=True`` for plain
@@ -55,7 +55,7 @@ class NodeSpec:
     extra_di: dict[str, Any] = field(default_factory=dict)
     trust: str = "trusted"  # this node's trust in every member list
     extra_host: dict[str, Any] = field(default_factory=dict)  # [...distributed_inference.host]
-    auto: dict[str, Any] | None = None  # shards = "auto" with this [...auto] table (issue 17)
+    auto: dict[str, Any] | None = None  # shards = "auto" with this [...auto] table
     threads: int | None = None  # torch_threads of this node (default: the mesh's)
     api: dict[str, Any] = field(default_factory=dict)  # [api] (e.g. listen_port)
     model_shards: list[tuple[str, int, int]] = field(default_factory=list)  # other models
@@ -187,7 +187,7 @@ class LocalMesh:
                                      model=model, timeout_s=timeout_s, threads=threads,
                                      members=specs, insecure_plaintext=insecure_plaintext))
             self.nodes[spec.node_id] = NodeProc(spec, port, cfg, tls=self.tls)
-        provision(self.root)  # a key per node, every key in every member list (issue 7)
+        provision(self.root)  # a key per node, every key in every member list, never by hand
 
     def __enter__(self) -> LocalMesh:
         try:

@@ -1,4 +1,4 @@
-"""GGUF → safetensors, streamed tensor by tensor (issue 12 §1).
+"""GGUF → safetensors, streamed tensor by tensor, so import memory stays near one tensor.
 
 A GGUF's tensors are memory-mapped by gguf-py's `GGUFReader`; each one is de-quantised
 (`gguf.dequantize`), put in transformers' layout by transformers' own per-architecture

@@ -1,4 +1,4 @@
-"""The real model shapes `hearthnet models synth SHAPE` writes (issue 12 §3): each one's
+"""The real model shapes `hearthnet models synth SHAPE` writes (M26 §5.7's models): each one's
 model id and published config.json.
 
 Plain data, no torch: the command line lists the shapes in its help without loading torch.

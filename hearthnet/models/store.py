@@ -67,7 +67,7 @@ class ModelEntry:
 
     def file_stats(self) -> dict[str, tuple[int, int]] | None:
         """(size, mtime_ns) of every weights file now, None when one is missing: a few
-        `stat` calls, cheap enough before every shard session (issue 14 §8)."""
+        `stat` calls, cheap enough before every shard session."""
         try:
             return {n: ((st := (self.path / n).stat()).st_size, st.st_mtime_ns)
                     for n in self.files}
@@ -102,7 +102,7 @@ class ModelEntry:
 class ModelStore:
     """The models under one folder (default `<data dir>/models`).
 
-    Manifests are parsed once and kept (issue 10 §8: a chat looks its model up without
+    Manifests are parsed once and kept (DESIGN.md hot path rules: a chat looks its model up without
     re-reading every manifest): a cached entry is reused while its manifest file has the
     same inode, size and mtime, and the folder list while the store folder's mtime is
     unchanged (an import or a removal renames a folder, which changes it).

@@ -1,4 +1,4 @@
-"""`hearthnet models synth SHAPE`: real-shape models with random weights (issue 12 §3).
+"""`hearthnet models synth SHAPE`: real-shape models with random weights (M26 §5.7's models).
 
 A synthetic model is a normal store folder: the real `config.json` of a published model
 (M26 §5.7's Qwen2.5-{1.5B,3B,7B}, Llama-3.2-{1B,3B}), bf16 weights drawn from a seeded

@@ -1,4 +1,4 @@
-"""Streaming safetensors writing: a model folder written tensor by tensor (issue 12 §1, §3).
+"""Streaming safetensors writing: a model folder written tensor by tensor: memory near one tensor.
 
 `SafetensorsWriter` is given the plan first (every tensor's name, dtype and shape), so the
 headers are known before any data exists; tensors are then written in ascending name order,

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from hearthnet.distributed_inference.engine.sampling import SamplingParams
 
 CHAT_CAPABILITY = "experimental.distributed_llm.chat"
-SERVED_MODELS_CAPABILITY = "hearthnet.admin.models_served"  # admin listener only (issue 17)
+SERVED_MODELS_CAPABILITY = "hearthnet.admin.models_served"  # admin listener only: local steward
 
 
 def chat_args(prompt: str, model: str, sampling: SamplingParams, **params: Any

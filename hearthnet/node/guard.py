@@ -1,4 +1,4 @@
-"""The node's security wiring: identity, members, TLS, signed opens, limits (issue 7).
+"""The node's security wiring: identity, members, TLS, signed opens, limits (M26 §5.8, §5.9).
 
 `NodeGuard` is built from a `NodeConfig` and holds everything the daemon consults before
 doing work for a peer (M26 §5.8, §5.9):
@@ -123,7 +123,7 @@ class NodeGuard:
         if not self.tls:
             warn_insecure_plaintext(log)
 
-    # ---- TLS (issue 7 item 5) ----
+    # ---- TLS: links carry activations, so encrypted (M26 §5.8) ----
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The listener's context (None in plaintext mode); follows reloads."""
@@ -160,7 +160,7 @@ class NodeGuard:
         """
         return peer_node_id(conn, self.directory, expect=expect) if self.tls else None
 
-    # ---- events (issue 7 item 2) ----
+    # ---- events: signed by a member, ads by their host ----
 
     def admit_event(self, ev: Event) -> str | None:
         """Why an ingested event must be dropped, or None (the event log's policy)."""
@@ -179,12 +179,12 @@ class NodeGuard:
             except AuthError as e:
                 return str(e.details.get("reason", "host_not_signer"))
         if ev.type == SERVED_MODELS and not self.is_steward(ev.origin):
-            return "not_steward"  # only a steward edits the served-model list (issue 17)
+            return "not_steward"  # only a steward edits the served-model list
         return self._admit_by_type(ev)
 
     def _admit_by_type(self, ev: Event) -> str | None:
-        """The event-type registry's limits (issue 14 §5): allow-list, size, trust to
-        originate, per-origin quota."""
+        """The event-type registry's limits, so no member can fill every log: allow-list,
+        size, trust to originate, per-origin quota."""
         known = EVENT_TYPES.get(ev.type)
         if known is None:
             return "unknown_type"
@@ -201,7 +201,7 @@ class NodeGuard:
         """Whether `node_id` is a member at trust ``steward`` (the top)."""
         return self.directory.trust_of(node_id) == Trust.STEWARD
 
-    # ---- session opens (issue 7 item 3) ----
+    # ---- session opens: per-call signed authentication (M26 §5.8) ----
 
     def sign_open(self, params: dict[str, Any]) -> dict[str, Any]:
         """`params` plus this node's signed ``auth`` field."""
@@ -218,10 +218,11 @@ class NodeGuard:
             raise
 
     def authorize_bus(self, capability: str, caller: str | None) -> None:
-        """Refuse a `/bus` call of `caller` under the capability's minimum trust (issue 14
-        §4: default `community.min_trust`, per capability `community.bus_min_trust`), before
-        any work; counted in ``auth_failures_total``. `caller` None is the local CLI (admin
-        listener) or a plaintext mesh without identities."""
+        """Refuse a `/bus` call of `caller` under the capability's minimum trust (default
+        `community.min_trust`, per capability `community.bus_min_trust`), before any work,
+        so a guest cannot chat under this node's identity; counted in ``auth_failures_total``.
+        `caller` None is the local CLI (admin listener) or a plaintext mesh without
+        identities."""
         if caller is None:
             return
         need = self.bus_min_trust.get(capability, self.opens.min_trust)
@@ -233,10 +234,10 @@ class NodeGuard:
             raise err
 
     def host_allowed(self, host: str) -> bool:
-        """Routing filter: may activations go to a shard on `host` (issue 7 item 4)?"""
+        """Routing filter: may activations go to a shard on `host` (M26 §5.9)?"""
         return self.directory.meets(host, self.route_min_trust)
 
-    # ---- limits (issue 7 item 6) ----
+    # ---- limits on hostile traffic ----
 
     @contextlib.contextmanager
     def connection(self, peer: str) -> Iterator[None]:
@@ -249,7 +250,7 @@ class NodeGuard:
         """`ws` whose every received message counts against `peer`'s message rate."""
         return RateLimitedConnection(ws, lambda: self.message_rate.check(peer))
 
-    # ---- reload (issue 7 item 7) ----
+    # ---- reload: member changes apply without a restart ----
 
     def reload(self, path: str | Path | None = None) -> bool:
         """Re-read the config and apply members and trust minimums; False if refused.
@@ -278,7 +279,7 @@ class NodeGuard:
         self.bus_min_trust = bus_min
         log.info("reloaded", members=len(self.directory), min_trust=min_trust.label,
                  route_min_trust=route_min.label)
-        for effect in self.on_reload:  # close what removed members hold open (issue 14 §7)
+        for effect in self.on_reload:  # close what removed members hold open
             try:
                 effect()
             except Exception:
@@ -287,7 +288,7 @@ class NodeGuard:
 
 
 class RateLimitedConnection:
-    """A WebSocket connection whose `recv` first checks a message-rate limit (issue 7 §6).
+    """A WebSocket connection whose `recv` first checks a message-rate limit (hostile input).
 
     Over the limit, `recv` raises `AuthError` (`rate_limited`); the connection's handler
     then closes it. Shard sessions need no such wrapper: their steps are bounded by the

@@ -38,11 +38,12 @@ async def mesh_status(node: Any) -> dict[str, Any]:
             "active_sessions": h.active_sessions if h else None,
             "p95_latency_ms": node.health.p95(d.shard_id) or (h.p95_latency_ms if h else None),
             "max_concurrent_streams": d.max_concurrent_streams,
-            # weight format (issue 12) and device (issue 13), when the advertisement has them
+            # weight format (DESIGN.md decision 10) and device (DESIGN.md decision 11), when the
+            # advertisement has them
             "format": d.weights_format, "kernel": d.kernel, "memory_mb": d.vram_required_mb,
             "device": d.device, "device_name": d.device_name,
             "device_memory_mb": d.device_memory_mb, "vram_required_mb": d.vram_required_mb,
-            "auto": node.placement.auto_shard(d.shard_id)})  # automatic placement (issue 17)
+            "auto": node.placement.auto_shard(d.shard_id)})  # automatic placement
         nodes.setdefault(d.host, {"node_id": d.host, "self": False, "endpoint": d.endpoint,
                                   "online": True, "reason": None})
         if d.host != node.node_id and state == "offline":  # its listener or link is gone
@@ -71,7 +72,7 @@ async def mesh_status(node: Any) -> dict[str, Any]:
 
 
 def placement_status(node: Any) -> dict[str, Any]:
-    """Automatic hosting (issue 17): the served list, this node's choices, mesh-wide news."""
+    """Automatic hosting (DESIGN.md decision 14): served list, this node's choices, mesh news."""
     view = node.placement
     last = {k: (c.to_dict() if (c := view.last(k)) is not None else None)
             for k in ("rehost", "rebalance")}
@@ -87,7 +88,7 @@ def _state(node: Any, shard_id: str, host: str, links: dict[str, tuple[bool, flo
     link = links.get(host)
     if link is not None and not link[0] and host != node.node_id:
         return "offline", f"gossip link to {host} lost {now - link[1]:.0f} s ago"
-    liveness = getattr(node, "liveness", None)  # every node probes hosts (issue 15 §6)
+    liveness = getattr(node, "liveness", None)  # every node probes hosts: offline in seconds
     down = liveness.reason(host, now) if liveness is not None else None
     if down is not None:
         return "offline", down

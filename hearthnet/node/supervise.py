@@ -1,4 +1,4 @@
-"""Supervised long-running tasks of the node daemon (issue 14 §6).
+"""Supervised long-running tasks of the node daemon, so none dies silently.
 
 `Supervisor.spawn(name, run)` runs the coroutine function `run` as a task; when it raises,
 the exception is logged and counted (``hearthnet_task_failures_total{task}``) and `run` is

@@ -7,7 +7,7 @@ also runs a parallel region — converting or checking a prefill-sized tensor is
 the process holds two teams, more threads than CPUs, and libgomp then cuts its spin-wait
 to ~100 iterations: every parallel region of the compute thread pays a futex wake-up. On
 this 2-core machine that made 18 int8 layers of a 3B shape 67 → 72 ms per token
-(README "Weight formats").
+(docs/benchmarks.md, "Real scale").
 
 `serial_torch_here()` makes the calling thread's torch ops serial (its OpenMP ICV
 nthreads-var and MKL's thread-local count are 1, so `parallel_for` and MKL run inline and

@@ -1,4 +1,4 @@
-"""Membership and trust (issue 7; M26 §5.8, §5.9).
+"""Membership and trust (M26 §5.8, §5.9).
 
 - `keys`: the node's Ed25519 key (``<data_dir>/node.key``, mode 0600).
 - `members`: `Trust`, `Member`, `MemberDirectory` — who is in the community, at what trust;
@@ -9,7 +9,7 @@
   `peer_node_id`).
 - `provision`: keys and member lists for a folder of node configs.
 
-See SECURITY.md for the model: what is protected and what is not.
+See docs/security.md for the model: what is protected and what is not.
 """
 
 from hearthnet.ids import valid_node_id

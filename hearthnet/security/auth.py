@@ -1,12 +1,12 @@
 """Per-call signed authentication of session opens, and limits on hostile traffic.
 
-Issue 7 item 3 (M26 §5.8): a shard session OPEN carries the caller's node id, a
+Per-call signed authentication (M26 §5.8): a shard session OPEN carries the caller's node id, a
 timestamp, a fresh nonce and a signature over those and the session parameters. The
 shard accepts it only from a member at or above its minimum trust, within ±`max_skew_s`
 of its own clock, with a nonce it has not seen. Every refusal is an `AuthError` whose
 ``details["reason"]`` is one of `AuthReason`.
 
-Why the nonce cache can be bounded (issue 7 item 3): an open is accepted only while
+Why the nonce cache can be bounded: an open is accepted only while
 ``|now - ts| <= skew``, so its nonce need only be remembered until ``ts + skew``; after
 that a replay is refused as ``stale_timestamp`` without the cache. Entries therefore
 expire at ``ts + skew`` (at most ``2 × skew`` after they were stored) and are dropped
@@ -110,7 +110,7 @@ def _open_message(caller: str, ts: int, nonce: bytes, params: Mapping[str, Any])
 
 def make_open_auth(key: NodeKey, node_id: str, params: Mapping[str, Any],
                    now: float | None = None) -> dict[str, Any]:
-    """The ``auth`` field of a session OPEN (issue 7 item 3).
+    """The ``auth`` field of a session OPEN (M26 §5.8).
 
     Args:
         key: the caller's node key.
@@ -194,7 +194,7 @@ class NonceCache:
 
 
 class OpenAuthVerifier:
-    """Checks the ``auth`` of session opens for one shard host (issue 7 item 3).
+    """Checks the ``auth`` of session opens for one shard host (M26 §5.8).
 
     Args:
         directory: the live member list (follows config reloads).
@@ -284,7 +284,7 @@ def _parse_auth(auth: Any) -> tuple[str, int, bytes, bytes]:
     return caller, ts, nonce, sig
 
 
-# --- limits (issue 7 item 6) -------------------------------------------------------
+# --- limits on hostile traffic ------------------------------------------------------
 
 class RateLimiter:
     """A token bucket per key: `rate` tokens per second, holding at most `burst`.

@@ -1,7 +1,7 @@
 """Node identity: the Ed25519 key of a node and the node ids bound to public keys.
 
 A node is named by a configured id string (``"node-a"``); the community's member list
-binds that id to the base64 of the node's raw 32-byte Ed25519 public key (issue 7 item 1).
+binds that id to the base64 of the node's raw 32-byte Ed25519 public key (M26 §5.8).
 The private key lives in ``<data_dir>/node.key`` as unencrypted PKCS#8 PEM with file mode
 0600; a key file that group or others can read is refused rather than used.
 """
@@ -91,7 +91,7 @@ def verify_signature(public_key: Ed25519PublicKey, data: bytes, sig: bytes) -> b
 
 @dataclass(frozen=True)
 class NodeKey:
-    """A node's Ed25519 private key (issue 7 item 1).
+    """A node's Ed25519 private key: its identity in the community.
 
     Attributes:
         private_key: the key itself. Never logged, never sent.

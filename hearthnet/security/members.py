@@ -1,10 +1,10 @@
 """The community member list: who may connect, sign events and see activations.
 
 `MemberDirectory` is built from the config's ``[[community.members]]`` tables (node id,
-base64 public key, trust level) and answers the questions of issue 7: is this node a
+base64 public key, trust level) and answers the membership questions: is this node a
 member, is this its signature, is it trusted enough (M26 §5.8, §5.9). It is shared by the
 transport, the event log and the router, and `replace` swaps the whole list atomically
-when the config is reloaded (issue 7 item 7), so a removed member is refused from the next
+when the config is reloaded, so a removed member is refused from the next
 check on.
 """
 
@@ -149,7 +149,7 @@ class MemberDirectory:
         return cls(parse_members(rows))
 
     def replace(self, members: Iterable[Member | Mapping[str, Any]]) -> None:
-        """Swap in a new member list (config reload, issue 7 item 7).
+        """Swap in a new member list (config reload).
 
         Raises:
             ConfigError: the new list is invalid; the old list stays in force.
@@ -181,7 +181,7 @@ class MemberDirectory:
         return m.trust if m else None
 
     def meets(self, node_id: str, min_trust: Trust) -> bool:
-        """Whether `node_id` is a member at `min_trust` or above (routing, issue 7 item 4)."""
+        """Whether `node_id` is a member at `min_trust` or above (routing, M26 §5.9)."""
         t = self.trust_of(node_id)
         return t is not None and t >= min_trust
 
@@ -192,7 +192,7 @@ class MemberDirectory:
 
     def check_event(self, origin: str, data: bytes, sig: bytes,
                     min_trust: Trust = Trust.GUEST) -> str | None:
-        """Why an event must be dropped, or None if it is good (issue 7 item 2).
+        """Why an event must be dropped, or None if it is good: only members sign events.
 
         Returns one of ``"unknown_origin"``, ``"insufficient_trust"``, ``"bad_signature"``
         (the labels of ``events_rejected_total``).
@@ -225,7 +225,7 @@ class MemberDirectory:
         return verify_event
 
     def check_advertisement(self, origin: str, host: str) -> None:
-        """Refuse an advertisement whose ``host`` is not its signer (issue 7 item 2).
+        """Refuse an advertisement whose ``host`` is not its signer: no member speaks for another.
 
         Call after the event's signature was verified against `origin`.
 

@@ -1,4 +1,4 @@
-"""Key and member-list provisioning for a folder of node configs (issue 7, "never by hand").
+"""Key and member-list provisioning for a folder of node configs (never by hand).
 
 `provision(folder)` gives every node TOML in `folder` a key (created in that node's data
 directory if missing) and rewrites the ``[[community.members]]`` tables of every TOML so

@@ -1,8 +1,8 @@
 """Mutual TLS between nodes, pinned to member public keys, with no certificate authority.
 
-Issue 7 item 5. Each node presents an X.509 certificate whose key *is* its Ed25519 node
-key, signed by that same key, naming the node id (subject CN and a
-``urn:hearthnet:node:<id>`` SAN). Peers are pinned by the member list.
+Links carry activations (M26 §5.8), so they are encrypted. Each node presents an X.509
+certificate whose key *is* its Ed25519 node key, signed by that same key, naming the node id
+(subject CN and a ``urn:hearthnet:node:<id>`` SAN). Peers are pinned by the member list.
 
 How pinning works with Python's `ssl` (which has no verify callback): for every member,
 a node builds locally a *pin anchor* — a self-issued CA certificate named after a hash of
@@ -300,7 +300,7 @@ def peer_certificate_der(conn: Any) -> bytes | None:
 
 
 def peer_node_id(conn: Any, directory: MemberDirectory, *, expect: str | None = None) -> str:
-    """The member at the other end of a TLS connection (issue 7 item 5).
+    """The member at the other end of a TLS connection.
 
     Args:
         conn: a websockets connection (server or client side), an asyncio transport, or
@@ -363,5 +363,5 @@ def _remote(connection: Any) -> str:
 
 
 def warn_insecure_plaintext(log: Any = None) -> None:
-    """Log the loud start-up warning for ``insecure_plaintext = true`` (issue 7 item 5)."""
+    """Log the loud start-up warning for ``insecure_plaintext = true``: activations unencrypted."""
     (log or _log).warning("insecure_plaintext", message=INSECURE_PLAINTEXT_WARNING)

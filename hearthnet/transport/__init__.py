@@ -1,6 +1,6 @@
 """X08 tensor transport: hidden states between an orchestrator and its shards.
 
-The wire format is written down byte by byte in ``PROTOCOL.md`` (repository root).
+The wire format is written down byte by byte in ``docs/protocol.md``.
 
 * `codec` — tensor ⇄ data frames: the 48-byte header, chunking, reassembly (§4).
 * `protocol` — the pure state machine: frames, session states, credit window, errors.

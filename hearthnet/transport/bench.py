@@ -1,4 +1,4 @@
-"""Transport benchmark: `hearthnet bench transport` (issue 3 item 5, M26 §8.4).
+"""Transport benchmark: `hearthnet bench transport` (M26 §8.4).
 
 An echo peer runs in another process on 127.0.0.1 (``python -m hearthnet.transport.bench
 --echo``); the client times complete round trips — encode → send → receive → decode →

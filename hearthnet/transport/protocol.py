@@ -1,4 +1,4 @@
-"""The tensor stream protocol as a pure state machine (PROTOCOL.md; DESIGN.md decision 5).
+"""The tensor stream protocol as a pure state machine (docs/protocol.md; DESIGN.md decision 5).
 
 No sockets, no asyncio, no clock — the shape of python-websockets' sans-I/O core: the I/O
 layer hands every WebSocket message it receives to `StreamProtocol.receive_data`, reads
@@ -7,14 +7,14 @@ WebSocket binary message per item. The application calls the ``send_*`` methods.
 
 What it owns:
 
-* the byte layout of every frame except the tensor header (that is `codec`), PROTOCOL.md
+* the byte layout of every frame except the tensor header (that is `codec`), docs/protocol.md
   §2–§3;
-* the session states and the one table of legal transitions, PROTOCOL.md §5;
-* the credit window, PROTOCOL.md §6: a sender never has more than ``window`` unacknowledged
+* the session states and the one table of legal transitions, docs/protocol.md §5;
+* the credit window, docs/protocol.md §6: a sender never has more than ``window`` unacknowledged
   data chunks in flight — further chunks wait inside the protocol and `blocked` is true —
   and a receiver returns credit as the application consumes what it received
   (`consumed`), batched so that a lockstep decode loop never waits on a CREDIT frame;
-* failure, PROTOCOL.md §7: `receive_data` never raises. Malformed input becomes a
+* failure, docs/protocol.md §7: `receive_data` never raises. Malformed input becomes a
   `ProtocolFailed` event carrying a typed error and a WebSocket close code, plus a fatal
   ERROR frame for the peer; the stream is then FAILED and ignores further input.
 
@@ -56,22 +56,22 @@ from hearthnet.transport.codec import (
 )
 
 PROTOCOL_VERSION = 1
-"""The version this module speaks (PROTOCOL.md §9)."""
+"""The version this module speaks (docs/protocol.md §9)."""
 
 MAX_WINDOW = 1024
 MIN_CHUNK_BYTES = 64
 MAX_CHUNK_BYTES = 16 << 20
 MAX_PARAMS_BYTES = 64 * 1024
-"""Largest msgpack body of OPEN, ACCEPT and ERROR frames (PROTOCOL.md §3)."""
+"""Largest msgpack body of OPEN, ACCEPT and ERROR frames (docs/protocol.md §3)."""
 MAX_REASON_BYTES = 1024
-"""Largest CLOSE reason (PROTOCOL.md §3.5)."""
+"""Largest CLOSE reason (docs/protocol.md §3.5)."""
 
 _U32_MAX = 0xFFFF_FFFF
 _U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
 
 
 class Opcode(enum.IntEnum):
-    """First byte of every frame (PROTOCOL.md §2)."""
+    """First byte of every frame (docs/protocol.md §2)."""
 
     OPEN = 0x01
     ACCEPT = 0x02
@@ -92,7 +92,7 @@ class Role(enum.Enum):
 
 
 class State(enum.Enum):
-    """Session states (PROTOCOL.md §5)."""
+    """Session states (docs/protocol.md §5)."""
 
     IDLE = "idle"
     OPEN_SENT = "open_sent"
@@ -103,7 +103,7 @@ class State(enum.Enum):
 
 
 # ---------------------------------------------------------------------------------------
-# The state table (PROTOCOL.md §5). ``_FATAL`` stands for an ERROR frame with the fatal
+# The state table (docs/protocol.md §5). ``_FATAL`` stands for an ERROR frame with the fatal
 # flag. Keys are (role, state); values map a frame kind to the state it leads to. A frame
 # kind missing from the entry is illegal in that state: received, it fails the stream;
 # sent, it raises BadRequest. CREDIT and PONG are sent automatically.
@@ -133,7 +133,7 @@ _SEND: dict[tuple[Role, State], dict[int, State]] = {
 }
 
 # ---------------------------------------------------------------------------------------
-# Frame layouts (PROTOCOL.md §3), little-endian.
+# Frame layouts (docs/protocol.md §3), little-endian.
 
 _HANDSHAKE = struct.Struct("<BBHIIIQ")  # op, flags, version, stream, window, chunk, max
 _CREDIT = struct.Struct("<B3xI")  # op, pad, chunks
@@ -149,7 +149,7 @@ _FLAG_FATAL = 0x01
 
 @dataclass(frozen=True, slots=True)
 class OpenRequested:
-    """Server side: the client asked to open the stream (PROTOCOL.md §3.1).
+    """Server side: the client asked to open the stream (docs/protocol.md §3.1).
 
     The window, chunk size and tensor limit are the *agreed* ones (the smaller of both
     sides' values); ACCEPT will carry them back.
@@ -180,7 +180,7 @@ class StepReceived:
 
     The tensor is in the stream's wire dtype; for a one-chunk tensor it is a read-only
     view of the received message. Call `StreamProtocol.consumed` when the application has
-    taken it, so credit flows back (PROTOCOL.md §6).
+    taken it, so credit flows back (docs/protocol.md §6).
     """
 
     opcode: Opcode
@@ -260,7 +260,7 @@ class StreamProtocol:
     Attributes:
         role, state: see `Role` and `State`.
         window, chunk_bytes, max_tensor_bytes: this side's limits until the stream opens,
-            then the agreed ones (PROTOCOL.md §3.1).
+            then the agreed ones (docs/protocol.md §3.1).
         stream_id: chosen by the client in OPEN.
         wire_dtype: the dtype of every tensor on the stream (OPEN param ``wire_dtype``).
         open_params: params of the OPEN frame; accept_params: params of ACCEPT.
@@ -319,7 +319,7 @@ class StreamProtocol:
     def data_to_send(self) -> list[bytes | bytearray]:
         """Frames to write now, each one WebSocket binary message, in order.
 
-        Data chunks are released only while credit lasts (PROTOCOL.md §6); the rest stay
+        Data chunks are released only while credit lasts (docs/protocol.md §6); the rest stay
         queued and `blocked` is true until CREDIT arrives.
         """
         out = self._control
@@ -371,7 +371,7 @@ class StreamProtocol:
     # -- sending -------------------------------------------------------------------------
 
     def send_open(self, params: dict[str, Any], *, stream_id: int = 1) -> None:
-        """Queue OPEN with this side's limits and ``params`` (client; PROTOCOL.md §3.1).
+        """Queue OPEN with this side's limits and ``params`` (client; docs/protocol.md §3.1).
 
         ``params["wire_dtype"]`` (``"fp16"`` by default) fixes the dtype of every tensor
         on the stream.
@@ -479,7 +479,7 @@ class StreamProtocol:
     def consumed(self) -> None:
         """The application took the oldest `StepReceived` tensor: return its credit.
 
-        Credit goes back in batches of at least half the window (PROTOCOL.md §6).
+        Credit goes back in batches of at least half the window (docs/protocol.md §6).
 
         Raises:
             BadRequest: no received tensor is waiting to be consumed.
@@ -516,7 +516,7 @@ class StreamProtocol:
 
     def limit_tensor_bytes(self, limit: int) -> None:
         """Lower the largest tensor this side accepts (server, before `send_accept`):
-        a shard derives it from what the session can legitimately send (issue 14 §2)."""
+        a shard derives it from what the session can legitimately send (no over-allocation)."""
         if self.state is not State.OPEN_RECEIVED:
             raise BadRequest("the tensor limit can only be lowered before ACCEPT")
         self.max_tensor_bytes = max(1, min(self.max_tensor_bytes, limit))
@@ -567,7 +567,7 @@ class StreamProtocol:
             self._events.append(ProtocolFailed(err, CloseCode.INTERNAL_ERROR))
 
     def _receive_chunk(self, data: bytes | bytearray | memoryview) -> None:
-        # PROTOCOL.md §6: the peer may only send while it holds credit.
+        # docs/protocol.md §6: the peer may only send while it holds credit.
         if self._peer_credit <= 0:
             raise ProtocolError(f"flow control violation: more than {self.window} "
                                 "unacknowledged chunks in flight")
@@ -644,7 +644,7 @@ class StreamProtocol:
             wire = WireDtype.from_name(params.get("wire_dtype", "fp16"))
         except BadRequest as exc:
             raise ProtocolError(exc.message) from exc
-        # PROTOCOL.md §3.1: each limit is the smaller of both sides' values.
+        # docs/protocol.md §3.1: each limit is the smaller of both sides' values.
         self.window = min(self.window, window)
         self.chunk_bytes = min(self.chunk_bytes, chunk_bytes)
         self.max_tensor_bytes = min(self.max_tensor_bytes, max_tensor_bytes)
@@ -671,7 +671,7 @@ class StreamProtocol:
     # -- internals -----------------------------------------------------------------------
 
     def _open_flow(self) -> None:
-        """Start the credit window with the agreed limits (PROTOCOL.md §6)."""
+        """Start the credit window with the agreed limits (docs/protocol.md §6)."""
         self.credit = self._peer_credit = self.window
         self._assembler = TensorAssembler(
             chunk_bytes=self.chunk_bytes, max_tensor_bytes=self.max_tensor_bytes,
@@ -679,7 +679,7 @@ class StreamProtocol:
             expect_stream_id=self.stream_id)
 
     def _grant_credit(self) -> None:
-        # PROTOCOL.md §6: return credit once half the window is owed, never per chunk.
+        # docs/protocol.md §6: return credit once half the window is owed, never per chunk.
         if self._pending_credit >= max(1, self.window // 2) and self.state is State.OPEN:
             n, self._pending_credit = self._pending_credit, 0
             self._peer_credit += n
@@ -748,7 +748,7 @@ def _unpack_map(data: bytes | bytearray | memoryview, offset: int, what: str) ->
 
 def _parse_handshake(data: bytes | bytearray | memoryview, what: str
                      ) -> tuple[int, int, int, int, dict[str, Any]]:
-    # PROTOCOL.md §9: the version sits at bytes 2..3 in every version; check it first.
+    # docs/protocol.md §9: the version sits at bytes 2..3 in every version; check it first.
     if len(data) < 4:
         raise ProtocolError(f"{what} frame of {len(data)} bytes")
     version = int.from_bytes(data[2:4], "little")

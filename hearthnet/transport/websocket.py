@@ -1,4 +1,4 @@
-"""Tensor streams over WebSocket: the asyncio adapter around `protocol` (PROTOCOL.md §1, §8).
+"""Tensor streams over WebSocket: the asyncio adapter around `protocol` (docs/protocol.md §1, §8).
 
 This module only moves bytes between a `websockets` connection and a `StreamProtocol`,
 and owns the clock: every wait has a deadline, and a step that does not complete within
@@ -80,7 +80,7 @@ DEFAULT_DEADLINE_S = DEFAULT_TIMEOUT_S
 """Default per-step deadline: `DISTRIBUTED_SHARD_HEALTH_TIMEOUT_S` (M26 §5.4)."""
 
 SHARD_PATH = "/shard"
-"""Request path of tensor sessions on a node's WebSocket server (PROTOCOL.md §1)."""
+"""Request path of tensor sessions on a node's WebSocket server (docs/protocol.md §1)."""
 
 _NOT_SENT = "step {step} could not be sent before the deadline: the peer returned no credit"
 _NOT_RECEIVED = "no complete step arrived before the deadline"
@@ -371,7 +371,7 @@ class _Session:
             raise ConnectionLost("the peer closed the tensor stream")
 
     def _stalled(self, message: str) -> StreamStalled:
-        """A deadline passed: fail the session (PROTOCOL.md §8) and return the error."""
+        """A deadline passed: fail the session (docs/protocol.md §8) and return the error."""
         err = StreamStalled(message)
         if self._failure is None:
             _log.info("tensor stream stalled", stream_id=self._proto.stream_id,
@@ -426,7 +426,7 @@ class _Session:
         item = self._ready.popleft()
         if isinstance(item, HearthNetError):
             raise item
-        self._proto.consumed()  # PROTOCOL.md §6: credit flows back as we consume
+        self._proto.consumed()  # docs/protocol.md §6: credit flows back as we consume
         if self._proto.has_data_to_send:
             self._schedule_flush()
         return item
@@ -457,7 +457,7 @@ class TensorChannel(_Session):
                       deadline_s: float = DEFAULT_DEADLINE_S,
                       ssl: _ssl.SSLContext | None = None, stream_id: int | None = None,
                       metrics: Metrics | None = None) -> TensorChannel:
-        """Connect to ``uri`` and open a session with ``open_params`` (PROTOCOL.md §3.1).
+        """Connect to ``uri`` and open a session with ``open_params`` (docs/protocol.md §3.1).
 
         ``open_params["wire_dtype"]`` (``"fp16"``, ``"bf16"`` or ``"fp32"``; default
         fp16) is the dtype of every tensor on the stream; tensors are converted to it on
@@ -540,7 +540,7 @@ class TensorChannel(_Session):
     async def step(self, step: int, start_pos: int, tensor: torch.Tensor,
                    deadline_s: float | None = None) -> StepResult:
         """`send_step` then `recv_step` under one deadline — one timer — for both (the
-        decode loop's per-token path, issue 10 §8)."""
+        decode loop's per-token path)."""
         sent = False
         try:
             async with asyncio.timeout_at(self._deadline_at(deadline_s)):
@@ -607,7 +607,7 @@ class ServerStream(_Session):
         await self._flush()
 
     def limit_tensor_bytes(self, limit: int) -> None:
-        """Lower this session's largest accepted tensor before `accept` (issue 14 §2)."""
+        """Lower this session's largest accepted tensor before `accept`: no over-allocation."""
         self._proto.limit_tensor_bytes(limit)
 
     async def refuse(self, err: HearthNetError, *, step: int | None = None) -> None:

@@ -1,5 +1,5 @@
-"""`hearthnet bench pipeline` checks the goals an issue set for the run's scene, and only
-those (issue 5: SmolLM2 on CPU; issue 12: qwen2.5-3b over two shards; issue 13: GPU)."""
+"""`hearthnet bench pipeline` checks the goals set for the run's scene, and only those
+(SmolLM2 on CPU; qwen2.5-3b over two CPU shards; the 3B shape on a GPU)."""
 
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ def _figures(ratio: float, first_ms: float = 5000.0, overhead_p95: float = 3.0) 
 
 
 def test_each_scene_gets_its_issues_goals():
-    assert goals_for("smollm2", 2, gpu=False) == ("issue 5", GOALS)
-    assert goals_for("smollm2", 3, gpu=False) == ("issue 5", GOALS)
-    assert goals_for("qwen2.5-3b", 2, gpu=False) == ("issue 12", SCALE_GOALS)
-    assert goals_for("qwen2.5-3b", 2, gpu=True) == ("issue 13", GPU_GOALS)
-    # no issue set goals for these: nothing is reported as missed
+    assert goals_for("smollm2", 2, gpu=False) == ("SmolLM2 on CPU", GOALS)
+    assert goals_for("smollm2", 3, gpu=False) == ("SmolLM2 on CPU", GOALS)
+    assert goals_for("qwen2.5-3b", 2, gpu=False) == ("3B over two CPU shards", SCALE_GOALS)
+    assert goals_for("qwen2.5-3b", 2, gpu=True) == ("3B shape on a GPU", GPU_GOALS)
+    # no goals were set for these: nothing is reported as missed
     assert goals_for("qwen2.5-3b", 3, gpu=False) == ("", {})
     assert goals_for("qwen2.5-1.5b", 2, gpu=False) == ("", {})
 
 
 def test_the_3b_scene_checks_only_the_ratio_and_at_095():
-    # a 3B's first token takes seconds on CPU: issue 5's 300 ms is not its goal
+    # a 3B's first token takes seconds on CPU: SmolLM2's 300 ms is not its goal
     assert _goals(_figures(0.955), SCALE_GOALS) == {
         "ratio_to_best_local": {"measured": 0.955, "goal": 0.95, "met": True}}
     assert not _goals(_figures(0.94), SCALE_GOALS)["ratio_to_best_local"]["met"]
@@ -53,9 +53,10 @@ def test_report_names_the_issue_or_says_none_is_set():
                         "tokens_per_second_1_thread": 2.09},
               "local_memory": {"peak_rss_mb": 3850.0}, "node_memory": {},
               "concurrency": [], "concurrency_goals": {}, "tokens_match_local": {"fp16": True},
-              "results_file": "x.json", "goals_source": "issue 12"})
+              "results_file": "x.json", "goals_source": "3B over two CPU shards"})
     f["goals"] = _goals(f, SCALE_GOALS)
-    assert "goals: (issue 12) ratio_to_best_local 0.955 (met, goal 0.95)\n" in report(f)
+    assert ("goals: (3B over two CPU shards) ratio_to_best_local 0.955 (met, goal 0.95)\n"
+            in report(f))
     f.update(model="qwen2.5-1.5b", goals={}, goals_source="")
     assert "goals: none set for qwen2.5-1.5b over 2 shards on this device\n" in report(f)
 
@@ -79,15 +80,18 @@ def test_bench_local_checks_issue_12s_int8_speedup_only_in_its_scene():
     from hearthnet.bench.local import _against_line
     from hearthnet.bench.local import goals_for as local_goals_for
 
-    assert local_goals_for("qwen2.5-1.5b", "int8", "fp32", "cpu") == ("issue 12", LOCAL_GOALS)
+    assert local_goals_for("qwen2.5-1.5b", "int8", "fp32", "cpu") == (
+        "int8 vs fp32 decode, 1.5B on CPU", LOCAL_GOALS)
     assert LOCAL_GOALS == {"decode_speedup": 2.5}
     for other in [("qwen2.5-1.5b", "int8", None, "cpu"), ("qwen2.5-1.5b", "bf16", "fp32", "cpu"),
                   ("qwen2.5-3b", "int8", "fp32", "cpu"), ("qwen2.5-1.5b", "int8", "fp32", "cuda")]:
         assert local_goals_for(*other) == ("", {})
     f = {"against": {"weights": "fp32", "decode_tokens_per_s": 1.24, "param_mb": 5616.0,
-                     "peak_rss_mb": 6350.0}, "decode_speedup": 3.27, "goals_source": "issue 12",
+                     "peak_rss_mb": 6350.0}, "decode_speedup": 3.27,
+         "goals_source": "int8 vs fp32 decode, 1.5B on CPU",
          "goals": {"decode_speedup": {"measured": 3.27, "goal": 2.5, "met": True}}}
     assert _against_line(f) == (
         "\nagainst fp32 (own process, 5616.0 MB held, peak RSS 6350.0 MiB): 1.24 tok/s; "
-        "decode 3.27× fp32; goals (issue 12): decode_speedup 3.27 (met, goal 2.5)")
+        "decode 3.27× fp32; goals (int8 vs fp32 decode, 1.5B on CPU): decode_speedup 3.27 "
+        "(met, goal 2.5)")
     assert _against_line({}) == ""

@@ -40,7 +40,7 @@ NodeID = str
 Endpoint = str
 
 DEVICE_KINDS = ("cpu", "cuda", "mps")
-"""Device kinds a shard advertises (issue 13 §1)."""
+"""Device kinds a shard advertises (DESIGN.md decision 11)."""
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _KERNEL_RE = re.compile(r"^[a-z0-9_.-]{0,32}$")  # a name, not only `formats.KERNELS`: a
 # newer release's kernel must not make older peers drop its shard
@@ -92,8 +92,8 @@ class ShardDescriptor:
     endpoint: Endpoint  # base ws:// or wss:// URI of the host node
     advertised_at: datetime
     hop_weight: float = 1.0  # assigned by the receiving ShardStore (M26 §5.2)
-    weights_format: str = "fp32"  # how the layers are held (issue 12 §2, formats.py)
-    device: str = "cpu"  # where the layers run: cpu | cuda | mps (issue 13 §1)
+    weights_format: str = "fp32"  # how the layers are held (DESIGN.md decision 10, formats.py)
+    device: str = "cpu"  # where the layers run: cpu | cuda | mps (DESIGN.md decision 11)
     device_name: str = ""  # e.g. "NVIDIA H100 80GB HBM3"
     device_memory_mb: int = 0  # the device's total memory
     kernel: str = ""  # what a quantised format's products run in (formats.KERNELS), or ""

@@ -1,7 +1,7 @@
-"""Weight format names and the routing policy over them (issue 12 §2), torch-free.
+"""Weight format names and the routing policy over them (DESIGN.md decision 10), torch-free.
 
 Formats: `native` (the stored dtype), `fp32`, `bf16`, `fp16`, `int8`, `int4`; what each
-means for the held tensors is `backends/quant.py`. An advertisement names its shard's held
+means for the held tensors is `engine/quant.py`. An advertisement names its shard's held
 format (never `native`: that is resolved at load).
 
 Routing (M26 §5.3, refined): a call's `weights` param is a minimum precision — a format

@@ -1,4 +1,4 @@
-"""Shard health: heartbeats, last seen, online/offline, p95 latency, suspicion (issue 4 item 6).
+"""Shard health: heartbeats, last seen, online/offline, p95 latency, suspicion (M26 §4.1, §5.4).
 
 Two sources feed a shard's health:
 

@@ -1,4 +1,4 @@
-"""Host liveness on every node: which shard hosts refuse connections (issue 15 §6, issue 17 §2).
+"""Host liveness on every node: which shard hosts refuse connections, long before ads expire.
 
 A host's advertisements stay live for 4 × the health timeout and its shards count as online
 until the health timeout (30 s by default) has passed without a heartbeat. A ``kill -9``ed

@@ -1,4 +1,4 @@
-"""The ShardRouter: pick shards covering layers 0..N-1 (M26 §4.4, §5.2, §5.6; issue 4 item 5).
+"""The ShardRouter: pick shards covering layers 0..N-1 (M26 §4.4, §5.2, §5.6).
 
 `pick` filters the live advertisements to the requested model and weights hash, then
 covers the layers greedily from layer 0 (M26 §5.2). At each cursor, among the eligible
@@ -19,12 +19,12 @@ shards 0-7, 4-11, 8-15 of a 16-layer model give {0-7, 8-15} (M26 §8.1).
 
 Eligible means: same model and hash, hosted range inside the model (``hi < N``), not in
 `exclude`, its host not probed down (`host_down`, the node's `HostLiveness`: a ``kill -9``ed
-host refuses connections long before its heartbeats are missed; issue 15 §6), and below its
+host refuses connections long before its heartbeats are missed), and below its
 `max_concurrent_streams` (M26 §5.6): a shard's load is
 ``max(advertised active_sessions - our sessions there ended since, sessions reserved
 here)`` — the advertisement already counts our open sessions when it was made, so the two
 are not added, and one made while our previous calls ran (re-advertised only every
-heartbeat) does not keep the shard "full" once they have ended (issue 16 §2). Unless
+heartbeat) does not keep the shard "full" once they have ended (M26 §5.6). Unless
 `allow_self_as_shard`, a shard of this node is never the **first** stage (embedding and
 sampling stay on the orchestrator, M26 §5.2).
 
@@ -119,7 +119,7 @@ class ShardRouter:
         health: when given, suspect/offline shards are avoided and p95 breaks ties.
         self_node_id: this node's id (for the "avoid self as first shard" rule).
         host_allowed: trust filter — whether activations may go to a shard on this host
-            (issue 7 item 4: the daemon passes "member at ``route_min_trust`` or higher");
+            (M26 §5.9: the daemon passes "member at ``route_min_trust`` or higher");
             shards of other hosts are never picked. None allows every host.
         host_down: whether a host's listener is probed dead (`HostLiveness.is_down`): its
             shards are never picked. None: no probe.
@@ -200,7 +200,7 @@ class ShardRouter:
                    formats: Collection[str] | None = None) -> Pipeline:
         """A pipeline covering layers ``0..total_layers-1`` of the model (M26 §5.2).
 
-        `formats`: the weight formats the call accepts (issue 12 §2; None: any).
+        `formats`: the weight formats the call accepts (DESIGN.md decision 10; None: any).
 
         Raises:
             BadRequest: `total_layers` < 1.
@@ -439,7 +439,7 @@ class ShardRouter:
 
 
 def _format_ok(d: ShardDescriptor, formats: Collection[str] | None) -> bool:
-    """Whether the call accepts the shard's weight format (issue 12 §2)."""
+    """Whether the call accepts the shard's weight format (DESIGN.md decision 10)."""
     return formats is None or d.weights_format in formats
 
 
@@ -461,7 +461,7 @@ BUSY_BACKOFF_MAX_S = 1.0
 
 
 class BusyWait:
-    """Waiting for a slot on shards at their `max_concurrent_streams` (issue 16 §2), up to a
+    """Waiting for a slot on shards at their `max_concurrent_streams` (M26 §5.6), up to a
     deadline: each `wait` returns when one of this node's pipelines is released (its
     sessions closed) or after a back-off doubled per wait (other callers' sessions end
     unseen until their host re-advertises)."""

@@ -1,4 +1,4 @@
-"""The ShardStore: the read model of shard advertisements (M26 §5.1, issue 4 item 4).
+"""The ShardStore: the read model of shard advertisements (M26 §5.1).
 
 A fold over the event log: `apply(event)` for each live event, `rebuild(log.all_events())`
 after a restart. It holds the current advertisement of every shard, indexed by

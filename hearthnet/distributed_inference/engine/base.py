@@ -11,12 +11,13 @@ A backend turns a model in the store into two kinds of objects:
 
 Shapes: hidden states are `(batch, tokens, hidden)`; `batch` is 1 per session. Concurrent
 sessions' decode steps are batched by the stack (`LayeredStack.decode_batch`, B rows of one
-position each) and their heads by `ClientHead.logits_batch` (issue 16).
+position each) and their heads by `ClientHead.logits_batch` (DESIGN.md decision 12).
 
 These Protocols are the interface the rest of the package holds backends by: the shard
-server (`shard.py`) holds a `LayerStack` and its `LayerSession`s, the orchestrator
-(`pipeline.py`, `decode.py`, `local.py`) a `ClientHead`. `small_model_layered` implements
-them structurally; `mypy --strict` checks that it conforms where its objects are built and
+server (`shard/server.py`) holds a `LayerStack` and its `LayerSession`s, the orchestrator
+(`orchestrator/pipeline.py`, `orchestrator/decode.py`, `engine/local.py`) a `ClientHead`.
+`layers.py` (`LayeredStack`, `LayeredSession`) and `head.py` (`LayeredHead`) implement
+them structurally; `mypy --strict` checks that they conform where their objects are built and
 handed to those holders (`ShardServer._load`, `PipelineOrchestrator._head`, `LocalEngine`).
 """
 
@@ -64,7 +65,7 @@ class LayerStack(Protocol):
     lo: int
     hi: int
     hidden_size: int
-    format: str  # the weights' held format (`formats.py`)
+    format: str  # the weights' held format (`directory/formats.py`)
     dtype: torch.dtype
     device: torch.device
 
@@ -114,5 +115,5 @@ class ClientHead(Protocol):
 
     def logits_batch(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """`logits` of several chats' final hidden states as one norm + lm_head product
-        (issue 16 §3), one (vocab,) tensor per chat."""
+        (DESIGN.md decision 12), one (vocab,) tensor per chat."""
         ...

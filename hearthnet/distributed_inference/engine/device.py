@@ -1,7 +1,7 @@
 """Where tensors live: device selection, device facts, the memory budget, pinned staging.
 
 This module owns everything about *which* device a shard or a head computes on (M26 §5.7,
-issue 13 item 1) and how many bytes it may hold there (M26 §5.6, item 2):
+DESIGN.md decision 11) and how many bytes it may hold there (M26 §5.6):
 
 - `resolve_device("auto" | "cpu" | "cuda" | "cuda:N" | "mps")`: `auto` picks CUDA, then
   MPS, then the CPU; a device that is asked for but absent is a `ConfigError` at start-up.
@@ -9,7 +9,7 @@ issue 13 item 1) and how many bytes it may hold there (M26 §5.6, item 2):
 - `MemoryBudget`: the bytes a shard holds on its device (weights + the preallocated KV
   caches of its sessions), checked against `shard_max_vram_mb` before an open is admitted.
 - `Staging`: reused page-locked host buffers for hidden states crossing device ↔ host
-  (issue 13 item 4): one copy each way, no allocation per step.
+  (DESIGN.md hot path rules): one copy each way, no allocation per step.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class MemoryBudget:
 
 
 class Staging:
-    """Reused host buffers for one sequential user (a session or a call), issue 13 item 4.
+    """Reused host buffers for one sequential user (a session or a call): no allocation per step.
 
     On a CUDA device the buffers are page-locked, so copies run by DMA and the host→device
     copy does not block; on the CPU both directions are plain casts. A buffer returned by

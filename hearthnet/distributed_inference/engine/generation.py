@@ -3,7 +3,7 @@
 `Generation` is the state of one answer: the tokens so far, the sampler with its seeded
 generator, incremental detokenisation and stop handling. The local engine and the
 distributed orchestrator both drive one, so a call that falls back to local inference
-continues the *same* `Generation` (M26 §5.4, issue 6).
+continues the *same* `Generation` (M26 §5.4).
 """
 
 from __future__ import annotations
@@ -158,8 +158,8 @@ class Generation:
 
 @dataclass(frozen=True)
 class PromptLimits:
-    """How much one call may ask for (issue 14 §1): checked before any work, the same for
-    the mesh and the local path (config `[research.distributed_inference]`
+    """How much one call may ask for, so one huge prompt cannot wedge a node: checked before any
+    work, the same for the mesh and the local path (config `[research.distributed_inference]`
     ``max_prompt_bytes``, ``max_prompt_tokens``, ``max_completion_tokens``)."""
 
     max_prompt_bytes: int = 32 * 1024

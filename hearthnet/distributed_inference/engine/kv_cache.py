@@ -1,4 +1,4 @@
-"""The preallocated KV cache of a session and its masks (issue 13 item 3, gpt-fast style).
+"""The preallocated KV cache of a session and its masks (DESIGN.md decision 11, gpt-fast style).
 
 A `KVSlot` holds, for each layer of a sub-range `[start, end]`, key and value buffers of
 shape ``(1, kv_heads, capacity, head_dim)`` allocated once, and is updated by index at the
@@ -110,7 +110,7 @@ def _as_mask(allowed: torch.Tensor, additive_dtype: torch.dtype | None) -> torch
 
 
 class BatchKV:
-    """The `past_key_values` of one batched decode step over several sessions (issue 16 §1).
+    """The `past_key_values` of one batched decode step of several sessions (DESIGN.md decision 12).
 
     Row ``b`` is one position of session ``b``: its key/value is written into that
     session's own `KVSlot` at its own position (the slots are never merged or moved), and
@@ -154,7 +154,7 @@ def batch_attention_mask(positions: torch.Tensor, kv_idx: torch.Tensor, window: 
 
 
 class PackedKV:
-    """The `past_key_values` of one packed forward over several sessions (issue 16 §1:
+    """The `past_key_values` of one packed forward over several sessions (DESIGN.md decision 12:
     mixed rounds, chunked prefill inside the decode forward as vLLM/Sarathi do).
 
     The rows' positions lie one after another along the sequence dimension, ``(1, N, H)``:

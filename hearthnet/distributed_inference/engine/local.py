@@ -42,7 +42,7 @@ class LocalTimings:
 class LocalEngine:
     """All layers of one model in one process.
 
-    `weights`: the layers' held format (`backends.quant`); the head is held the same way
+    `weights`: the layers' held format (`engine.quant`); the head is held the same way
     unless `head_weights` (or a ready `head`) says otherwise.
     """
 
@@ -61,7 +61,7 @@ class LocalEngine:
 
     def new_generation(self, messages: list[dict[str, str]],
                        params: SamplingParams) -> Generation:
-        self.limits.check_request(messages, params)  # before tokenising (issue 14 §1)
+        self.limits.check_request(messages, params)  # before tokenising: no work
         ids = self.head.chat_prompt_ids(messages)
         self.limits.check_prompt_ids(ids)
         return Generation(self.head.tokenizer, ids, params, self.head.eos_token_ids)
@@ -86,7 +86,7 @@ class LocalEngine:
               ) -> Generator[TokenEvent | None, None, None]:
         """As `run`, but the prefill runs in chunks of `prefill_chunk_tokens` positions and
         yields None after each chunk but the last, so a caller driving this from a shared
-        executor lets other calls' work run between chunks (issue 14 §1)."""
+        executor lets other calls' work run between chunks."""
         t = timings if timings is not None else LocalTimings()
         ids = gen.all_ids
         max_len = len(gen.prompt_ids) + gen.params.max_tokens + 1

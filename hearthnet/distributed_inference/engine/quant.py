@@ -1,4 +1,4 @@
-"""Weight formats: how a shard or a head holds its weights (issue 12 §2).
+"""Weight formats: how a shard or a head holds its weights (DESIGN.md decision 10).
 
 A format is chosen per shard (`[[shards]] weights`, or the host's default) and per head:
 
@@ -21,13 +21,13 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
   - else `int8pack`: torch's `_weight_int8pack_mm` with bf16 activations (ARM builds).
 - `int4`: weight-only int4, asymmetric in groups of 128 (64, 32 where 128 does not divide)
   along the input dimension (gpt-fast's layout), torch's `_weight_int4pack_mm_for_cpu`;
-  compute as for int8. Not in a call's default accepted set (README "Weight formats").
+  compute as for int8. Not in a call's default accepted set (docs/operations.md "Weight formats").
 
 Loading is per tensor: a tensor is read from safetensors, converted to the held format and
 assigned, then the next one is read, so the stored model never sits in memory whole (a
 device move goes between the conversion and the assignment: `_place`).
 
-Format names and the routing policy live in `distributed_inference/formats.py`.
+Format names and the routing policy live in `distributed_inference/directory/formats.py`.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from hearthnet.distributed_inference.directory.formats import STORED
+from hearthnet.dtypes import FLOAT_DTYPES
 from hearthnet.errors import BadRequest, WeightsMismatch
-from hearthnet.transport.codec import FLOAT_DTYPES
 
 INT4_GROUPS = (128, 64, 32)  # the largest that divides a matrix's input size
 _FLOAT = FLOAT_DTYPES  # the float formats are named as the wire dtypes
@@ -441,7 +441,7 @@ _QUANT_LINEAR: dict[str, type[Int8Linear] | type[Int4Linear]] = {
 
 
 def _place(t: torch.Tensor) -> torch.Tensor:
-    """Where a converted tensor goes (CPU here; the GPU issue moves it to its device)."""
+    """Where a converted tensor goes: where it was read (`WeightsReader` reads onto the device)."""
     return t
 
 

@@ -1,4 +1,4 @@
-"""`SamplingParams`: how a call picks its tokens, checked at the door (issue 14 §3).
+"""`SamplingParams`: how a call picks its tokens, checked at the door (M26 §6 `bad_request`).
 
 No torch here: the command line and `HearthNetClient` build and check a call's sampling
 without loading it. The sampler itself is `generation.Sampler`.
@@ -45,7 +45,7 @@ def _is_int(v: object) -> bool:
 
 
 def _check_types(p: SamplingParams) -> None:
-    """Type checks at the door (issue 14 §3): `top_k=1.5` or `seed="abc"` is `bad_request`
+    """Type checks at the door (M26 §6): `top_k=1.5` or `seed="abc"` is `bad_request`
     before any work, never an exception from the sampler mid-answer."""
     for name in ("max_tokens", "top_k"):
         if not _is_int(getattr(p, name)):

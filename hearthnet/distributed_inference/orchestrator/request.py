@@ -40,12 +40,12 @@ class DistributedChatParams:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     fallback_to_local: bool = True
-    wire_dtype: str = "auto"  # auto | fp16 | bf16 | fp32 (issue 11 §2)
+    wire_dtype: str = "auto"  # auto | fp16 | bf16 | fp32 (M26 §5.3)
     wire_wide_dtype: str = "bf16"  # what auto uses where fp16 does not fit: bf16 | fp32
     max_shards: int = 16
     timeout_s: float = DEFAULT_TIMEOUT_S
     fallback_after_failures: int = 2
-    # the shards' weight formats the call accepts (issue 12 §2): a minimum format, or
+    # the shards' weight formats the call accepts (DESIGN.md decision 10): a minimum format, or
     # "exact" (only the orchestrator's own); see formats.check_policy
     weights: str = DEFAULT_MIN_FORMAT
 

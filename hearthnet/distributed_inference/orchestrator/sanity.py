@@ -1,4 +1,4 @@
-"""Basic sanity checks on shard outputs (M26 §5.8, issue 6 §3).
+"""Basic sanity checks on shard outputs (M26 §5.8, §8.3).
 
 Every hidden state a shard returns is checked for NaN/Inf and against a norm bound for that
 layer boundary. The bounds are calibrated once per model (`calibrate`): the whole model runs
@@ -13,7 +13,7 @@ inference (M26 §10).
 
 The same calibration run records each boundary's largest |value| (`Calibration.absmax`):
 the wire dtype `auto` uses it to choose fp16 where max × `WIRE_MARGIN` fits fp16's range
-and a wider dtype where it does not (issue 11 §2). Some models carry huge, nearly
+and a wider dtype where it does not. Some models carry huge, nearly
 prompt-independent activations at a few positions (SmolLM2: ~24,900 from layer 11 on;
 Gemma-3: > 100,000), so the margin is smaller than the norm bound's: it separates
 "always far below 65,504" from "near or over it", and a value that overflows anyway is
@@ -56,8 +56,8 @@ class SanityChecker:
     def check(self, shard_id: str, end: int, hidden: torch.Tensor, *,
               shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> None:
         """Raise `ShardCorrupted` when `hidden` is not of `shape`/`dtype` (when given; the
-        stage's input shape and the wire dtype, issue 14 §3), has NaN/Inf or exceeds the
-        boundary's bound."""
+        stage's input shape and the wire dtype: a wrong width is corruption too), has NaN/Inf
+        or exceeds the boundary's bound."""
         if shape is not None and tuple(hidden.shape) != tuple(shape):
             raise ShardCorrupted(f"shard {shard_id} returned a hidden state of shape "
                                  f"{tuple(hidden.shape)}; expected {tuple(shape)}",
@@ -65,7 +65,7 @@ class SanityChecker:
         if dtype is not None and hidden.dtype != dtype:
             raise ShardCorrupted(f"shard {shard_id} returned {hidden.dtype} activations; "
                                  f"expected {dtype}", shard_id=shard_id, check="dtype")
-        # one reduction answers both checks (issue 10 §8): a NaN or Inf anywhere makes the
+        # one reduction answers both checks (DESIGN.md hot path rules): a NaN or Inf makes the
         # largest per-position norm non-finite; accumulated in fp32 without a copy
         norm = float(torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32).amax())
         if not math.isfinite(norm):
@@ -126,7 +126,7 @@ def calibrate(model_dir: Path, device: str | torch.device = "cpu",
     del head
     embed_absmax = max(float(h.abs().max()) for h in hidden)
     peaks, absmax = [0.0] * entry.num_layers, [0.0] * entry.num_layers
-    # One layer in memory at a time (issue 12): the orchestrator of a 7B model must not
+    # One layer in memory at a time (DESIGN.md decision 10): the orchestrator of a 7B model must not
     # need the whole model in fp32 (30 GB) to calibrate; all prompts pass layer i together.
     for i in range(entry.num_layers):
         layer = LayeredStack(entry, i, i, device=device)

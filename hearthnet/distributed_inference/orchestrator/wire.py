@@ -1,4 +1,4 @@
-"""The wire dtype of each stage of a call (M26 §5.5, issue 11 §2).
+"""The wire dtype of each stage of a call (M26 §5.3, §5.5).
 
 A call's `wire_dtype` is `auto` (the default), `fp16`, `bf16` or `fp32`. A stage's stream
 carries one dtype both ways: its input (the output of layer `start - 1`, or the

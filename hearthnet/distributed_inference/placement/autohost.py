@@ -1,4 +1,4 @@
-"""Automatic hosting: the daemon side of ``shards = "auto"`` (issue 17; M26 §1, §10).
+"""Automatic hosting: the daemon side of ``shards = "auto"`` (DESIGN.md decision 14; M26 §1, §10).
 
 `AutoHost` runs inside a node whose config says ``shards = "auto"``. For every model on the
 community's served-model list (`community.PlacementView.served`) that this node holds in
@@ -112,7 +112,7 @@ def layer_params(entry: ModelEntry) -> int:
 
 
 def layer_bytes(entry: ModelEntry, fmt: str) -> int:
-    """Held bytes of one decoder layer as `fmt` (issue 12's memory truth), rounded up."""
+    """Held bytes of one decoder layer as `fmt` (as `engine.memory` counts it), rounded up."""
     total = layer_weight_bytes(entry, 0, entry.num_layers - 1, fmt)
     return -(-total // max(1, entry.num_layers))
 

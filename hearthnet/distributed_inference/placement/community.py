@@ -1,4 +1,4 @@
-"""The community's placement facts in the event log, and their read model (issue 17).
+"""The community's placement facts in the event log, and their read model (DESIGN.md decision 14).
 
 Three event types, each signed by its origin and replicated by gossip like every event:
 

@@ -1,4 +1,4 @@
-"""Automatic placement: which layer range an automatic host loads (issue 17; M26 §10).
+"""Automatic placement: which layer range an automatic host loads (DESIGN.md decision 14; M26 §10).
 
 Pure functions, no I/O: the daemon (`hearthnet.distributed_inference.placement.autohost`) feeds them
 what the event log says and acts on the answer.

@@ -8,16 +8,16 @@ output back. Each session has its own KV cache (DESIGN.md decision 2).
 Limits are checked before any work (DESIGN.md decision 5): a wrong hash is
 `weights_mismatch`, a range outside is `bad_request`, one open over
 `max_concurrent_streams` is `shard_unavailable` at once — never queued (M26 §5.6), with
-``busy: true`` in its details (the orchestrator may wait for a slot, issue 16 §2). Forwards
+``busy: true`` in its details (the orchestrator may wait for a slot). Forwards
 run on the node's compute executor so the event loop keeps serving heartbeats and other
 sessions (DESIGN.md decision 6). Weights unused for `shard_eviction_idle_seconds` are evicted
 and reloaded on the next open.
 
-Devices (issue 13): the layers run on `ShardSettings.device`; the weights and the sessions'
-preallocated KV caches are counted against `max_vram_mb` (`shard_max_vram_mb`, M26 §5.6): an
-open whose cache would not fit is refused `shard_unavailable`, and a device out-of-memory
-in a step ends that session alone with `shard_unavailable` (the orchestrator fails over)
-while the shard serves the others. Hidden states cross device ↔ host through each
+Devices (DESIGN.md decision 11): the layers run on `ShardSettings.device`; the weights and the
+sessions' preallocated KV caches are counted against `max_vram_mb` (`shard_max_vram_mb`, M26
+§5.6): an open whose cache would not fit is refused `shard_unavailable`, and a device
+out-of-memory in a step ends that session alone with `shard_unavailable` (the orchestrator fails
+over) while the shard serves the others. Hidden states cross device ↔ host through each
 session's reused pinned buffers (`device.Staging`).
 """
 
@@ -79,14 +79,14 @@ class ShardSettings:
     session_idle_timeout_s: float = 120.0
     max_session_tokens: int = 8192
     weights: str = "fp32"  # held format (formats.py); `native` = the stored dtype
-    # refused at start above this (issue 12 §4), and opens whose cache would not fit the
-    # real allocation (weights + admitted sessions' caches, issue 13 §2); None: no cap
+    # refused at start above this (M26 §5.6), and opens whose cache would not fit the
+    # real allocation (weights + admitted sessions' caches); None: no cap
     max_vram_mb: int | None = None
     prefill_chunk_tokens: int = 256  # a long step runs in chunks of this many positions
-    device: str = "cpu"  # auto | cpu | cuda | cuda:N | mps (issue 13 §1)
+    device: str = "cpu"  # auto | cpu | cuda | cuda:N | mps (DESIGN.md decision 11)
     cuda_graphs: bool = True
-    batch_window_ms: float = 2.0  # issue 16: wait this long for other sessions' steps
-    mixed_prefill_tokens: int = 32  # issue 16 §1: prefill positions a decode round packs
+    batch_window_ms: float = 2.0  # DESIGN.md decision 12: wait this long for other sessions' steps
+    mixed_prefill_tokens: int = 32  # mixed rounds: prefill positions a decode round packs
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class ShardServer:
         self._refuse_over_budget(make_shard_id(entry.model_id, lo, hi, node_id))
         self.descriptor = self._describe(node_id, endpoint)
         self.shard_id = self.descriptor.shard_id
-        # the per-step metrics, bound to this shard's label once (issue 10 §8)
+        # the per-step metrics, bound to this shard's label once (DESIGN.md hot path rules)
         self._m_queue = self.metrics.shard_queue_depth.labels(self.shard_id)
         self._m_forward = self.metrics.shard_forward_ms.labels(self.shard_id)
         self._m_active = self.metrics.shard_active_sessions.labels(self.shard_id)
@@ -173,7 +173,7 @@ class ShardServer:
             mixed_budget=settings.mixed_prefill_tokens, on_batch=self._observe_batch)
 
     def _refuse_over_budget(self, shard_id: str) -> None:
-        """A shard over `shard_max_vram_mb` is refused before loading (issue 12 §4)."""
+        """A shard over `shard_max_vram_mb` is refused before loading (M26 §5.6)."""
         cap = self.settings.max_vram_mb
         if cap is None or self.memory.total_mb <= cap:
             return
@@ -211,7 +211,7 @@ class ShardServer:
                             cuda_graphs=s.cuda_graphs)
 
     def _describe(self, node_id: str, endpoint: str) -> ShardDescriptor:
-        """The advertised descriptor, with the device kind and memory (issue 13 §1)."""
+        """The advertised descriptor, with the device kind and memory (DESIGN.md decision 11)."""
         info = self.device_info
         return ShardDescriptor.create(
             model_id=self.entry.model_id, weights_sha256=self.entry.weights_sha256,
@@ -237,7 +237,7 @@ class ShardServer:
 
     def close_callers(self, drop: Callable[[str], bool]) -> None:
         """Close the sessions of callers for which `drop(caller)` is true (a member removed
-        by a reload, issue 14 §7); their step loops end at once."""
+        by a reload); their step loops end at once."""
         for stream, caller in list(self._streams.items()):
             if drop(caller):
                 log.info("session_closed_member_removed", shard_id=self.shard_id,
@@ -245,10 +245,10 @@ class ShardServer:
                 detach(stream.close("member removed"))
 
     async def check_weights(self) -> None:
-        """Raise `WeightsMismatch` when a hosted weights file was truncated, replaced or
-        removed since the import (issue 14 §8): a `stat` per file, re-hashed in the executor
-        only when size or mtime moved. The loaded weights are the shard's own memory, so
-        open sessions are unharmed; the node withdraws the shard."""
+        """Raise `WeightsMismatch` when a hosted weights file was truncated, replaced or removed
+        since the import (a truncated mmap would SIGBUS): a `stat` per file, re-hashed in the
+        executor only when size or mtime moved. The loaded weights are the shard's own memory,
+        so open sessions are unharmed; the node withdraws the shard."""
         now = self.entry.file_stats()
         if now is not None and now == self._good_stats:
             return
@@ -300,7 +300,7 @@ class ShardServer:
         if self.active >= self.settings.max_concurrent_streams:
             raise ShardUnavailable(f"shard {self.shard_id} is at max_concurrent_streams "
                                    f"({self.settings.max_concurrent_streams}); pick another "
-                                   f"or wait", busy=True)  # busy, not gone (issue 16 §2)
+                                   f"or wait", busy=True)  # busy, not gone
         return OpenRequest(self.shard_id, start, end, max_len, str(wire), caller)
 
     async def serve_session(self, stream: ShardStream, req: OpenRequest) -> None:
@@ -327,7 +327,7 @@ class ShardServer:
             await stream.refuse(e, step=e.details.get("step"))
         finally:
             if session is not None:
-                session.close()  # frees the KV cache also when the caller vanished (issue 6 §4)
+                session.close()  # frees the KV cache also when the caller vanished
             self._streams.pop(stream, None)
             self.active -= 1
             self.batcher.expected_changed()  # a round waiting for this session goes on
@@ -336,7 +336,7 @@ class ShardServer:
 
     async def _step_loop(self, stream: ShardStream, session: LayerSession,
                          wire: torch.dtype) -> None:
-        staging = Staging(self.device)  # this session's reused pinned buffers (issue 13 §4)
+        staging = Staging(self.device)  # this session's reused pinned buffers
         while True:
             inp = await stream.recv_step(deadline_s=self.settings.session_idle_timeout_s)
             if inp is None:
@@ -351,7 +351,7 @@ class ShardServer:
             except BadRequest as e:  # a refused step leaves the session usable
                 await stream.send_error(e)
                 continue
-            except WireOverflow as e:  # a transport limit, reported as such (issue 11 §2)
+            except WireOverflow as e:  # a transport limit, reported as such
                 log.info("wire_overflow", shard_id=self.shard_id, step=inp.step,
                          wire_dtype=str(wire))
                 await stream.send_error(e)
@@ -373,9 +373,9 @@ class ShardServer:
 
     async def _forward_chunked(self, session: LayerSession, staging: Staging, x: torch.Tensor,
                                start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:
-        """Run a step through the shard's batcher (issue 16 §1): a decode step joins the
+        """Run a step through the shard's batcher (DESIGN.md decision 12): a decode step joins the
         next round's batch; a longer step runs in chunks of `prefill_chunk_tokens`
-        positions (issue 14 §1), which join the rounds' forwards (mixed rounds) within
+        positions, which join the rounds' forwards (mixed rounds) within
         `mixed_prefill_tokens` positions per round beside decode rows (at least one chunk)
         and `prefill_chunk_tokens` in a round without, so a long prefill never holds the
         other sessions' decode rows for more than one chunk. One chunk (every
@@ -393,7 +393,7 @@ class ShardServer:
                                                   tokens=int(job.x.shape[1])))
         return torch.cat(outs, dim=1)
 
-    # ---- batched steps (issue 16 §1-2); these run on the compute executor ----
+    # ---- batched steps (DESIGN.md decision 12); these run on the compute executor ----
 
     def _run_steps(self, jobs: Sequence[StepJob]) -> list[Any]:
         """One round: the decode rows and prefill chunks of sessions over the same
@@ -417,7 +417,7 @@ class ShardServer:
         """Sessions that can share a forward: real layered sessions (a wrapped one runs
         alone) over the same stack and sub-range. Different sub-ranges of one shard are
         kept apart: their rows would enter and leave the layers at different points, and
-        an orchestrator's chats use the same stages anyway (DESIGN.md, issue 16)."""
+        an orchestrator's chats use the same stages anyway (DESIGN.md decision 12)."""
         s = job.session
         if not isinstance(s, LayeredSession) or job.x.dim() != 3:
             return None
@@ -497,13 +497,13 @@ class ShardServer:
 
     def session_tensor_bytes(self, req: OpenRequest) -> int:
         """The largest tensor a session can legitimately send: all of its positions at
-        the hidden width in its wire dtype (issue 14 §2)."""
+        the hidden width in its wire dtype: no more is allocated."""
         return req.max_length * self.entry.hidden_size * req.wire.itemsize
 
     def _forward(self, session: LayerSession, staging: Staging | None, x: torch.Tensor,
                  start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:
         """One step on the device; the output comes back in the wire dtype on the host,
-        cast on the device first (`WireOverflow` if it does not fit, issue 11 §2), through
+        cast on the device first (`WireOverflow` if it does not fit), through
         `staging`'s reused pinned buffer (or a fresh host tensor without one)."""
         stack = session.stack
         try:
