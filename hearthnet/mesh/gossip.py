@@ -198,7 +198,10 @@ async def run_gossip_session(log: EventLog, ws: GossipConnection, *,
     """
     await ws.send(encode_hello(log.node_id, log.vector()))
     try:
-        first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation that
+        # arrives as the awaited call completes, and a link told to stop then never stops
+        async with asyncio.timeout(HELLO_TIMEOUT_S):
+            first = await ws.recv()
     except TimeoutError:
         raise _Closing(CloseCode.POLICY_VIOLATION, "no hello") from None
     try:
@@ -417,7 +420,8 @@ class GossipPeerLink:
     async def wait_connected(self, timeout: float | None = None) -> bool:
         """Wait until the hello exchange succeeded; False on timeout."""
         try:
-            await asyncio.wait_for(self._connected.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._connected.wait()
         except TimeoutError:
             return False
         return True

@@ -508,8 +508,9 @@ class Node:
         for server in (self.server, self.admin_server):
             if server is not None:
                 server.close()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(server.wait_closed(), 2)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(2):
+                        await server.wait_closed()
         if getattr(self, "_metrics_server", None) is not None:
             self._metrics_server.shutdown()
         self.log.close()

@@ -25,6 +25,7 @@ from hearthnet.mesh.gossip import (
     encode_events,
     encode_hello,
     handle_gossip_connection,
+    run_gossip_session,
 )
 from hearthnet.observability import Metrics
 from tests.helpers.waiting import wait_until
@@ -254,3 +255,29 @@ def test_event_wire_form_is_what_gossip_sends(tmp_path: Path) -> None:
     back = Event.from_wire(msgpack.unpackb(msgpack.packb(ev.to_wire(), use_bin_type=True),
                                            raw=False))
     assert back == ev
+
+
+async def test_a_stop_that_meets_the_peers_hello_still_stops_the_session(tmp_path: Path) -> None:
+    """A link told to stop just as the peer's hello arrives must stop: Python 3.11's
+    `asyncio.wait_for` returned the hello and dropped the cancellation, so the link dialled
+    on forever and a node's shutdown hung (seen under load in the backoff test)."""
+    import asyncio
+
+    hello = asyncio.get_running_loop().create_future()
+
+    class Peer:
+        async def send(self, data: bytes) -> None:
+            pass
+
+        async def recv(self) -> bytes:
+            return await hello
+
+    log = EventLog(tmp_path / "a.sqlite3", "node-y")
+    session = asyncio.create_task(run_gossip_session(log, Peer()))  # type: ignore[arg-type]
+    await asyncio.sleep(0)  # the session now waits for the peer's hello
+    await asyncio.sleep(0)
+    hello.set_result(encode_hello("node-z", {}))
+    session.cancel()  # in the same step as the hello's arrival
+    with pytest.raises(asyncio.CancelledError):
+        await session
+    log.close()

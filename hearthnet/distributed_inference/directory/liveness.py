@@ -81,8 +81,8 @@ class HostProber:
         if not parts.hostname or not parts.port:
             return False
         try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(parts.hostname, parts.port), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                _, writer = await asyncio.open_connection(parts.hostname, parts.port)
         except (OSError, TimeoutError):
             return False
         writer.close()

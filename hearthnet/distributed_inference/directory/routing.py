@@ -182,7 +182,8 @@ class ShardRouter:
             return
         self._released.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._released.wait(), max(0.0, timeout_s))
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await self._released.wait()
 
     def busy_wait(self, timeout_s: float) -> BusyWait:
         """A wait for busy shards' slots that ends `timeout_s` from now (`BusyWait`)."""

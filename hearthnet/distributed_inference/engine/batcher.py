@@ -183,7 +183,8 @@ class RoundBatcher(Generic[J, R]):
                 return
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._arrived.wait()
             except TimeoutError:
                 self.waited_out += 1
                 return

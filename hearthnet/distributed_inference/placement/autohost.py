@@ -192,7 +192,8 @@ class AutoHost:
                 self._schedule_rebalance()
             wait = max(0.05, self._next_rebalance - time.monotonic())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
 
     def _schedule_rebalance(self) -> None:
         self._next_rebalance = time.monotonic() + self.auto.rebalance_interval_s * \
