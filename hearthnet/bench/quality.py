@@ -6,6 +6,9 @@ windows of ``--window`` tokens; each window runs through a local engine of every
 and through the fp32 reference; at every position the formats' next-token distributions
 are compared with the reference's: top-1 agreement (same arg-max) and mean KL(fp32 ‖
 format). Both use the same layer stack and head code as shards and orchestrators do.
+
+With ``--gguf smollm2|FILE.gguf`` it measures instead what holding a GGUF's own blocks costs
+against transformers running the GGUF de-quantised to fp32 (`bench/fidelity.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ from typing import Any
 
 from hearthnet.argtypes import positive
 from hearthnet.bench import machine, table, write_results
-from hearthnet.distributed_inference.directory.formats import HELD_FORMATS, head_format
+from hearthnet.distributed_inference.directory.formats import (
+    HEAD_FORMATS,
+    HELD_FORMATS,
+    head_format,
+)
 
 TEXT = Path(__file__).parent / "data" / "quality.txt"
 
@@ -24,13 +31,25 @@ TEXT = Path(__file__).parent / "data" / "quality.txt"
 def add_args(p: argparse.ArgumentParser) -> None:
     """Options of `hearthnet bench quality`."""
     p.add_argument("--model", default="smollm2", help="model alias in the store")
-    p.add_argument("--formats", nargs="+", default=["bf16", "int8", "int4"],
-                   choices=HELD_FORMATS, help="formats compared with fp32")
+    p.add_argument("--formats", nargs="+", default=None, choices=HELD_FORMATS,
+                   help="formats compared with fp32 (default bf16 int8 int4; with --gguf "
+                        "int4 int8 bf16 fp32)")
     p.add_argument("--positions", type=int, default=2048, help="positions scored (≥ 2000)")
     p.add_argument("--window", type=int, default=512, help="tokens per window")
     p.add_argument("--threads", type=positive, default=2, help="torch threads")
     p.add_argument("--results-dir", default="bench-results",
                    help="folder for quality.json (default bench-results)")
+    p.add_argument("--gguf", default=None, metavar="smollm2|FILE.gguf",
+                   help="fidelity of a GGUF's kept blocks against transformers' fp32 "
+                        "de-quantisation of the same file (quality-gguf.json)")
+    p.add_argument("--prompts", type=positive, default=5, help="--gguf: prompts (≤ 5)")
+    p.add_argument("--tokens", type=positive, default=64,
+                   help="--gguf: answer tokens per prompt")
+    p.add_argument("--head", default=None, choices=HEAD_FORMATS,
+                   help="--gguf: the head's format (default: the one that goes with each "
+                        "layers format)")
+    p.add_argument("--store", default=None,
+                   help="--gguf: store to import into (default: a scratch folder)")
 
 
 def _all_logits(head: Any, stack: Any, ids: list[int]) -> Any:
@@ -49,6 +68,12 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Score every format against fp32; returns (figures, report)."""
     import torch
 
+    if args.gguf:
+        from hearthnet.bench import fidelity
+
+        args.formats = args.formats or ["int4", "int8", "bf16", "fp32"]
+        return fidelity.run(args)
+    args.formats = args.formats or ["bf16", "int8", "int4"]
     from hearthnet.distributed_inference.engine.head import LayeredHead
     from hearthnet.distributed_inference.engine.layers import LayeredStack
     from hearthnet.models import ModelStore

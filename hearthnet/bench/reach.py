@@ -50,16 +50,18 @@ def model_bytes(entry: Any, weights: str) -> int:
     from hearthnet.distributed_inference.directory.formats import resolve_format
     from hearthnet.distributed_inference.engine.memory import layer_weight_bytes
     from hearthnet.distributed_inference.engine.quant import held_nbytes
-    from hearthnet.models.hashing import read_safetensors_header
+    from hearthnet.models.hashing import ggml_tensors, read_safetensors_header_and_metadata
 
     fmt = resolve_format(weights, entry.dtype)
     head = resolve_format(head_format(weights), entry.dtype)
     total = layer_weight_bytes(entry, 0, entry.num_layers - 1, fmt)
     for f in sorted(entry.path.glob("*.safetensors")):
-        header, _ = read_safetensors_header(f)
+        header, _, metadata = read_safetensors_header_and_metadata(f)
+        blocks = ggml_tensors(metadata)  # kept GGUF blocks: their values' shape
         for name, info in header.items():
             if ".layers." not in name:
-                shape = tuple(int(d) for d in info["shape"])  # type: ignore[attr-defined]
+                shape = blocks[name][1] if name in blocks else tuple(
+                    int(d) for d in info["shape"])  # type: ignore[attr-defined]
                 total += held_nbytes(shape, head, len(shape) == 2)
     return total
 

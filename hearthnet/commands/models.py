@@ -28,8 +28,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                           "(kept at its own precision)")
     imp.add_argument("source")
     imp.add_argument("--alias", default=None)
-    imp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=DEFAULT_GGUF_DTYPE,
-                     help="what a GGUF is de-quantised to (default bf16)")
+    imp.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "gguf"],
+                     default=DEFAULT_GGUF_DTYPE,
+                     help="what a GGUF is de-quantised to (default bf16); gguf: keep its "
+                          "own quantised blocks (a store of the GGUF's size, held exactly "
+                          "as int4)")
     imp.set_defaults(func=_import)
     syn = msub.add_parser("synth", help="write a real-shape model with random weights: "
                           + ", ".join(SHAPES))

@@ -8,6 +8,12 @@ files (one file or many, any header order). It is the SHA-256 of, for every tens
     shape as decimal comma-separated ASCII (e.g. "49152,576") | 0x00 |
     the tensor's raw little-endian bytes, row-major
 
+A tensor of GGUF quantised blocks (an import with kept blocks, `--dtype gguf`) is hashed
+as it is stored: its safetensors dtype is U8 and its shape (rows, bytes per row), and its
+dtype field names the GGML type too, `U8:` + the type (e.g. "U8:Q4_1"), because two types
+can share a row's byte length (Q4_0 and Q4_K both take 18 bytes per 32 values). The type
+comes from the file's `__metadata__` (`GGML_METADATA`).
+
 Two folders with the same tensor names, dtypes, shapes and values have the same hash;
 changing any value, name, dtype or shape changes it. Shards of a pipeline must report the
 same hash (M26 §2, §6 `weights_mismatch`).
@@ -26,6 +32,23 @@ from pathlib import Path
 from hearthnet.errors import WeightsMismatch
 
 _CHUNK = 8 << 20
+GGML_METADATA = "hearthnet.ggml"
+"""The safetensors `__metadata__` key of a file holding GGUF blocks: JSON {tensor name:
+{"type": GGML type name, "shape": logical shape}}, for each tensor stored as U8 blocks."""
+
+
+def ggml_tensors(metadata: dict[str, str] | None) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (GGML type, logical shape)} from a safetensors file's `__metadata__`."""
+    raw = (metadata or {}).get(GGML_METADATA)
+    if not raw:
+        return {}
+    return {k: (str(v["type"]), tuple(int(d) for d in v["shape"]))
+            for k, v in json.loads(raw).items()}
+
+
+def hash_dtype(dtype: str, ggml_type: str | None) -> str:
+    """The dtype field a tensor's bytes are hashed under (the module docstring)."""
+    return f"{dtype}:{ggml_type}" if ggml_type else dtype
 
 
 def file_sha256(path: Path) -> str:
@@ -46,6 +69,13 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, dict[str, object]], i
     Raises:
         WeightsMismatch: the file is truncated or its header is malformed.
     """
+    header, start, _ = read_safetensors_header_and_metadata(path)
+    return header, start
+
+
+def read_safetensors_header_and_metadata(path: Path) -> tuple[
+        dict[str, dict[str, object]], int, dict[str, str]]:
+    """`read_safetensors_header` and the file's `__metadata__` (empty when it has none)."""
     size = path.stat().st_size
     with path.open("rb") as f:
         raw = f.read(8)
@@ -59,7 +89,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, dict[str, object]], i
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise WeightsMismatch(f"{path}: corrupted safetensors header: {e}",
                                   file=str(path)) from e
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None) or {}
     data_start = 8 + n
     for name, info in header.items():
         lo, hi = info["data_offsets"]
@@ -67,14 +97,16 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, dict[str, object]], i
             raise WeightsMismatch(
                 f"{path}: truncated safetensors file (tensor {name!r} extends past the end)",
                 file=str(path))
-    return header, data_start
+    return header, data_start, metadata
 
 
 def weights_sha256(folder: Path) -> str:
     """The model's `weights_sha256` as defined in this module's docstring."""
     entries: list[tuple[str, Path, dict[str, object], int]] = []
+    ggml: dict[str, tuple[str, tuple[int, ...]]] = {}
     for f in sorted(folder.glob("*.safetensors")):
-        header, start = read_safetensors_header(f)
+        header, start, metadata = read_safetensors_header_and_metadata(f)
+        ggml.update(ggml_tensors(metadata))
         entries.extend((name, f, info, start) for name, info in header.items())
     entries.sort(key=lambda e: e[0])
     h = hashlib.sha256()
@@ -85,7 +117,8 @@ def weights_sha256(folder: Path) -> str:
             if fh is None:
                 fh = handles[f] = f.open("rb")
             shape = ",".join(str(d) for d in info["shape"])  # type: ignore[attr-defined]
-            h.update(f"{name}\0{info['dtype']}\0{shape}\0".encode())
+            dtype = hash_dtype(str(info["dtype"]), ggml[name][0] if name in ggml else None)
+            h.update(f"{name}\0{dtype}\0{shape}\0".encode())
             lo, hi = (int(x) for x in info["data_offsets"])  # type: ignore[attr-defined]
             fh.seek(start + lo)  # type: ignore[attr-defined]
             remaining = hi - lo

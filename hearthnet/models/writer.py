@@ -26,6 +26,7 @@ from typing import BinaryIO
 import torch
 
 from hearthnet.errors import ModelStoreError
+from hearthnet.models.hashing import GGML_METADATA, hash_dtype
 
 # torch dtype → safetensors dtype name (the ones a model store holds).
 ST_DTYPES: dict[torch.dtype, str] = {
@@ -38,11 +39,21 @@ INDEX = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One tensor to be written: name, dtype and shape."""
+    """One tensor to be written: name, dtype and shape; for GGUF blocks (uint8 rows of
+    blocks) also their GGML type and logical shape (`hashing.GGML_METADATA`)."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    ggml_type: str = ""
+    logical_shape: tuple[int, ...] = ()
+
+    @property
+    def hash_prefix(self) -> bytes:
+        """What `weights_sha256` hashes before the tensor's bytes (`hashing`)."""
+        shape = ",".join(str(d) for d in self.shape)
+        dtype = hash_dtype(ST_DTYPES[self.dtype], self.ggml_type or None)
+        return f"{self.name}\0{dtype}\0{shape}\0".encode()
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +85,12 @@ def _split(plan: Sequence[TensorPlan], max_file_bytes: int) -> list[list[TensorP
 
 
 def _header(group: Sequence[TensorPlan]) -> bytes:
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    meta = {"format": "pt"}
+    ggml = {t.name: {"type": t.ggml_type, "shape": list(t.logical_shape)}
+            for t in group if t.ggml_type}
+    if ggml:
+        meta[GGML_METADATA] = json.dumps(ggml, separators=(",", ":"))
+    header: dict[str, object] = {"__metadata__": meta}
     off = 0
     for t in group:
         header[t.name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
@@ -134,8 +150,7 @@ class SafetensorsWriter:
                     break
                 fhash = hashlib.sha256(head)
                 for t in group:
-                    shape = ",".join(str(d) for d in t.shape)
-                    self._whash.update(f"{t.name}\0{ST_DTYPES[t.dtype]}\0{shape}\0".encode())
+                    self._whash.update(t.hash_prefix)
                     left = t.nbytes
                     while left:
                         chunk = fh.read(min(left, 8 << 20))
@@ -193,8 +208,7 @@ class SafetensorsWriter:
             head = _header(group)
             self._fh.write(head)
             self._fhash.update(head)
-        shape = ",".join(str(d) for d in t.shape)
-        self._whash.update(f"{t.name}\0{ST_DTYPES[t.dtype]}\0{shape}\0".encode())
+        self._whash.update(t.hash_prefix)
 
     def _finish_file(self) -> None:
         assert self._fh is not None

@@ -55,9 +55,11 @@ def _tiny_tokenizer(writer: Any) -> None:
                              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_tiny_gguf(family: str, hf_folder: Path, out: Path, arch: str | None = None
-                    ) -> Path:
-    """A GGUF file of the tiny model in `hf_folder`; `arch` overrides the architecture."""
+def write_tiny_gguf(family: str, hf_folder: Path, out: Path, arch: str | None = None,
+                    quant: str | None = None) -> Path:
+    """A GGUF file of the tiny model in `hf_folder`; `arch` overrides the architecture;
+    `quant` (a GGML type gguf-py quantises, e.g. "Q4_0") quantises every matrix with it
+    (as llama.cpp's `llama-quantize` does; 1-D tensors stay F32)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -89,7 +91,12 @@ def write_tiny_gguf(family: str, hf_folder: Path, out: Path, arch: str | None = 
         names = None
     for hf_name, t in tensors.items():
         mapped = names.get_name(hf_name, try_suffixes=(".weight", ".bias")) if names else None
-        w.add_tensor(mapped or hf_name, np.ascontiguousarray(t.astype(np.float32)))
+        values = np.ascontiguousarray(t.astype(np.float32))
+        if quant and values.ndim == 2:
+            kind = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(mapped or hf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(mapped or hf_name, values)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

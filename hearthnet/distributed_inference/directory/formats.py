@@ -1,7 +1,10 @@
 """Weight format names and the routing policy over them (DESIGN.md decision 10), torch-free.
 
 Formats: `native` (the stored dtype), `fp32`, `bf16`, `fp16`, `int8`, `int4`; what each
-means for the held tensors is `engine/quant.py`. An advertisement names its shard's held
+means for the held tensors is `engine/quant.py`. `int4` is group-wise int4 quantised at
+load, or — on a store that kept a GGUF's blocks — the Q4_0/Q4_1/Q4_K blocks held exactly
+(DESIGN.md decision 15); the two never meet in one pipeline, since the stores' weights
+hashes differ. An advertisement names its shard's held
 format (never `native`: that is resolved at load).
 
 Routing (M26 §5.3, refined): a call's `weights` param is a minimum precision — a format
@@ -20,7 +23,8 @@ HEAD_FORMATS = ("fp32", "bf16", "fp16", "int8")
 KERNELS = ("onednn", "fbgemm", "int8pack", "int4pack")
 """What a quantised format's products run in on its host (`quant.kernel_of`): int8 in
 oneDNN (VNNI/AMX CPUs) or fbgemm (AVX2), both exact integer GEMMs on split activations, or
-torch's `_weight_int8pack_mm` (bf16 activations); int4 in `_weight_int4pack_mm_for_cpu`.
+torch's `_weight_int8pack_mm` (bf16 activations); int4 in `_weight_int4pack_mm_for_cpu`
+(bf16 activations; fp32 for GGUF blocks held exactly).
 Float formats run in the plain dtype's GEMM and name none. The kernel is advertised with
 the format: on a mixed mesh int8 numerics differ slightly between kernels."""
 _PRECISION = {"fp32": 3, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0}

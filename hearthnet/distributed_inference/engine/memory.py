@@ -20,7 +20,7 @@ from typing import Any
 from hearthnet.distributed_inference.engine.families import load_config
 from hearthnet.distributed_inference.engine.kv_cache import capacity_for, slot_bytes
 from hearthnet.distributed_inference.engine.quant import compute_dtype_of, held_nbytes
-from hearthnet.models.hashing import read_safetensors_header
+from hearthnet.models.hashing import ggml_tensors, read_safetensors_header_and_metadata
 from hearthnet.models.store import ModelEntry
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -66,19 +66,30 @@ class MemoryPlan:
 
 
 def _layer_tensor_shapes(entry: ModelEntry, lo: int, hi: int) -> list[tuple[int, ...]]:
+    """Logical shape of every tensor of layers `lo..hi` (GGUF blocks: their values')."""
+    return [s for s, _ in _layer_tensors(entry, lo, hi)]
+
+
+def _layer_tensors(entry: ModelEntry, lo: int, hi: int
+                   ) -> list[tuple[tuple[int, ...], str]]:
+    """(logical shape, GGML type or "") of every tensor of layers `lo..hi`."""
     shapes = []
     for f in sorted(entry.path.glob("*.safetensors")):
-        header, _ = read_safetensors_header(f)
+        header, _, metadata = read_safetensors_header_and_metadata(f)
+        ggml = ggml_tensors(metadata)
         for name, info in header.items():
             m = _LAYER.search(name)
             if m and lo <= int(m.group(1)) <= hi:
-                shapes.append(tuple(int(d) for d in info["shape"]))  # type: ignore[attr-defined]
+                kind, shape = ggml.get(name, ("", tuple(
+                    int(d) for d in info["shape"])))  # type: ignore[attr-defined]
+                shapes.append((shape, kind))
     return shapes
 
 
 def layer_weight_bytes(entry: ModelEntry, lo: int, hi: int, fmt: str) -> int:
     """Held bytes of layers `lo..hi` as `fmt` (every 2-D layer tensor is a Linear weight)."""
-    return sum(held_nbytes(s, fmt, len(s) == 2) for s in _layer_tensor_shapes(entry, lo, hi))
+    return sum(held_nbytes(s, fmt, len(s) == 2, kind)
+               for s, kind in _layer_tensors(entry, lo, hi))
 
 
 def kv_session_bytes(config: Any, lo: int, hi: int, fmt: str, tokens: int) -> int:

@@ -22,6 +22,15 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
 - `int4`: weight-only int4, asymmetric in groups of 128 (64, 32 where 128 does not divide)
   along the input dimension (gpt-fast's layout), torch's `_weight_int4pack_mm_for_cpu`;
   compute as for int8. Not in a call's default accepted set (docs/operations.md "Weight formats").
+  From a store that kept a GGUF's blocks (DESIGN.md decision 15) the Q4_0/Q4_1/Q4_K
+  blocks are held as they are — int4 groups of 32 with the blocks' own scales and zeros,
+  no second quantisation (`blocks.int4_groups`) — with fp32 scales, zeros and activations
+  (`INT4_BLOCKS_DTYPE`): the kernel's fp32 path, whose products equal the fp32
+  de-quantised weights' to fp32 rounding. (Its bf16 path — fast, vectorised — would round
+  scales, zeros, activations and outputs to bf16.) A linear of other blocks (Q8_0,
+  Q5_K, Q6_K …) is de-quantised exactly to fp32 and held as int8 per output channel (no
+  torch CPU kernel takes int8 with per-group scales); the quality benchmark reports that
+  loss.
 
 Loading is per tensor: a tensor is read from safetensors, converted to the held format and
 assigned, then the next one is read, so the stored model never sits in memory whole (a
@@ -44,10 +53,14 @@ import torch
 from torch import nn
 
 from hearthnet.distributed_inference.directory.formats import STORED
+from hearthnet.distributed_inference.engine.blocks import GROUP, Q4_TYPES, GgmlBlocks, int4_groups
 from hearthnet.dtypes import FLOAT_DTYPES
 from hearthnet.errors import BadRequest, WeightsMismatch
 
 INT4_GROUPS = (128, 64, 32)  # the largest that divides a matrix's input size
+INT4_BLOCKS_DTYPE = torch.float32  # scales, zeros and activations of int4 held from Q4
+# blocks: fp32 keeps them exact (module docstring); bf16 is the kernel's fast path
+BLOCK_FORMATS = ("int4",)  # formats that take GGUF blocks as they are (`load_module`)
 _FLOAT = FLOAT_DTYPES  # the float formats are named as the wire dtypes
 _CHUNK_ELEMENTS = 1 << 22  # quantise ≤ 4 Mi elements at a time: the fp32 temporaries of
 # one chunk stay ~16 MB each, whatever the tensor's shape (a 7B down_proj, 3584 × 18944,
@@ -322,19 +335,39 @@ class Int8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+def _int4_shape_check(n: int, k: int, gs: int) -> None:
+    if not gs or n % 16:
+        raise BadRequest(f"int4 needs input sizes divisible by {INT4_GROUPS[-1]} and "
+                         f"output sizes by 16; this model has a {n}x{k} matrix — use int8")
+
+
 class Int4Linear(nn.Module):
-    """`nn.Linear` with int4 weights, asymmetric per group of inputs (`INT4_GROUPS`)."""
+    """`nn.Linear` with int4 weights, asymmetric per group of inputs (`INT4_GROUPS`), or
+    (`from_blocks`) a GGUF's Q4 blocks as they are."""
 
     weight_int4: torch.Tensor
     scales_and_zeros: torch.Tensor
+
+    @classmethod
+    def from_blocks(cls, blocks: GgmlBlocks, bias: torch.Tensor | None,
+                    dtype: torch.dtype | None = None) -> Int4Linear:
+        """Q4_0/Q4_1/Q4_K `blocks` held exactly: groups of 32 with the blocks' scales and
+        zeros (`blocks.int4_groups`) in `dtype` (default `INT4_BLOCKS_DTYPE`), which is
+        also what activations are computed in."""
+        n, k = blocks.shape
+        _int4_shape_check(n, k, GROUP if k % GROUP == 0 else 0)
+        q, scales, zeros = int4_groups(blocks.raw.cpu(), blocks.ggml_type, blocks.shape)
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        sz = torch.stack((scales.t(), zeros.t()), dim=-1)  # (k / 32, n, 2), the kernel's
+        self._hold(q.int(), sz.to(dtype or INT4_BLOCKS_DTYPE), GROUP, bias)
+        return self
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         n, k = weight.shape
         gs = next((g for g in INT4_GROUPS if k % g == 0), 0)
-        if not gs or n % 16:
-            raise BadRequest(f"int4 needs input sizes divisible by {INT4_GROUPS[-1]} and "
-                             f"output sizes by 16; this model has a {n}x{k} matrix — use int8")
+        _int4_shape_check(n, k, gs)
         g = k // gs
         q = torch.empty((n, k), dtype=torch.int32)
         sz = torch.empty((g, n, 2), dtype=torch.float32)
@@ -345,14 +378,20 @@ class Int4Linear(nn.Module):
             q[r:r + len(w)] = torch.round((wg - lo) / s).clamp_(0, 15).reshape(len(w), k).int()
             sz[:, r:r + len(w), 0] = s.squeeze(-1).t()
             sz[:, r:r + len(w), 1] = (lo + 8 * s).squeeze(-1).t()  # zero point of q=8
-        self.in_features, self.out_features, self.group = k, n, gs
+        self._hold(q, sz.to(torch.bfloat16), gs, bias)
+
+    def _hold(self, q: torch.Tensor, sz: torch.Tensor, gs: int,
+              bias: torch.Tensor | None) -> None:
+        """Pack int32 `q` (n, k) in 0..15 with `sz` (k / gs, n, 2) (scale, zero) for the
+        kernel: weight ``(q − 8) · scale + zero``; activations are computed in sz's dtype."""
+        self.in_features, self.out_features, self.group = q.shape[1], q.shape[0], gs
         self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q, 1))
-        self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16))
+        self.register_buffer("scales_and_zeros", sz)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None \
             else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
         y = torch._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group,
                                               self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
@@ -445,34 +484,48 @@ def _place(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def load_module(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], fmt: str,
+def load_module(module: nn.Module,
+                tensors: Iterator[tuple[str, torch.Tensor | GgmlBlocks]], fmt: str,
                 where: str) -> None:
     """Fill meta `module` from (relative name, stored tensor) pairs, one tensor at a time.
 
     Float formats convert each tensor to the format's dtype; quantised formats replace
     each `nn.Linear` with its quantised module when its weight arrives (its bias, before or
-    after, goes with it) and hold the other tensors in fp32. Strict: a name that is not a
+    after, goes with it) and hold the other tensors in fp32. GGUF blocks (`GgmlBlocks`)
+    are held as they are where the format takes them (an int4 linear of Q4 blocks), else
+    de-quantised exactly to fp32 first. Strict: a name that is not a
     parameter or buffer of `module` is a `WeightsMismatch`; what stays on meta is the
     caller's to check (non-persistent buffers are re-created afterwards).
     """
     dtype = compute_dtype_of(fmt)
     quant = _QUANT_LINEAR.get(fmt)
-    for name, t in tensors:
+    for name, value in tensors:
         owner_name, _, attr = name.rpartition(".")
         try:
             owner = module.get_submodule(owner_name)
         except AttributeError:
             raise WeightsMismatch(f"{where}: weights do not match the model structure "
                                   f"(unexpected {name!r})") from None
-        if quant is not None and isinstance(owner, nn.Linear) and attr == "weight":
-            bias = owner.bias if owner.bias is not None and not owner.bias.is_meta else None
+        lin = owner if isinstance(owner, nn.Linear) and attr == "weight" else None
+        bias = lin.bias if lin is not None and lin.bias is not None \
+            and not lin.bias.is_meta else None
+        if isinstance(value, GgmlBlocks) and lin is not None and quant is Int4Linear:
+            # DESIGN.md decision 15: a GGUF's Q4 blocks held as they are; others as int8
+            module.set_submodule(owner_name, Int4Linear.from_blocks(value, bias)
+                                 if value.ggml_type in Q4_TYPES
+                                 else Int8Linear(value.dequantise(), bias))
+            if lin.bias is not None and bias is None:
+                _meta_bias(module.get_submodule(owner_name), lin.bias)
+            continue
+        t = value.dequantise() if isinstance(value, GgmlBlocks) else value
+        if quant is not None and lin is not None:
             # int8: packed at once, but `FUSE` siblings stay plain until the module is
             # whole, then are packed as one matrix (`pack_int8`)
             module.set_submodule(owner_name, Int8Linear(
                 t, bias, keep_rows=owner_name.rpartition(".")[2] in _FUSED_NAMES)
                 if quant is Int8Linear else quant(t, bias))
-            if owner.bias is not None and bias is None:
-                _meta_bias(module.get_submodule(owner_name), owner.bias)
+            if lin.bias is not None and bias is None:
+                _meta_bias(module.get_submodule(owner_name), lin.bias)
             continue
         _assign(owner, attr, _place(t.to(dtype)), name, where)
     if quant is Int8Linear:
@@ -512,13 +565,19 @@ def held_bytes(module: nn.Module) -> int:
     return total
 
 
-def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool) -> int:
+def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool, ggml_type: str = "") -> int:
     """Bytes one stored tensor takes once held as `fmt` (what `load_module` makes of it).
 
     `linear`: the tensor is an `nn.Linear` weight (quantised formats quantise only those;
-    their other tensors are held in fp32).
+    their other tensors are held in fp32). `shape`: its logical shape; `ggml_type`: the
+    GGML type of its blocks when the store kept a GGUF's blocks.
     """
     n = math.prod(shape)
+    if fmt == "int4" and linear and ggml_type:
+        if ggml_type not in Q4_TYPES:
+            return held_nbytes(shape, "int8", linear)
+        scale = torch.empty((), dtype=INT4_BLOCKS_DTYPE).element_size()
+        return n // 2 + (shape[1] // GROUP) * shape[0] * 2 * scale
     if fmt == "int8" and linear:
         return n + shape[0] * 2  # int8 values + one bf16 scale per output channel
     if fmt == "int4" and linear:

@@ -4,6 +4,11 @@ in their held format, and re-create the buffers a checkpoint does not carry.
 
 A shard is `layers[lo:hi+1]` of the same model (gpt-fast's way: features applied from
 outside, not a fork of the model code): nothing but its own tensors is read.
+
+A store that kept a GGUF's blocks (`hashing.GGML_METADATA`) is read the same way: `read`
+gives every tensor as values (blocks de-quantised exactly to fp32, `blocks.GgmlBlocks`),
+`tensors(…, blocks=True)` gives the blocks themselves, for a format that holds them
+(`int4`, DESIGN.md decision 15).
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from hearthnet.distributed_inference.engine.blocks import GgmlBlocks
 from hearthnet.distributed_inference.engine.families import family
 from hearthnet.distributed_inference.engine.quant import (
+    BLOCK_FORMATS,
     load_module,
 )
 from hearthnet.errors import BadRequest, WeightsMismatch
+from hearthnet.models.hashing import ggml_tensors
 
 _LAYER_KEY = re.compile(r"^(?P<prefix>.*?)layers\.(?P<idx>\d+)\.(?P<rest>.+)$")
 
@@ -32,9 +40,11 @@ class WeightsReader:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.index: dict[str, Path] = {}
+        self.ggml: dict[str, tuple[str, tuple[int, ...]]] = {}  # name → (type, shape)
         for f in sorted(folder.glob("*.safetensors")):
             try:
                 with safe_open(str(f), framework="pt") as st:
+                    self.ggml.update(ggml_tensors(st.metadata()))
                     for k in st.keys():  # noqa: SIM118 - safe_open has no __iter__
                         self.index[k] = f
             except (SafetensorError, OSError, ValueError) as e:
@@ -58,12 +68,23 @@ class WeightsReader:
         p = f"{self.layer_prefix}layers.{idx}."
         return [k for k in self.index if k.startswith(p)]
 
-    def tensors(self, keys: Iterable[str], prefix: str, device: torch.device | None = None
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, keys: Iterable[str], prefix: str, device: torch.device | None = None,
+                blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | GgmlBlocks]]:
         """(name relative to `prefix`, tensor) for `keys`, read one at a time
-        straight onto `device`, never the whole model in host memory (DESIGN.md decision 11)."""
+        straight onto `device`, never the whole model in host memory (DESIGN.md decision 11).
+        `blocks`: a tensor of GGUF blocks comes as its `GgmlBlocks` (on the host)."""
         for k in keys:
-            yield k[len(prefix):], self.read([k], device)[k]
+            if blocks and k in self.ggml:
+                raw = self._read([k], None)[k]
+                yield k[len(prefix):], GgmlBlocks(raw, *self.ggml[k])
+            else:
+                yield k[len(prefix):], self.read([k], device)[k]
+
+    def shape(self, key: str, st: Any) -> tuple[int, ...]:
+        """Logical shape of tensor `key` (a block tensor's values, not its bytes)."""
+        if key in self.ggml:
+            return self.ggml[key][1]
+        return tuple(int(d) for d in st.get_slice(key).get_shape())
 
     def nbytes(self, keys: Iterable[str], dtype: torch.dtype) -> int:
         """Bytes `keys` take once held in `dtype` (from the headers; nothing is read)."""
@@ -73,8 +94,8 @@ class WeightsReader:
             with safe_open(str(f), framework="pt") as st:
                 for k in ks:
                     n = 1
-                    for d in st.get_slice(k).get_shape():
-                        n *= int(d)
+                    for d in self.shape(k, st):
+                        n *= d
                     total += n * itemsize
         return total
 
@@ -86,7 +107,17 @@ class WeightsReader:
 
     def read(self, keys: Iterable[str],
              device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """Tensors `keys`, each read from its file straight onto `device` (default CPU)."""
+        """Tensors `keys`, each read from its file straight onto `device` (default CPU);
+        GGUF blocks de-quantised exactly to fp32 (on the host, then moved)."""
+        out = self._read(keys, device)
+        for k in out:
+            if k in self.ggml:
+                out[k] = GgmlBlocks(out[k], *self.ggml[k]).dequantise().to(out[k].device)
+        return out
+
+    def _read(self, keys: Iterable[str],
+              device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """Tensors `keys` as stored (GGUF blocks as their bytes)."""
         out: dict[str, torch.Tensor] = {}
         where = str(device or "cpu")
         for f, ks in self._by_file(keys).items():
@@ -122,7 +153,9 @@ def fill_module(module: nn.Module, reader: WeightsReader, keys: Iterable[str], p
     if missing:
         raise WeightsMismatch(f"{where}: weights do not match the model structure "
                               f"(missing {missing[:4]})")
-    load_module(module, reader.tensors(keys, prefix, device), fmt, where)
+    load_module(module, reader.tensors(keys, prefix, device, blocks=fmt in BLOCK_FORMATS),
+                fmt,
+                where)
     materialise_buffers(module, base, where, device or torch.device("cpu"))
 
 

@@ -1,0 +1,115 @@
+"""GGUF blocks kept (`models import … --dtype gguf`) and held as int4 exactly (DESIGN.md
+decisions 10 and 15): the store is the GGUF's size, `weights_sha256` is defined over the
+blocks as stored, and a model held as int4 from its Q4 blocks answers as the same model
+de-quantised to fp32 — transformers' own load of the GGUF."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, dequantize
+
+from hearthnet.distributed_inference.engine.blocks import GgmlBlocks, inexact_zeros
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.engine.memory import layer_weight_bytes
+from hearthnet.distributed_inference.engine.quant import Int4Linear
+from hearthnet.models import ModelStore
+from hearthnet.models.hashing import weights_sha256
+from hearthnet.models.importer import import_model, smollm2_gguf_path
+from tests.helpers.tiny_gguf import GGUF_VOCAB, write_tiny_gguf
+from tests.helpers.tiny_models import make_tiny_model
+
+IDS = list(range(40, 52))  # inside the tiny GGUF tokenizer's vocabulary
+CASES = [("llama", "Q4_0"), ("qwen2", "Q4_1")]  # q/k rows permuted; qkv biases
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory, smollm2):
+    root = tmp_path_factory.mktemp("gguf-blocks")
+    for fam, quant in CASES:
+        src = make_tiny_model(fam, root / "src" / fam, smollm2.path, seed=21, layers=4,
+                              vocab_size=GGUF_VOCAB)
+        write_tiny_gguf(fam, src, root / f"tiny-{fam}.gguf", quant=quant)
+    return root
+
+
+def _greedy(entry, fmt, n=12):
+    head = LayeredHead(entry, "fp32")
+    stack = LayeredStack(entry, 0, entry.num_layers - 1, fmt)
+    s = stack.open_session(0, entry.num_layers - 1, 64)
+    ids, out, logits = list(IDS), [], []
+    h = s.forward(head.embed(ids), 0)
+    for _ in range(n):
+        lg = head.logits(h)
+        logits.append(lg)
+        out.append(int(lg.argmax()))
+        h = s.forward(head.embed(out[-1:]), len(ids) + len(out) - 1)
+    return out, torch.stack(logits), stack
+
+
+@pytest.mark.parametrize(("family", "quant"), CASES)
+def test_kept_blocks_held_as_int4_answer_as_the_fp32_dequantised_model(family, quant,
+                                                                       ggufs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = ggufs / f"tiny-{family}.gguf"
+    entry = import_model(ModelStore(tmp_path / "store"), str(path), dtype="gguf")
+    assert entry.ggml_types == {quant: 4 * 7 + 1}  # every layer matrix and the embeddings
+    assert entry.dtype == "float32"  # `native`: the blocks de-quantised exactly
+    size = sum(f.stat().st_size for f in entry.path.glob("*.safetensors"))
+    assert size <= 1.1 * path.stat().st_size
+    assert weights_sha256(entry.path) == entry.weights_sha256
+
+    tokens, logits, stack = _greedy(entry, "int4")
+    mods = list(stack.layers.modules())
+    assert not [m for m in mods if isinstance(m, torch.nn.Linear)]
+    assert sum(isinstance(m, Int4Linear) and m.group == 32 for m in mods) == 4 * 7
+    assert stack.param_bytes() == layer_weight_bytes(entry, 0, entry.num_layers - 1, "int4")
+    ref_tokens, ref_logits, _ = _greedy(entry, "fp32")
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() < 1e-4 * ref_logits.abs().max()
+
+    hf = AutoModelForCausalLM.from_pretrained(str(ggufs), gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers de-quantises the same file to fp32
+        expected = hf(torch.tensor([IDS])).logits[0, -1]
+    assert (logits[0] - expected).abs().max() < 1e-4 * expected.abs().max()
+
+
+def test_smollm2s_real_q4_1_blocks_are_held_exactly():
+    """Every Q4_1 matrix of layer 0 of the bundled GGUF: held weights and products as
+    gguf-py's fp32 de-quantisation gives them."""
+    reader = GGUFReader(str(smollm2_gguf_path()))
+    tensors = [t for t in reader.tensors if t.name.startswith("blk.0.")
+               and t.tensor_type == GGMLQuantizationType.Q4_1]
+    assert len(tensors) == 7
+    x = torch.randn(3, 1536)
+    for t in tensors:
+        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists the input size first
+        raw = torch.from_numpy(t.data.copy())
+        ref = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(shape)
+        assert inexact_zeros(raw, "Q4_1", shape) == 0
+        lin = Int4Linear.from_blocks(GgmlBlocks(raw, "Q4_1", shape), None)
+        xs = x[:, :shape[1]]
+        bound = 1e-6 * float((xs.abs() @ ref.abs().t()).max())
+        assert float((lin(xs) - xs @ ref.t()).abs().max()) < bound, t.name
+
+
+def test_bench_quality_gguf_scores_kept_blocks_against_transformers(ggufs, tmp_path):
+    """`hearthnet bench quality --gguf FILE`: teacher-forced agreement with transformers'
+    fp32 de-quantisation of the same file; int4 from Q4 blocks agrees everywhere."""
+    from hearthnet.bench import fidelity
+
+    args = argparse.Namespace(gguf=str(ggufs / "tiny-qwen2.gguf"), formats=["int4", "fp32"],
+                              prompts=2, tokens=8, head="fp32", store=None, threads=2,
+                              results_dir=str(tmp_path))
+    f, text = fidelity.run(args)
+    for fmt in ("int4", "fp32"):
+        row = f["formats"][fmt]
+        assert row["top1_agreement"] == 1.0 and row["first_divergence"] == [None, None]
+        assert row["positions"] == 16
+    assert f["ggml_types"] == {"Q4_1": 29} and "int4/fp32" in text
+    assert (tmp_path / "quality-gguf.json").is_file()

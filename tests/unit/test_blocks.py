@@ -1,0 +1,126 @@
+"""GGUF blocks held as int4 exactly (engine/blocks.py, quant.Int4Linear.from_blocks): for
+Q4_0, Q4_1 and Q4_K the held weights are gguf-py's de-quantised fp32 weights bit for bit,
+and a product equals the fp32 product to fp32 rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize, quantize
+
+from hearthnet.distributed_inference.engine.blocks import (
+    GgmlBlocks,
+    inexact_zeros,
+    int4_groups,
+)
+from hearthnet.distributed_inference.engine.quant import Int4Linear, held_nbytes
+from hearthnet.models.hashing import hash_dtype
+
+N, K = 48, 512  # Q4_K needs inputs in super-blocks of 256; outputs a multiple of 16
+
+
+def _q4k_blocks(rng: np.random.Generator) -> np.ndarray:
+    """Q4_K blocks gguf-py cannot write: random nibbles and 6-bit scales and mins, with
+    real-sized fp16 d and dmin (random bytes there would be inf or NaN)."""
+    raw = rng.integers(0, 256, (N, K // 256, 144), dtype=np.uint8)
+    for lo in (0, 2):  # d, dmin
+        half = rng.uniform(2e-4, 2e-3, (N, K // 256)).astype(np.float16)
+        raw[..., lo:lo + 2] = half.view(np.uint8).reshape(N, K // 256, 2)
+    return raw.reshape(N, -1)
+
+
+def _blocks(kind: str) -> GgmlBlocks:
+    rng = np.random.default_rng(7)
+    if kind == "Q4_K":
+        raw = _q4k_blocks(rng)
+    else:
+        raw = quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.05,
+                       GGMLQuantizationType[kind])
+    return GgmlBlocks(torch.from_numpy(raw), kind, (N, K))
+
+
+def _reference(b: GgmlBlocks) -> torch.Tensor:
+    values = dequantize(b.raw.numpy(), GGMLQuantizationType[b.ggml_type])
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(b.shape)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_q4_blocks_map_onto_int4_groups_exactly(kind):
+    b = _blocks(kind)
+    q, scale, zero = int4_groups(b.raw, kind, b.shape)
+    held = ((q.float() - 8).reshape(N, -1, 32) * scale[..., None] + zero[..., None])
+    assert torch.equal(held.reshape(N, K), _reference(b))  # bit for bit
+    assert torch.equal(b.dequantise(), _reference(b))
+    assert inexact_zeros(b.raw, kind, b.shape) == 0
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_a_linear_held_from_blocks_computes_the_fp32_product(kind):
+    b = _blocks(kind)
+    bias = torch.randn(N)
+    lin = Int4Linear.from_blocks(b, bias)
+    x = torch.randn(5, K)
+    ref = x.double() @ _reference(b).double().t() + bias.double()
+    got = lin(x)
+    assert got.dtype == torch.float32
+    # fp32 rounding of a 512-term sum: |Σ x·w| error ≤ ~K·eps·Σ|x·w|
+    bound = 1e-6 * (x.abs().double() @ _reference(b).abs().double().t()).max()
+    assert (got.double() - ref).abs().max() < bound
+    fp32 = torch.nn.functional.linear(x, _reference(b), bias)  # what fp32 weights give
+    assert (got - fp32).abs().max() < bound
+    held = sum(t.numel() * t.element_size() for t in lin.buffers())
+    assert held == held_nbytes((N, K), "int4", True, kind)
+
+
+def test_the_fast_bf16_path_rounds_scales_zeros_and_activations():
+    """The kernel's bf16 path (not what a shard holds blocks in): each of scale, zero,
+    activation and output rounds to bf16, ~3 significant digits."""
+    b = _blocks("Q4_1")
+    x = torch.randn(2, K)
+    exact = x @ _reference(b).t()
+    fast = Int4Linear.from_blocks(b, None, torch.bfloat16)(x)
+    rel = float((fast - exact).norm() / exact.norm())
+    assert 1e-4 < rel < 2e-2
+
+
+def test_gguf_block_tensors_are_hashed_with_their_type():
+    """Q4_0 and Q4_K rows of the same byte length must not hash alike."""
+    assert hash_dtype("U8", "Q4_0") != hash_dtype("U8", "Q4_K")
+    assert hash_dtype("BF16", None) == "BF16"  # tensors of values: as before
+
+
+def test_kept_blocks_split_over_files_resume_and_hash_as_stored(tmp_path):
+    """Block tensors (uint8 rows + GGML type and logical shape in `__metadata__`) written
+    over several files: an interrupted write resumes after its last whole file, and the
+    writer's `weights_sha256` is the one `hashing` computes from the files."""
+    from hearthnet.distributed_inference.engine.weights import WeightsReader
+    from hearthnet.models.hashing import weights_sha256
+    from hearthnet.models.writer import SafetensorsWriter, TensorPlan
+
+    names = [f"model.layers.0.{n}.weight" for n in ("a", "b", "c")]
+    tensors = dict(zip(names, (_blocks(k) for k in ("Q4_0", "Q4_1", "Q4_K")), strict=True))
+    plan = [TensorPlan(k, torch.uint8, tuple(b.raw.shape), b.ggml_type, b.shape)
+            for k, b in tensors.items()]
+    plan.append(TensorPlan("model.norm.weight", torch.float32, (N,)))
+    norm = torch.randn(N)
+
+    def write(w: SafetensorsWriter, stop: str | None = None) -> set[str]:
+        done = w.resume()
+        for p in plan:
+            if p.name == stop:
+                break
+            if p.name not in done:
+                w.write(p.name, tensors[p.name].raw if p.ggml_type else norm)
+        return done
+
+    first = SafetensorsWriter(tmp_path, plan, max_file_bytes=20_000)
+    assert len(first.files) == 3  # a | b | c and the norm
+    write(first, stop=names[2])  # interrupted: a and b are in whole files
+    again = SafetensorsWriter(tmp_path, plan, max_file_bytes=20_000)
+    assert write(again) == set(names[:2])
+    result = again.close()
+    assert result.weights_sha256 == weights_sha256(tmp_path)
+    reader = WeightsReader(tmp_path)
+    assert reader.ggml[names[2]] == ("Q4_K", (N, K))
+    assert torch.equal(reader.read(names[1:2])[names[1]], _reference(tensors[names[1]]))
