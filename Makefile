@@ -74,6 +74,7 @@ bench: install
 	$(HN) bench pipeline --model qwen2.5-1.5b --weights bf16 --wire bf16 --tokens 32 --concurrency 1 2 4 8 16 --concurrency-only --json  # goal: 8 chats ≥ 4× one, p95 ≤ 2×
 	$(HN) bench pipeline --model qwen2.5-3b --weights int8 --shards 2 --node-threads 2 --tokens 32 --no-fp32 --concurrency 1 --json
 	$(HN) bench reach --model qwen2.5-3b --shards 2 --weights int8 --json
+	$(HN) bench anchor --json  # against llama.cpp, built once into ~/.cache/hearthnet/llama.cpp (about 10 min on 2 cores the first time)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

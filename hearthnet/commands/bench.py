@@ -72,7 +72,8 @@ BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
     "pipeline": ("distributed vs local tokens/s, per-hop overhead, first token, concurrency "
                  "(shards in separate processes on 127.0.0.1)", *_lazy("pipeline")),
     "quality": ("compact weight formats against fp32: top-1 agreement and mean KL of the "
-                "next-token prediction over a shipped text", *_lazy("quality")),
+                "next-token prediction over a shipped text; --gguf: a GGUF's kept blocks "
+                "against transformers' fp32 de-quantisation", *_lazy("quality")),
     "reach": ("the mission's headline: a model split over shard processes that each hold "
               "under half of it; peak RSS per process, tok/s, tokens vs local",
               *_lazy("reach")),
@@ -83,6 +84,9 @@ BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
                  "time and tokens against an unfaulted run", *_lazy("failover")),
     "placement": ("automatic vs equal layer split on three hosts with different threads "
                   "and memory budgets", *_lazy("placement")),
+    "anchor": ("HearthNet against llama.cpp (built once into a cache) on the same GGUF, "
+               "machine and threads: local decode, prefill, RSS, store size; two shards vs "
+               "llama.cpp RPC", *_lazy("anchor")),
 }
 """name → (help, add_args, run). ``run`` returns (figures as a JSON-able dict, report)."""
 
