@@ -219,10 +219,15 @@ async def test_live_queue_overflow_reconnects_and_catches_up(
         lk.start()
         try:
             assert await lk.wait_connected(10)
-            for i in range(50):  # synchronously: far more than the live queue holds
+            # one event through the live feed first: a's side of the session has subscribed
+            # (b's hello callback runs before a has read b's hello, and 50 events appended
+            # before a subscribes would all arrive by catch-up, with no overflow to test)
+            a.append("t", {"i": 0})
+            await wait_until(lambda: b.vector().get("node-a") == 1, "the live feed")
+            for i in range(1, 51):  # synchronously: far more than the live queue holds
                 a.append("t", {"i": i})
-            await wait_until(lambda: b.vector().get("node-a") == 50, "gossip state")
-            assert [e.payload["i"] for e in b.all_events()] == list(range(50))
+            await wait_until(lambda: b.vector().get("node-a") == 51, "gossip state")
+            assert [e.payload["i"] for e in b.all_events()] == list(range(51))
             assert ups[:3] == [True, False, True]  # dropped, then caught up on reconnect
         finally:
             await lk.stop()
