@@ -198,7 +198,7 @@ class ShardFailover(_Wire):
 @dataclass(frozen=True, slots=True)
 class WireWidened(_Wire):
     """A stage's activations overflowed its wire dtype: it was reopened with a wider one
-    and the step redone; no shard is blamed (issue 11 §2)."""
+    and the step redone; no shard is blamed (M26 §5.3)."""
 
     TYPE: ClassVar[str] = "wire_widened"
     shard_id: str = field(metadata=_wire(_str))
