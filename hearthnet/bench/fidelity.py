@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
     from hearthnet.distributed_inference.engine.head import LayeredHead
     from hearthnet.distributed_inference.engine.layers import LayeredStack
+    from hearthnet.distributed_inference.engine.quant import kernel_of
     from hearthnet.models import ModelStore
     from hearthnet.models.importer import SMOLLM2_ALIAS, SMOLLM2_MODEL_ID, import_gguf
 
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             got = [teacher_forced(head, stack, p, a) for p, (a, _) in
                    zip(prompts, refs, strict=True)]
             rows[fmt] = {**score(refs, got), "head_format": head.format,
+                         "kernel": kernel_of(fmt, blocks=True),
                          "layers_mb": round(stack.param_bytes() / 2**20, 1)}
             del stack, head
         store_mb = sum(f.stat().st_size for f in entry.path.glob("*.safetensors")) / 2**20
@@ -143,7 +145,8 @@ def report(f: dict[str, Any]) -> str:
     """The human-readable table of a `run` result."""
     t = table(["format (layers/head)", "top-1 agreement", "first divergence", "mean KL",
                "layers MB"],
-              [[f"{k}/{v['head_format']}", f"{100 * v['top1_agreement']:.2f} %",
+              [[f"{k}/{v['head_format']}" + (f" ({v['kernel']})" if v.get("kernel") else ""),
+                f"{100 * v['top1_agreement']:.2f} %",
                 ",".join("-" if d is None else str(d) for d in v["first_divergence"]),
                 f"{v['mean_kl']:.2e}", v["layers_mb"]] for k, v in f["formats"].items()])
     return (f"bench quality --gguf: {f['model_id']} ({Path(f['gguf']).name}, blocks "

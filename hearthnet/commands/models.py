@@ -116,7 +116,7 @@ def _list(args: argparse.Namespace) -> int:
     for e in entries:
         size = sum(int(f["size"]) for f in e.files.values()) / 2**20
         tag = " synthetic" if e.synthetic else ""
-        print(f"{e.alias:<14} {e.model_id:<40} layers={e.num_layers:<3} {e.dtype:<9} "
+        print(f"{e.alias:<14} {e.model_id:<40} layers={e.num_layers:<3} {e.stored_as:<9} "
               f"{size:>8.0f} MB sha256={e.weights_sha256[:16]}…{tag}  {e.path}")
     return 0
 

@@ -62,6 +62,13 @@ class ModelEntry:
     synthetic: bool = False
     ggml_types: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def stored_as(self) -> str:
+        """What the weights are stored as, for a listing: ``gguf:`` and the GGML types of
+        a store that kept a GGUF's blocks (``gguf:Q4_1``, ``gguf:Q4_K+Q6_K``; its `dtype`,
+        float32, is that of its other tensors and of `native`), else `dtype`."""
+        return "gguf:" + "+".join(self.ggml_types) if self.ggml_types else self.dtype
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["path"] = str(self.path)

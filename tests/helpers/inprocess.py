@@ -100,7 +100,8 @@ class InProcessMesh:
                                    endpoint=f"ws://{node_id}.inproc:1",
                                    max_concurrent_streams=max_streams,
                                    weights_format=stack.format,
-                                   kernel=kernel_of(stack.format))
+                                   kernel=kernel_of(stack.format,
+                                                    bool(self.entry.ggml_types)))
         with tempfile.TemporaryDirectory(prefix="hn-inproc-") as folder:  # nothing left
             log = EventLog(Path(folder) / f"{node_id}.sqlite", node_id)
             self.store.apply(log.append(ADVERTISED, advertisement_payload(d)))

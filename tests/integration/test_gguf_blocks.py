@@ -11,6 +11,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
+from hearthnet.commands.models import _list
+from hearthnet.distributed_inference.engine import quant as quant_module
 from hearthnet.distributed_inference.engine.blocks import GgmlBlocks, inexact_zeros
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
@@ -52,13 +54,20 @@ def _greedy(entry, fmt, n=12):
 
 @pytest.mark.parametrize(("family", "quant"), CASES)
 def test_kept_blocks_held_as_int4_answer_as_the_fp32_dequantised_model(family, quant,
-                                                                       ggufs, tmp_path):
+                                                                       ggufs, tmp_path,
+                                                                       monkeypatch, capsys):
+    """In the exact kernel (`int4pack-fp32`); the fast one rounds to bf16 (below)."""
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setattr(quant_module, "INT4_BLOCKS_DTYPE", torch.float32)
     path = ggufs / f"tiny-{family}.gguf"
     entry = import_model(ModelStore(tmp_path / "store"), str(path), dtype="gguf")
     assert entry.ggml_types == {quant: 4 * 7 + 1}  # every layer matrix and the embeddings
     assert entry.dtype == "float32"  # `native`: the blocks de-quantised exactly
+    assert entry.stored_as == f"gguf:{quant}"  # what `models list` shows, not float32
+    _list(argparse.Namespace(models_dir=str(tmp_path / "store"), json=False))
+    listed = capsys.readouterr().out
+    assert f" gguf:{quant} " in listed and "float32" not in listed
     size = sum(f.stat().st_size for f in entry.path.glob("*.safetensors"))
     assert size <= 1.1 * path.stat().st_size
     assert weights_sha256(entry.path) == entry.weights_sha256
@@ -78,6 +87,13 @@ def test_kept_blocks_held_as_int4_answer_as_the_fp32_dequantised_model(family, q
         expected = hf(torch.tensor([IDS])).logits[0, -1]
     assert (logits[0] - expected).abs().max() < 1e-4 * expected.abs().max()
 
+    monkeypatch.setattr(quant_module, "INT4_BLOCKS_DTYPE", torch.bfloat16)  # int4pack-bf16
+    _, fast, stack = _greedy(entry, "int4", n=1)
+    assert {m.scales_and_zeros.dtype for m in stack.layers.modules()
+            if isinstance(m, Int4Linear)} == {torch.bfloat16}
+    assert stack.param_bytes() == layer_weight_bytes(entry, 0, entry.num_layers - 1, "int4")
+    assert (fast[0] - expected).abs().max() < 2e-2 * expected.abs().max()  # bf16 rounding
+
 
 def test_smollm2s_real_q4_1_blocks_are_held_exactly():
     """Every Q4_1 matrix of layer 0 of the bundled GGUF: held weights and products as
@@ -92,17 +108,20 @@ def test_smollm2s_real_q4_1_blocks_are_held_exactly():
         raw = torch.from_numpy(t.data.copy())
         ref = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(shape)
         assert inexact_zeros(raw, "Q4_1", shape) == 0
-        lin = Int4Linear.from_blocks(GgmlBlocks(raw, "Q4_1", shape), None)
+        lin = Int4Linear.from_blocks(GgmlBlocks(raw, "Q4_1", shape), None, torch.float32)
         xs = x[:, :shape[1]]
         bound = 1e-6 * float((xs.abs() @ ref.abs().t()).max())
         assert float((lin(xs) - xs @ ref.t()).abs().max()) < bound, t.name
 
 
-def test_bench_quality_gguf_scores_kept_blocks_against_transformers(ggufs, tmp_path):
+def test_bench_quality_gguf_scores_kept_blocks_against_transformers(ggufs, tmp_path,
+                                                                     monkeypatch):
     """`hearthnet bench quality --gguf FILE`: teacher-forced agreement with transformers'
-    fp32 de-quantisation of the same file; int4 from Q4 blocks agrees everywhere."""
+    fp32 de-quantisation of the same file; int4 from Q4 blocks in the exact kernel agrees
+    everywhere, and the kernel is named."""
     from hearthnet.bench import fidelity
 
+    monkeypatch.setattr(quant_module, "INT4_BLOCKS_DTYPE", torch.float32)
     args = argparse.Namespace(gguf=str(ggufs / "tiny-qwen2.gguf"), formats=["int4", "fp32"],
                               prompts=2, tokens=8, head="fp32", store=None, threads=2,
                               results_dir=str(tmp_path))
@@ -111,5 +130,7 @@ def test_bench_quality_gguf_scores_kept_blocks_against_transformers(ggufs, tmp_p
         row = f["formats"][fmt]
         assert row["top1_agreement"] == 1.0 and row["first_divergence"] == [None, None]
         assert row["positions"] == 16
-    assert f["ggml_types"] == {"Q4_1": 29} and "int4/fp32" in text
+    assert f["formats"]["int4"]["kernel"] == "int4pack-fp32"
+    assert f["formats"]["fp32"]["kernel"] == ""
+    assert f["ggml_types"] == {"Q4_1": 29} and "int4/fp32 (int4pack-fp32)" in text
     assert (tmp_path / "quality-gguf.json").is_file()

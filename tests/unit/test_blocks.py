@@ -1,6 +1,7 @@
 """GGUF blocks held as int4 exactly (engine/blocks.py, quant.Int4Linear.from_blocks): for
-Q4_0, Q4_1 and Q4_K the held weights are gguf-py's de-quantised fp32 weights bit for bit,
-and a product equals the fp32 product to fp32 rounding."""
+Q4_0, Q4_1 and Q4_K the held weights are gguf-py's de-quantised fp32 weights bit for bit;
+in the exact kernel a product equals the fp32 product to fp32 rounding, in the fast one
+to bf16 rounding of the scales, zeros, activations and outputs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
+from hearthnet.distributed_inference.engine import quant
 from hearthnet.distributed_inference.engine.blocks import (
     GgmlBlocks,
     inexact_zeros,
@@ -56,10 +58,13 @@ def test_q4_blocks_map_onto_int4_groups_exactly(kind):
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
-def test_a_linear_held_from_blocks_computes_the_fp32_product(kind):
+def test_a_linear_held_from_blocks_in_the_exact_kernel_computes_the_fp32_product(
+        kind, monkeypatch):
+    monkeypatch.setattr(quant, "INT4_BLOCKS_DTYPE", torch.float32)  # int4pack-fp32
     b = _blocks(kind)
     bias = torch.randn(N)
     lin = Int4Linear.from_blocks(b, bias)
+    assert lin.scales_and_zeros.dtype == torch.float32
     x = torch.randn(5, K)
     ref = x.double() @ _reference(b).double().t() + bias.double()
     got = lin(x)
@@ -73,15 +78,32 @@ def test_a_linear_held_from_blocks_computes_the_fp32_product(kind):
     assert held == held_nbytes((N, K), "int4", True, kind)
 
 
-def test_the_fast_bf16_path_rounds_scales_zeros_and_activations():
-    """The kernel's bf16 path (not what a shard holds blocks in): each of scale, zero,
-    activation and output rounds to bf16, ~3 significant digits."""
-    b = _blocks("Q4_1")
-    x = torch.randn(2, K)
-    exact = x @ _reference(b).t()
-    fast = Int4Linear.from_blocks(b, None, torch.bfloat16)(x)
-    rel = float((fast - exact).norm() / exact.norm())
-    assert 1e-4 < rel < 2e-2
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_the_fast_bf16_kernel_rounds_scales_zeros_activations_and_outputs_only(
+        kind, monkeypatch):
+    """`int4pack-bf16`: the 4-bit values stay exact, and each of scale, zero, activation
+    and output rounds to bf16 (relative 2^-9): the product is within that of the fp32
+    de-quantised one, element by element and (~3 significant digits) over the whole —
+    a wrong scale or zero mapping (zero off by 8·scale, a 1 % scale) is far outside."""
+    monkeypatch.setattr(quant, "INT4_BLOCKS_DTYPE", torch.bfloat16)
+    b = _blocks(kind)
+    lin = Int4Linear.from_blocks(b, None)
+    assert lin.scales_and_zeros.dtype == torch.bfloat16
+    held = sum(t.numel() * t.element_size() for t in lin.buffers())
+    assert held == held_nbytes((N, K), "int4", True, kind)  # bf16 scales and zeros
+    torch.manual_seed(0)
+    x = torch.randn(5, K)
+    got = lin(x)
+    assert got.dtype == torch.float32
+    exact = x.double() @ _reference(b).double().t()
+    q, scale, zero = int4_groups(b.raw, kind, b.shape)
+    terms = ((q.float() - 8).abs().reshape(N, -1, 32) * scale.abs()[..., None]
+             + zero.abs()[..., None]).reshape(N, K).double()  # |(q−8)·scale| + |zero|
+    # x, scale and zero each rounded (2^-9), then the output (2^-9 of |y|): ≤ 2^-8 of these
+    bound = 2.0 ** -8 * (x.abs().double() @ terms.t() + exact.abs())
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    rel = float((got.double() - exact).norm() / exact.norm())
+    assert 1e-4 < rel < 2.0 ** -7  # rounded (the bf16 path), but only that
 
 
 def test_gguf_block_tensors_are_hashed_with_their_type():

@@ -155,7 +155,15 @@ def test_a_quantised_shard_names_its_kernel_and_status_shows_it() -> None:
 
 
 def test_a_shard_advertises_the_kernel_this_process_chose() -> None:
-    from hearthnet.distributed_inference.engine.quant import INT8_KERNEL, kernel_of
+    from hearthnet.distributed_inference.directory.formats import KERNELS
+    from hearthnet.distributed_inference.engine.quant import INT4_KERNEL, INT8_KERNEL, kernel_of
 
-    assert kernel_of("int8") == INT8_KERNEL and kernel_of("int4") == "int4pack"
+    assert kernel_of("int8") == INT8_KERNEL and kernel_of("int4") == "int4pack-bf16"
+    assert kernel_of("int4", blocks=True) == INT4_KERNEL  # a GGUF's Q4 blocks held as int4
     assert kernel_of("fp32") == kernel_of("bf16") == ""
+    for kernel in (INT8_KERNEL, "int4pack-bf16", "int4pack-fp32"):  # advertised as they are
+        assert kernel in KERNELS
+        d = ShardDescriptor.create(model_id="org/model", weights_sha256=SHA, layer_range=(0, 3),
+                                   host="n1", endpoint="ws://h:1", max_concurrent_streams=2,
+                                   weights_format="int4", kernel=kernel)
+        assert ShardDescriptor.from_dict(d.to_dict()).kernel == kernel

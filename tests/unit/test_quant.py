@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from hearthnet.distributed_inference.directory import formats
 from hearthnet.distributed_inference.engine import quant
 from hearthnet.distributed_inference.engine.quant import Int4Linear, Int8Linear
-from hearthnet.errors import BadRequest
+from hearthnet.errors import BadRequest, ConfigError
 
 
 def test_int8_and_int4_linear_match_the_float_product():
@@ -105,6 +107,68 @@ def test_int8_kernel_is_an_exact_integer_gemm_only_where_it_is_fast():
     finally:
         torch.set_num_threads(threads)
     assert set(ms) == {"int8pack"} and ms["int8pack"] > 0
+
+
+def test_int4_from_blocks_runs_in_the_kernel_path_a_probe_chose_and_names_it(monkeypatch):
+    """int4 held from a GGUF's Q4 blocks runs in `_weight_int4pack_mm_for_cpu`'s exact fp32
+    path or its bf16 one (~30× faster where vectorised): the probe keeps the exact one
+    unless the bf16 one is clearly faster, and `kernel_of` names what runs."""
+    probed = os.environ.get(quant.INT4_KERNEL_ENV, "auto") in ("auto", "")  # at import
+    monkeypatch.delenv(quant.INT4_KERNEL_ENV, raising=False)
+    assert quant.INT4_KERNEL in quant.INT4_KERNELS
+    assert quant.INT4_KERNELS[quant.INT4_KERNEL] == quant.INT4_BLOCKS_DTYPE
+    assert quant.kernel_of("int4", blocks=True) == quant.INT4_KERNEL
+    assert quant.kernel_of("int4") == "int4pack-bf16"  # int4 quantised at load: bf16 always
+    assert set(quant.INT4_KERNELS) <= set(formats.KERNELS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        ms = quant._int4_probe_ms()
+        assert torch.get_num_threads() == 3  # the probe leaves the process's count alone
+    finally:
+        torch.set_num_threads(threads)
+    assert set(ms) == set(quant.INT4_KERNELS) and min(ms.values()) > 0
+    assert quant.int4_kernel(probe=lambda: ms) == quant.faster_int4(ms)
+    if probed:  # every process on one machine must choose alike (answers must agree)
+        assert quant.faster_int4(ms) == quant.INT4_KERNEL
+    # measured with AVX-512 (8960 × 1536, one row): fp32 13.7 ms, bf16 0.41 ms
+    assert quant.faster_int4({"int4pack-fp32": 13.7, "int4pack-bf16": 0.41}) == "int4pack-bf16"
+    # a bf16 path that is a reference path too, or only a little faster: exact
+    for bf16 in (20.8, 13.7, 8.0):
+        assert quant.faster_int4({"int4pack-fp32": 13.7, "int4pack-bf16": bf16}) == \
+            "int4pack-fp32"
+
+    def broken() -> dict[str, float]:
+        raise RuntimeError("no bf16 int4pack kernel in this build")
+
+    assert quant.int4_kernel("auto", probe=broken) == "int4pack-fp32"
+    # kernel_of follows the dtype the blocks are held in
+    monkeypatch.setattr(quant, "INT4_BLOCKS_DTYPE", torch.float32)
+    assert quant.kernel_of("int4", blocks=True) == "int4pack-fp32"
+    monkeypatch.setattr(quant, "INT4_BLOCKS_DTYPE", torch.bfloat16)
+    assert quant.kernel_of("int4", blocks=True) == "int4pack-bf16"
+
+
+def test_the_int4_kernel_can_be_chosen_by_environment_and_a_bad_name_is_refused(monkeypatch):
+    def never() -> dict[str, float]:
+        raise AssertionError("an explicit choice needs no probe")
+
+    for value, kernel in (("exact", "int4pack-fp32"), ("int4pack-fp32", "int4pack-fp32"),
+                          ("int4pack-bf16", "int4pack-bf16"),
+                          (" Int4pack-BF16 ", "int4pack-bf16")):
+        monkeypatch.setenv(quant.INT4_KERNEL_ENV, value)
+        assert quant.int4_kernel(probe=never) == kernel
+        assert quant.int4_kernel(value, probe=never) == kernel
+    fast = {"int4pack-fp32": 10.0, "int4pack-bf16": 1.0}
+    for auto in ("auto", ""):
+        monkeypatch.setenv(quant.INT4_KERNEL_ENV, auto)
+        assert quant.int4_kernel(probe=lambda: fast) == "int4pack-bf16"
+    monkeypatch.setenv(quant.INT4_KERNEL_ENV, "fast")
+    with pytest.raises(ConfigError, match="HEARTHNET_INT4_KERNEL='fast' is not an int4 "
+                                          "kernel; use one of auto, exact, int4pack-fp32"):
+        quant.int4_kernel(probe=never)
+    with pytest.raises(ConfigError, match="'int4pack'"):
+        quant.int4_kernel("int4pack", probe=never)
 
 
 def test_an_integer_gemm_that_saturates_is_not_used(monkeypatch):

@@ -29,7 +29,8 @@ Two ways out of the blocks:
   `inexact_zeros` counts them). In fp32 the kernel's ``(q − 8)·scale + zero`` then rounds
   once, as the reference's ``d·q + m`` does: the held weight is the reference's, bit for
   bit. The kernel's fast path takes bf16 activations, scales and zeros and writes bf16
-  outputs; there the scales and zeros round to 8 bits of mantissa (`quant.Int4Linear`).
+  outputs; there the scales and zeros round to 8 bits of mantissa. Which path a process
+  uses is chosen at import (`quant.INT4_KERNEL`).
 
 Block layouts as llama.cpp's `ggml-quants.c` (`dequantize_row_q4_0/q4_1/q4_K`) defines
 them: a Q4_0 block is d (fp16) then 16 bytes whose low nibbles are elements 0..15 and

@@ -20,17 +20,31 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
     sums pairs of products in 16 bits, which 8-bit digits would overflow;
   - else `int8pack`: torch's `_weight_int8pack_mm` with bf16 activations (ARM builds).
 - `int4`: weight-only int4, asymmetric in groups of 128 (64, 32 where 128 does not divide)
-  along the input dimension (gpt-fast's layout), torch's `_weight_int4pack_mm_for_cpu`;
-  compute as for int8. Not in a call's default accepted set (docs/operations.md "Weight formats").
+  along the input dimension (gpt-fast's layout), with bf16 scales and zeros, in torch's
+  `_weight_int4pack_mm_for_cpu` with bf16 activations (`int4pack-bf16`). Not in a call's
+  default accepted set (docs/operations.md "Weight formats").
   From a store that kept a GGUF's blocks (DESIGN.md decision 15) the Q4_0/Q4_1/Q4_K
   blocks are held as they are — int4 groups of 32 with the blocks' own scales and zeros,
-  no second quantisation (`blocks.int4_groups`) — with fp32 scales, zeros and activations
-  (`INT4_BLOCKS_DTYPE`): the kernel's fp32 path, whose products equal the fp32
-  de-quantised weights' to fp32 rounding. (Its bf16 path — fast, vectorised — would round
-  scales, zeros, activations and outputs to bf16.) A linear of other blocks (Q8_0,
-  Q5_K, Q6_K …) is de-quantised exactly to fp32 and held as int8 per output channel (no
-  torch CPU kernel takes int8 with per-group scales); the quality benchmark reports that
-  loss.
+  no second quantisation (`blocks.int4_groups`) — and their products run in one of the
+  kernel's two paths, `INT4_KERNEL`, chosen when the module is imported:
+  - `int4pack-fp32`: fp32 scales, zeros, activations and outputs; exact — a product
+    equals the fp32 de-quantised weights' to fp32 rounding — but torch's non-vectorised
+    path (a 8960 × 1536 matrix and one row on an AVX-512 CPU: 13.7 ms, against 0.97 ms
+    for the dense fp32 matmul);
+  - `int4pack-bf16`: the blocks' 4-bit values still exact, but the group scales and
+    zeros, the activations and the outputs rounded to bf16 (8 bits of mantissa, ~3
+    significant digits); vectorised (the same matrix: 0.41 ms). Held from the bundled
+    SmolLM2 GGUF's blocks, with an fp32 head, it agrees with the fp32 de-quantised model
+    on 99.69 % of teacher-forced next tokens (measured by `hearthnet bench quality
+    --gguf`).
+  A probe times both on one (1024 × 1024) matrix and one activation row (`_int4_probe_ms`);
+  the exact path is kept unless the bf16 one is at least `INT4_MIN_SPEEDUP` times faster
+  — where torch's build has no vectorised bf16 path for this CPU it is not — so noise
+  never flips the choice. `HEARTHNET_INT4_KERNEL` overrides it: `auto` (the default), `exact` or
+  `int4pack-fp32`, `int4pack-bf16`. `INT4_BLOCKS_DTYPE` is the chosen path's dtype.
+  A linear of other blocks (Q8_0, Q5_K, Q6_K …) is de-quantised exactly to fp32 and held
+  as int8 per output channel (no torch CPU kernel takes int8 with per-group scales); the
+  quality benchmark reports that loss.
 
 Loading is per tensor: a tensor is read from safetensors, converted to the held format and
 assigned, then the next one is read, so the stored model never sits in memory whole (a
@@ -42,10 +56,12 @@ Format names and the routing policy live in `distributed_inference/directory/for
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeGuard
 
@@ -55,11 +71,9 @@ from torch import nn
 from hearthnet.distributed_inference.directory.formats import STORED
 from hearthnet.distributed_inference.engine.blocks import GROUP, Q4_TYPES, GgmlBlocks, int4_groups
 from hearthnet.dtypes import FLOAT_DTYPES
-from hearthnet.errors import BadRequest, WeightsMismatch
+from hearthnet.errors import BadRequest, ConfigError, WeightsMismatch
 
 INT4_GROUPS = (128, 64, 32)  # the largest that divides a matrix's input size
-INT4_BLOCKS_DTYPE = torch.float32  # scales, zeros and activations of int4 held from Q4
-# blocks: fp32 keeps them exact (module docstring); bf16 is the kernel's fast path
 BLOCK_FORMATS = ("int4",)  # formats that take GGUF blocks as they are (`load_module`)
 _FLOAT = FLOAT_DTYPES  # the float formats are named as the wire dtypes
 _CHUNK_ELEMENTS = 1 << 22  # quantise ≤ 4 Mi elements at a time: the fp32 temporaries of
@@ -196,10 +210,17 @@ def _probe_ms(kernels: Iterable[str]) -> dict[str, float]:
         else:
             run[kernel] = partial(torch._weight_int8pack_mm, torch.randn(
                 1, k, dtype=torch.bfloat16), w, scales.bfloat16())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # on a busy machine a parallel region waits for a time slice
-    try:
+    with _one_thread():
         return {kernel: _best_ms(f) for kernel, f in run.items()}
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Probe on one thread: on a busy machine a parallel region waits for a time slice."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -216,11 +237,69 @@ def _int8_kernel() -> str:
 
 INT8_KERNEL = _int8_kernel()  # what int8 products run in, in this process
 
+INT4_KERNELS = {"int4pack-fp32": torch.float32, "int4pack-bf16": torch.bfloat16}
+"""The two paths of `_weight_int4pack_mm_for_cpu` for int4 held from Q4 blocks: the dtype
+of their scales, zeros, activations and outputs (module docstring)."""
+INT4_EXACT = "int4pack-fp32"
+INT4_MIN_SPEEDUP = 2.0  # the bf16 path must be this much faster to be chosen: measured
+# ~30-35× with AVX-512, far from 1 either way, so a noisy probe does not flip the choice
+INT4_KERNEL_ENV = "HEARTHNET_INT4_KERNEL"
+_INT4_CHOICES = {"auto": "", "exact": INT4_EXACT, **{k: k for k in INT4_KERNELS}}
 
-def kernel_of(fmt: str) -> str:
+
+def _int4_probe_ms() -> dict[str, float]:
+    """ms of a (1024 × 1024) int4 product of one activation row in each of `INT4_KERNELS`,
+    best of 10, on one thread (as `_probe_ms`)."""
+    n, k = _PROBE
+    g = torch.Generator().manual_seed(0)
+    packed = torch._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g), 1)
+    sz = torch.rand(k // GROUP, n, 2, generator=g) * 1e-2
+    x = torch.randn(1, k, generator=g)
+    with _one_thread():
+        return {name: _best_ms(partial(torch._weight_int4pack_mm_for_cpu, x.to(dtype),
+                                       packed, GROUP, sz.to(dtype)), runs=10)
+                for name, dtype in INT4_KERNELS.items()}
+
+
+def faster_int4(ms: dict[str, float]) -> str:
+    """The int4 path to use given probe times `ms`: bf16 where it is at least
+    `INT4_MIN_SPEEDUP` times faster than the exact fp32 path, else the exact one."""
+    fast = ms["int4pack-bf16"] * INT4_MIN_SPEEDUP <= ms[INT4_EXACT]
+    return "int4pack-bf16" if fast else INT4_EXACT
+
+
+def int4_kernel(choice: str | None = None,
+                probe: Callable[[], dict[str, float]] = _int4_probe_ms) -> str:
+    """The path int4 products from Q4 blocks run in (`INT4_KERNELS`): `choice` (default:
+    the environment's `HEARTHNET_INT4_KERNEL`, else ``auto``) names one, or ``auto``
+    chooses by `probe` (`faster_int4`); `ConfigError` for any other value."""
+    value = os.environ.get(INT4_KERNEL_ENV, "") if choice is None else choice
+    value = value.strip().lower() or "auto"
+    if value not in _INT4_CHOICES:
+        raise ConfigError(f"{INT4_KERNEL_ENV}={value!r} is not an int4 kernel; use one of "
+                          f"{', '.join(_INT4_CHOICES)}", key=INT4_KERNEL_ENV,
+                          reason="unknown int4 kernel")
+    if value != "auto":
+        return _INT4_CHOICES[value]
+    try:
+        return faster_int4(probe())
+    except (RuntimeError, NotImplementedError):  # a build without the bf16 path
+        return INT4_EXACT
+
+
+INT4_KERNEL = int4_kernel()  # what int4 products from Q4 blocks run in, in this process
+INT4_BLOCKS_DTYPE = INT4_KERNELS[INT4_KERNEL]  # its scales, zeros and activations
+
+
+def kernel_of(fmt: str, blocks: bool = False) -> str:
     """The kernel `fmt`'s products run in, in this process (`formats.KERNELS`; "" for a
-    float format)."""
-    return {"int8": INT8_KERNEL, "int4": "int4pack"}.get(fmt, "")
+    float format). `blocks`: the weights are a GGUF's kept blocks, whose Q4 linears run
+    in the path of `INT4_BLOCKS_DTYPE`; int4 quantised at load always runs in bf16."""
+    if fmt == "int4":
+        return next(k for k, d in INT4_KERNELS.items() if d == INT4_BLOCKS_DTYPE) \
+            if blocks else "int4pack-bf16"
+    return INT8_KERNEL if fmt == "int8" else ""
 
 
 def split_rows(x: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
