@@ -26,6 +26,7 @@ Decisions:
 from __future__ import annotations
 
 import ipaddress
+import os
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -56,6 +57,15 @@ from hearthnet.ids import NODE_ID_PATTERN
 
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
 Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+COMPILE_ENV = "HEARTHNET_COMPILE"  # "0": no compiled decode steps in this process
+
+
+def compile_decode_enabled() -> bool:
+    """Whether this process compiles CPU decode steps at all (``HEARTHNET_COMPILE``; a
+    node's ``compile_decode`` may further turn them off)."""
+    return os.environ.get(COMPILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _listen_host(v: str) -> str:
@@ -152,6 +162,9 @@ class HostSection(_Section):
     # entry may override it) and whether CUDA decode steps replay a captured graph
     device: DeviceSpec = "auto"
     cuda_graphs: bool = True
+    # M26 §5.7: on the CPU, decode steps run as one compiled function once it is built (in
+    # the background; saved under <data_dir>/compiled and loaded after a restart)
+    compile_decode: bool = True
 
 
 class AutoSection(_Section):

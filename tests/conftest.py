@@ -10,6 +10,9 @@ import torch
 
 torch.set_num_threads(2)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# compiled decode steps (engine/compiled.py) take 30-70 s of both cores to build: off for
+# the suite (nodes it starts inherit this), on in the tests of compiled steps themselves
+os.environ.setdefault("HEARTHNET_COMPILE", "0")
 
 
 @pytest.fixture(scope="session")

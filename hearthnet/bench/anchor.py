@@ -293,13 +293,17 @@ def measure_local(s: Subject, built: lc.LlamaCpp, args: argparse.Namespace, logs
                   ) -> dict[str, Any]:
     """HearthNet local (a fresh `bench local` child), then llama-bench on as many prompt
     tokens; their figures and ratios."""
-    from hearthnet.bench.local import _child
+    from hearthnet.bench.local import full_with_compile
 
     ns = argparse.Namespace(model=s.alias, weights=args.weights, tokens=args.tokens,
                             runs=args.runs, threads=args.threads, prompt=args.prompt,
                             device="cpu", dtype="fp32", no_cuda_graphs=False)
     _say(f"{s.key}: HearthNet local, {args.weights}, {args.threads} threads")
-    full = _child(ns, "full")
+    try:
+        full, starts = full_with_compile(ns)
+    finally:
+        if getattr(ns, "compile_dir", ""):
+            shutil.rmtree(ns.compile_dir, ignore_errors=True)
     prefill_ms = median(full["prefill_ms"])
     hn = {"decode_tokens_per_s": round(median(full["decode_tokens_per_s"]), 2),
           "prefill_tokens_per_s": round(full["prompt_tokens"] * 1000 / prefill_ms, 1)
@@ -308,7 +312,7 @@ def measure_local(s: Subject, built: lc.LlamaCpp, args: argparse.Namespace, logs
           "decode_runs": full["decode_tokens_per_s"],
           "completion_tokens": full["completion_tokens"],
           "peak_rss_mb": full["memory"]["peak_rss_mb"], "param_mb": full["param_mb"],
-          "weights": args.weights, "kernel": full.get("int8_kernel")}
+          "weights": args.weights, "kernel": full.get("kernel", full.get("int8_kernel"))}
     _say(f"{s.key}: llama-bench, {args.threads} threads")
     ref = lc.run_llama_bench(lc.llama_bench_argv(
         built.tool("llama-bench"), s.gguf, prompt_tokens=full["prompt_tokens"],
@@ -359,6 +363,7 @@ def mesh_decode(entry: Any, args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             mesh.start(timeout=1800.0)
             start_s = round(time.perf_counter() - t0, 1)
+            steps = mesh.wait_decode_steps()  # measured as a warm node runs (M26 §5.7)
             runs = asyncio.run(_chats(mesh.nodes["node-a"].uri, entry.alias, args))
             memory = {n: pid_memory(p.proc.pid)["peak_rss_mb"] for n, p in mesh.nodes.items()
                       if p.proc is not None}
@@ -372,7 +377,7 @@ def mesh_decode(entry: Any, args: argparse.Namespace) -> dict[str, Any]:
             "decode_runs": [r["tokens_per_second"] for r in runs],
             "completion_tokens": [r["completion_tokens"] for r in runs],
             "formats": runs[-1]["formats"], "layer_split": [list(r) for r in ranges],
-            "mesh_start_s": start_s, "node_peak_rss_mb": memory}
+            "mesh_start_s": start_s, "node_peak_rss_mb": memory, "decode_steps": steps}
 
 
 async def _chats(uri: str, alias: str, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from hearthnet.argtypes import decode_tokens, positive
@@ -34,6 +36,7 @@ from hearthnet.bench import (
     table,
     write_results,
 )
+from hearthnet.config import compile_decode_enabled
 from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
 from hearthnet.errors import HearthNetError
 
@@ -62,14 +65,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default fp32)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode steps eager on CUDA (to measure what the graphs give)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="CPU decode steps eager (default: compiled, as a node runs them; "
+                        "the first start compiles into a fresh folder, a second start "
+                        "loads from it, and both times are reported)")
     p.add_argument("--results-dir", default="bench-results",
                    help="folder for local.json (default bench-results)")
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Measure every part in a fresh child process; returns (figures, report)."""
-    from pathlib import Path
-
     from hearthnet.models import ModelStore
 
     ModelStore().get(args.model)  # an unknown model: its one-line error here, not a child's
@@ -82,11 +87,17 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                      "sampling": "greedy", "prompt": args.prompt,
                      "memory": "peak RSS (VmHWM) of a fresh process per part"},
         "machine": machine(args.device)}
-    full = _child(args, "full")
-    parts = {"full": full}
-    for part in ("lower", "upper", "head", "runtime"):
-        if part in args.parts:
-            parts[part] = _child(args, part, prompt_tokens=full["prompt_tokens"])
+    try:
+        full, starts = full_with_compile(args)
+        if starts:
+            figures["compile"] = starts
+        parts = {"full": full}
+        for part in ("lower", "upper", "head", "runtime"):
+            if part in args.parts:
+                parts[part] = _child(args, part, prompt_tokens=full["prompt_tokens"])
+    finally:
+        if getattr(args, "compile_dir", ""):
+            shutil.rmtree(args.compile_dir, ignore_errors=True)
     figures.update({
         "model_id": full["model_id"], "num_layers": full["num_layers"],
         "prompt_tokens": full["prompt_tokens"],
@@ -99,6 +110,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "parts": parts})
     figures["device_name"] = full.get("device_name", "cpu")
     figures["int8_kernel"] = full["int8_kernel"]
+    figures["kernel"] = full.get("kernel", "")  # the held format's (`quant.kernel_of`)
     if args.against:
         other = _child(args, "full", weights=args.against)
         tps = round(median(other["decode_tokens_per_s"]), 2)
@@ -142,16 +154,37 @@ def _label(part: str, res: dict[str, Any]) -> str:
     return part
 
 
+def full_with_compile(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The whole model measured in a fresh process, as a node runs it: on the CPU with its
+    decode step compiled. A first start compiles into a fresh folder (a short run), the
+    measured start loads from it, as a restarted node does; ({figures}, {first_start,
+    restart: what the step ran as and when it was ready}), ({figures}, {}) when eager.
+    The folder stays in ``args.compile_dir`` for the halves' processes: the caller
+    removes it."""
+    compiling = args.device == "cpu" and not getattr(args, "no_compile", False) \
+        and compile_decode_enabled()
+    if not compiling:
+        return _child(args, "full"), {}
+    import tempfile
+
+    args.compile_dir = tempfile.mkdtemp(prefix="hearthnet-bench-compile-")
+    first = _child(args, "full", runs=1, tokens=4)
+    full = _child(args, "full")
+    return full, {"first_start": first["compile"], "restart": full["compile"]}
+
+
 def _child(args: argparse.Namespace, part: str, prompt_tokens: int = 0,
-           weights: str | None = None) -> dict[str, Any]:
-    """Measure `part` in a fresh process, with the run's format or `weights`."""
+           weights: str | None = None, runs: int = 0, tokens: int = 0) -> dict[str, Any]:
+    """Measure `part` in a fresh process, with the run's format or `weights` (and
+    `runs` × `tokens`, default the run's)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "hearthnet.bench.local", "--part", part,
            "--model", args.model, "--weights", weights or weights_of(args),
-           "--tokens", str(args.tokens), "--runs", str(args.runs),
+           "--tokens", str(tokens or args.tokens), "--runs", str(runs or args.runs),
            "--threads", str(args.threads), "--prompt", args.prompt,
            "--prompt-tokens", str(prompt_tokens), "--device", args.device,
-           "--dtype", args.dtype] + (["--no-cuda-graphs"] if args.no_cuda_graphs else [])
+           "--dtype", args.dtype] + (["--no-cuda-graphs"] if args.no_cuda_graphs else []) \
+        + (["--compile-dir", args.compile_dir] if getattr(args, "compile_dir", "") else [])
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or not lines:
@@ -184,11 +217,20 @@ def report(f: dict[str, Any]) -> str:
     return (f"bench local: {f['model_id']}, {f['tokens']} tokens × {f['runs']} runs "
             f"(median), prompt {f['prompt_tokens']} tokens, "
             f"{st['torch_threads_per_process']} torch threads, weights {f['weights']}"
-            f"{' (' + f['int8_kernel'] + ' kernel)' if f['weights'] == 'int8' else ''} "
+            f"{' (' + f['kernel'] + ' kernel)' if f.get('kernel') else ''} "
             f"({f['parts']['full']['param_mb']} MB held) on "
             f"{f.get('device_name', 'cpu')}\n{t}\n"
             f"first token {f['first_token_ms']:.1f} ms; written to {f['results_file']}"
-            f"{_against_line(f)}")
+            f"{_compile_line(f)}{_against_line(f)}")
+
+
+def _compile_line(f: dict[str, Any]) -> str:
+    """When the compiled decode step was ready, at a first start and after a restart."""
+    c = f.get("compile")
+    if not c:
+        return ""
+    return (f"\ncompiled decode step: first start {c['first_start']['state']}; restart "
+            f"{c['restart']['state']} (decode eager until then)")
 
 
 def _against_line(f: dict[str, Any]) -> str:
@@ -207,6 +249,16 @@ def _against_line(f: dict[str, Any]) -> str:
 # The child process: load one part, run it, report.
 
 
+def _compiled_ready(stack: Any, lo: int, hi: int) -> dict[str, Any]:
+    """Wait for the stack's compiled decode step (a node decodes eagerly meanwhile); what
+    it runs as and how long it took to be ready."""
+    if stack.compiled is None:
+        return {"state": "eager", "seconds": None}
+    stack.compiled.start(lo, hi)
+    state = stack.compiled.wait(lo, hi)
+    return {"state": state, "seconds": stack.compiled.seconds.get((lo, hi))}
+
+
 def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
     from hearthnet.distributed_inference.engine import quant
     from hearthnet.distributed_inference.engine.device import device_info
@@ -214,11 +266,16 @@ def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
     from hearthnet.distributed_inference.engine.sampling import SamplingParams
 
     engine = LocalEngine(entry, a.weights, head_weights=head_format(a.weights),
-                         device=a.device, cuda_graphs=not a.no_cuda_graphs)
-    out: dict[str, Any] = {"device_name": device_info(engine.stack.device)["name"],
+                         device=a.device, cuda_graphs=not a.no_cuda_graphs,
+                         compile_decode=bool(a.compile_dir),
+                         compile_dir=Path(a.compile_dir) if a.compile_dir else None)
+    compile_state = _compiled_ready(engine.stack, 0, entry.num_layers - 1)
+    out: dict[str, Any] = {"compile": compile_state,
+                           "device_name": device_info(engine.stack.device)["name"],
                            "param_mb": round((engine.stack.param_bytes()
                                               + engine.head.param_bytes()) / 2**20, 1),
-                           "int8_kernel": quant.INT8_KERNEL}
+                           "int8_kernel": quant.INT8_KERNEL,
+                           "kernel": quant.kernel_of(a.weights, bool(entry.ggml_types))}
     msgs = [{"role": "user", "content": a.prompt}]
     list(engine.generate(msgs, SamplingParams(max_tokens=4)))  # warm-up
     keys = ("prefill_ms", "first_token_ms", "decode_tokens_per_s", "completion_tokens")
@@ -256,9 +313,10 @@ def _measure_layers(entry: Any, lo: int, hi: int, a: argparse.Namespace) -> dict
     from hearthnet.distributed_inference.engine.layers import LayeredStack
 
     stack = LayeredStack(entry, lo, hi, a.weights, device=a.device,
-                         cuda_graphs=not a.no_cuda_graphs)
+                         cuda_graphs=not a.no_cuda_graphs, compile_decode=bool(a.compile_dir),
+                         compile_dir=Path(a.compile_dir) if a.compile_dir else None)
     dev = stack.device
-    out: dict[str, Any] = {"layers": [lo, hi],
+    out: dict[str, Any] = {"layers": [lo, hi], "compile": _compiled_ready(stack, lo, hi),
                            "param_mb": round(stack.param_bytes() / 2**20, 1)}
     t_prompt = max(1, a.prompt_tokens)
     gen = torch.Generator().manual_seed(0)
@@ -323,6 +381,8 @@ def child_main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--compile-dir", default="",
+                   help="compile decode steps (CPU), saved in and loaded from this folder")
     a = p.parse_args(argv)
     import torch
 

@@ -162,6 +162,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         try:
             mesh.start(timeout=1800.0)  # multi-GB shards take minutes to load
             figures["mesh_start_s"] = round(time.perf_counter() - t0, 1)
+            figures["decode_steps"] = {"mesh": mesh.wait_decode_steps(),
+                                       "local": engine.wait_compiled() if engine else None}
             def scrape() -> dict[str, str]:
                 return {n: mesh.metrics(n) for n in mesh.nodes}
 

@@ -62,6 +62,8 @@ def render(st: dict[str, Any]) -> str:
                      f"{(s['p95_latency_ms'] or 0):>7.1f} {s['age_s']:>6.1f}  {_device(s)}")
         if s.get("reason"):
             lines.append(f"    {state}: {s['reason']}")
+        if s.get("decode_step"):
+            lines.append(f"    decode step: {s['decode_step']}")
     if not st["shards"]:
         lines.append("(no live shard advertisements)")
     lines.append("")

@@ -264,6 +264,27 @@ class LocalMesh:
         raise HearthNetError(f"model {self.model} not covered as seen from {node_id} "
                              f"within {timeout:.0f} s: {st.get('models')}")
 
+    def wait_decode_steps(self, timeout: float = 600.0) -> dict[str, str]:
+        """Wait until no node's shard is still compiling its decode step (M26 §5.7; a
+        benchmark measures what a warm node runs); {shard id: what its steps run as}."""
+        deadline = time.monotonic() + timeout
+        states: dict[str, str] = {}
+        while True:
+            states = {}
+            for node_id in self.nodes:
+                try:
+                    shards = self.status(node_id)["shards"]
+                except OSError:
+                    shards = []
+                states.update({s["shard_id"]: s["decode_step"] for s in shards
+                               if s.get("decode_step")})
+            if not any(v == "compiling" for v in states.values()):
+                return states
+            if time.monotonic() > deadline:
+                raise HearthNetError(f"decode steps still compiling after {timeout:.0f} s: "
+                                     f"{states}")
+            time.sleep(0.5)
+
     def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         """Kill a node's whole process group (a host dying)."""
         p = self.nodes[node_id].proc

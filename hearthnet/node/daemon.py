@@ -321,6 +321,8 @@ class Node:
                 max_vram_mb=host.shard_max_vram_mb,
                 prefill_chunk_tokens=self.cfg.di.prefill_chunk_tokens,
                 device=device or host.device, cuda_graphs=host.cuda_graphs,
+                compile_decode=host.compile_decode,
+                compile_dir=self.cfg.effective_data_dir() / "compiled",
                 batch_window_ms=self.cfg.di.batch_window_ms,
                 mixed_prefill_tokens=self.cfg.di.mixed_prefill_tokens),
             executor=self.executor, metrics=self.metrics)

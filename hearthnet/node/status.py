@@ -16,6 +16,13 @@ def _ranges(layers: list[int]) -> list[list[int]]:
     return out
 
 
+def _decode_state(node: Any, shard_id: str) -> str | None:
+    """How this node's own shard runs its decode steps (M26 §5.7: compiled, or eager and
+    why); None for another node's shard or one not loaded."""
+    shard = getattr(node, "shards", {}).get(shard_id)
+    return shard.decode_state() if shard is not None else None
+
+
 async def mesh_status(node: Any) -> dict[str, Any]:
     """A JSON-safe snapshot of what `node` knows."""
     now = time.time()
@@ -43,7 +50,8 @@ async def mesh_status(node: Any) -> dict[str, Any]:
             "format": d.weights_format, "kernel": d.kernel, "memory_mb": d.vram_required_mb,
             "device": d.device, "device_name": d.device_name,
             "device_memory_mb": d.device_memory_mb, "vram_required_mb": d.vram_required_mb,
-            "auto": node.placement.auto_shard(d.shard_id)})  # automatic placement
+            "auto": node.placement.auto_shard(d.shard_id),  # automatic placement
+            "decode_step": _decode_state(node, d.shard_id)})
         nodes.setdefault(d.host, {"node_id": d.host, "self": False, "endpoint": d.endpoint,
                                   "online": True, "reason": None})
         if d.host != node.node_id and state == "offline":  # its listener or link is gone

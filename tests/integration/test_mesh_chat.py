@@ -90,6 +90,18 @@ def test_cli_chat_json_and_status(mesh3):
                        capture_output=True, text=True, timeout=60)
     assert "FULLY COVERED" in r.stdout
     assert "FORMAT" in r.stdout and "fp32             1643" in r.stdout
+    # a shard's own node says what its decode steps run as (M26 §5.7); the suite turns
+    # compiled steps off (tests/conftest.py), so: eager, and why
+    assert {s["decode_step"] for s in st["shards"]} == {None}  # node A hosts none
+    cfg_b = str(mesh3.nodes["node-b"].config)
+    st_b = json.loads(subprocess.run(
+        [sys.executable, "-m", "hearthnet.cli", "status", "--config", cfg_b, "--json"],
+        capture_output=True, text=True, timeout=60).stdout)
+    own = [s for s in st_b["shards"] if s["host"] == st_b["node_id"]]
+    assert [s["decode_step"] for s in own] == ["eager: HEARTHNET_COMPILE=0"]
+    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "status", "--config", cfg_b],
+                       capture_output=True, text=True, timeout=60)
+    assert "    decode step: eager: HEARTHNET_COMPILE=0" in r.stdout
 
 
 async def test_bad_requests_are_typed(mesh3):

@@ -86,7 +86,7 @@ BAD = [
     (MINIMAL + "[research.distributed_inference]\nshard_health_timeout_seconds = 0\n",
      "research.distributed_inference.shard_health_timeout_seconds", "greater than 0"),
     (MINIMAL + "[research.distributed_inference.host]\nserve_shard = true\n",
-     "research.distributed_inference.host.serve_shard", "allowed: compute_dtype"),
+     "research.distributed_inference.host.serve_shard", "allowed: compile_decode, compute_dtype"),
     (MINIMAL + "[[shards]]\nmodel = 'smollm2'\nlayers = [14, 0]\n", "shards[0].layers",
      "after last layer"),
     (MINIMAL + "[[shards]]\nmodel = 'smollm2'\nlayers = [-1, 3]\n", "shards[0].layers",

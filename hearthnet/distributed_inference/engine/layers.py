@@ -3,15 +3,18 @@ of a model, `LayeredSession` is one session's sub-range with its KV cache.
 
 KV caches are preallocated per session (`kv_cache.KVSlot`, sized by `max_length`) and
 updated by index; a step is one small function (`LayeredSession.step`, gpt-fast's
-`decode_one_token`), replayed as a captured CUDA graph for decode steps on a CUDA device
-and eager elsewhere. Batched decode steps of several sessions run as one forward
-(`LayeredStack.decode_batch`, `forward_packed`).
+`decode_one_token`), replayed as a captured CUDA graph for decode steps on a CUDA device,
+run as a compiled function on the CPU once it is ready (`compiled.CompiledDecode`,
+built in the background and cached in the data dir) and eager elsewhere. Batched decode
+steps of several sessions run as one forward (`LayeredStack.decode_batch`,
+`forward_packed`).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +23,7 @@ from torch import nn
 from hearthnet.distributed_inference.directory.formats import (
     resolve_format,
 )
+from hearthnet.distributed_inference.engine.compiled import CompiledDecode
 from hearthnet.distributed_inference.engine.device import (
     MemoryBudget,
     resolve_device,
@@ -180,8 +184,13 @@ class LayeredSession:
         t = self.check(hidden, start_pos)
         self._len = min(self._len, start_pos)  # redo: the cache is cut back (rewound)
         h = hidden.to(self.stack.device, self.stack.dtype)  # (1, T, H)
+        compiled = self.stack.compiled.step_for(self, start_pos + 1) \
+            if t == 1 and self.stack.compiled is not None else None
         if t == 1 and self.stack.graphs:
             out = self._graph()(h, start_pos)
+        elif compiled is not None:
+            positions = torch.tensor([start_pos], device=self.stack.device)
+            out = compiled(self, h, positions, start_pos + 1)
         else:
             positions = torch.arange(start_pos, start_pos + t, device=self.stack.device)
             out = self.step(h, positions, start_pos + t, plain=t == 1 or start_pos == 0)
@@ -239,7 +248,10 @@ class LayeredStack:
 
     def __init__(self, entry: ModelEntry, lo: int, hi: int, weights: str = "fp32", *,
                  device: str | torch.device = "cpu", budget_mb: int | None = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, compile_decode: bool = False,
+                 compile_dir: Path | None = None) -> None:
+        """`compile_decode`: on the CPU, decode steps run compiled once compiled (in the
+        background; saved in and loaded from `compile_dir` when given)."""
         if not (0 <= lo <= hi < entry.num_layers):
             raise BadRequest(f"layer range [{lo}, {hi}] is outside {entry.alias}'s layers; "
                              f"valid range is [0, {entry.num_layers - 1}]")
@@ -280,6 +292,15 @@ class LayeredStack:
         self._idle: dict[tuple[int, int, int], list[KVSlot]] = {}
         self.budget.release(estimate)  # the held bytes, once known (quantised: fewer)
         self.budget.reserve(self.param_bytes(), what)
+        self.compiled = CompiledDecode(self, compile_dir) \
+            if compile_decode and self.device.type == "cpu" else None
+
+    def compile_state(self) -> dict[str, str]:
+        """Per sub-range, what its decode steps run as (`CompiledDecode.state`; CUDA:
+        captured graphs or eager)."""
+        if self.compiled is not None:
+            return self.compiled.state()
+        return {"all": "cuda graphs" if self.graphs else "eager"}
 
     def layer_indices(self) -> list[int]:
         return list(range(self.lo, self.hi + 1))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,7 @@ from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.errors import BadRequest
 from hearthnet.models.store import ModelEntry
+from hearthnet.paths import data_dir
 
 
 @dataclass
@@ -49,15 +51,32 @@ class LocalEngine:
     def __init__(self, entry: ModelEntry, weights: str = "fp32",
                  head: ClientHead | None = None, head_weights: str | None = None, *,
                  limits: PromptLimits | None = None, prefill_chunk_tokens: int = 256,
-                 device: str | torch.device | None = None, cuda_graphs: bool = True) -> None:
-        """`device`: where the layers run (default: the head's device, else the CPU)."""
+                 device: str | torch.device | None = None, cuda_graphs: bool = True,
+                 compile_decode: bool = True, compile_dir: Path | None = None) -> None:
+        """`device`: where the layers run (default: the head's device, else the CPU).
+        `compile_decode`: on the CPU, decode steps run compiled once the compiled step is
+        built or loaded (in the background; `compile_dir`, default `<data dir>/compiled`)."""
         self.entry = entry
         self.limits = limits or PromptLimits()
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         where = device if device is not None else head.device if head is not None else "cpu"
         self.head = head or LayeredHead(entry, head_weights or weights, where)
-        self.stack: LayerStack = LayeredStack(entry, 0, entry.num_layers - 1, weights,
-                                              device=where, cuda_graphs=cuda_graphs)
+        stack = LayeredStack(entry, 0, entry.num_layers - 1, weights, device=where,
+                             cuda_graphs=cuda_graphs, compile_decode=compile_decode,
+                             compile_dir=compile_dir or data_dir() / "compiled")
+        if stack.compiled is not None:
+            stack.compiled.start(0, entry.num_layers - 1)
+        self.stack: LayerStack = stack
+
+    def wait_compiled(self, timeout: float | None = None) -> str:
+        """Wait for the compiled decode step (benchmarks measure what a warm node runs);
+        what the decode steps run as."""
+        stack = self.stack
+        if not isinstance(stack, LayeredStack) or stack.compiled is None:
+            return "eager"
+        n = self.entry.num_layers - 1
+        stack.compiled.wait(0, n, timeout)
+        return stack.compile_state().get(f"0-{n}", "eager")
 
     def new_generation(self, messages: list[dict[str, str]],
                        params: SamplingParams) -> Generation:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,6 +86,8 @@ class ShardSettings:
     prefill_chunk_tokens: int = 256  # a long step runs in chunks of this many positions
     device: str = "cpu"  # auto | cpu | cuda | cuda:N | mps (DESIGN.md decision 11)
     cuda_graphs: bool = True
+    compile_decode: bool = False  # CPU decode steps compiled (engine/compiled.py)
+    compile_dir: Path | None = None  # where compiled steps are saved and loaded from
     batch_window_ms: float = 2.0  # DESIGN.md decision 12: wait this long for other sessions' steps
     mixed_prefill_tokens: int = 32  # mixed rounds: prefill positions a decode round packs
 
@@ -197,18 +200,22 @@ class ShardServer:
             if self.stack is None:
                 t0 = time.perf_counter()
                 loop = asyncio.get_running_loop()
-                self.stack = await loop.run_in_executor(self.executor, self._load)
+                stack = await loop.run_in_executor(self.executor, self._load)
+                if stack.compiled is not None:  # ready before the first chat, if it can be
+                    stack.compiled.start(self.lo, self.hi)
+                self.stack = stack
                 mb = self.stack.param_bytes() / 2**20
                 log.info("shard_loaded", shard_id=self.shard_id, weights=self.weights_format,
                          weights_mb=round(mb, 1), required_mb=self.memory.total_mb,
                          device=str(self.device), ms=round((time.perf_counter() - t0) * 1000))
             return self.stack
 
-    def _load(self) -> LayerStack:
+    def _load(self) -> LayeredStack:
         s = self.settings
         return LayeredStack(self.entry, self.lo, self.hi, self.weights_format,
                             device=self.device, budget_mb=s.max_vram_mb,
-                            cuda_graphs=s.cuda_graphs)
+                            cuda_graphs=s.cuda_graphs, compile_decode=s.compile_decode,
+                            compile_dir=s.compile_dir)
 
     def _describe(self, node_id: str, endpoint: str) -> ShardDescriptor:
         """The advertised descriptor, with the device kind and memory (DESIGN.md decision 11)."""
@@ -221,7 +228,15 @@ class ShardServer:
             device=self.device.type,
             device_name=str(info.get("name", ""))[:128],
             device_memory_mb=int(info.get("total_mb", 0)),
-            kernel=kernel_of(self.weights_format))
+            kernel=kernel_of(self.weights_format, bool(self.entry.ggml_types)))
+
+    def decode_state(self) -> str | None:
+        """What this shard's decode steps run as (compiled, compiling, eager and why);
+        None while its layers are not loaded."""
+        if self.stack is None or not isinstance(self.stack, LayeredStack):
+            return None
+        return "; ".join(f"{k}: {v}" if k != f"{self.lo}-{self.hi}" else v
+                         for k, v in self.stack.compile_state().items()) or "eager"
 
     async def evict(self) -> None:
         """Free the weights (M26 §4.2); the next open reloads them."""

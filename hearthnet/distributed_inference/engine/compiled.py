@@ -1,0 +1,305 @@
+"""A compiled decode step on the CPU (M26 §5.7; DESIGN.md decision 11): one token of one
+session through a sub-range of layers, run as one `torch.compile`d function instead of
+one Python call per op.
+
+Why: on a small model the products are small and eager per-op overhead is most of a
+decode step (SmolLM2, 30 layers, int4: ~15 ms eager, ~7.5 ms compiled on a 2-core
+AVX-512 VM). A CUDA device replays a captured graph instead (`layers._DecodeGraph`).
+
+How:
+
+- The step is the family's own decoder layers called by `LayeredSession.step`, traced
+  whole (`fullgraph=True`) with dynamic shapes: the cached length and the slot's capacity
+  are symbols, so one compiled step serves every session of a sub-range at any length.
+- It is compiled once per (model weights, sub-range, format, kernel, torch, transformers,
+  CPU flags, engine source) — `artefact_key` — ahead of time (`aot_compile`) and saved in
+  the node's data dir (`<data dir>/compiled/`), with inductor's own cache beside it, so a
+  restart loads it in seconds instead of compiling again (first compile: 30-70 s on 2
+  cores for SmolLM2).
+- Compilation runs in a background thread; sessions decode eagerly until the step is
+  ready. Guards are not kept (the artefact key stands for them), so the compiled step is
+  used only for steps whose shape it was traced for: one position, at least two cached
+  positions, no mask (inside every sliding window) — everything else runs eagerly.
+- Before use, the compiled step's output is compared with the eager layers' (the
+  family's transformers modules, the reference) on one step; a difference beyond the
+  compute dtype's rounding keeps the range eager and says why.
+- A range that cannot be compiled (no C++ compiler, a rope whose frequencies depend on
+  the step, an eager-attention family, a compile error) runs eagerly; `state` says why and
+  the log records it once. ``HEARTHNET_COMPILE=0`` (or a node's ``compile_decode =
+  false``) turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hearthnet.config import COMPILE_ENV, compile_decode_enabled
+from hearthnet.distributed_inference.engine.kv_cache import CAPACITY_QUANTUM
+from hearthnet.distributed_inference.engine.quant import kernel_of
+from hearthnet.observability import get_logger
+
+if TYPE_CHECKING:
+    from hearthnet.distributed_inference.engine.layers import LayeredSession, LayeredStack
+
+log = get_logger("compiled")
+
+_ENGINE_FILES = ("layers.py", "kv_cache.py", "quant.py", "blocks.py", "compiled.py")
+_INDUCTOR_LOCK = threading.Lock()
+# the largest output difference from the eager step, relative to the output's largest
+# magnitude, that counts as the compute dtype's rounding (fp32: fusion reorders sums;
+# bf16 kernels: a flipped bf16 rounding grows through the layers — measured 0.4 % on
+# SmolLM2's 30 layers with the bf16 int4 kernel)
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 3e-2}
+
+
+def decode_step(session: LayeredSession, h: torch.Tensor, positions: torch.Tensor,
+                kv_len: int) -> torch.Tensor:
+    """What is compiled: one decode position of `session` (h (1, 1, H) at `positions`
+    (1,), attending over `kv_len` cached positions, no mask)."""
+    return session.step(h, positions, kv_len, plain=True)
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return " ".join(sorted(line.partition(":")[2].split()))
+
+
+def _source_digest(stack: LayeredStack) -> str:
+    """The engine's and the family's source: a changed layer or cache invalidates."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in _ENGINE_FILES:
+        h.update((here / name).read_bytes())
+    layer = stack.layers[0]
+    source = getattr(__import__(type(layer).__module__, fromlist=["_"]), "__file__", None)
+    if source:
+        h.update(Path(source).read_bytes())
+    return h.hexdigest()
+
+
+def artefact_key(stack: LayeredStack, start: int, end: int) -> str:
+    """What a saved compiled step was made for; a different value is a different file."""
+    import transformers  # the family's modules are transformers'
+
+    parts = {
+        "weights": stack.entry.weights_sha256, "range": [start, end],
+        "format": stack.format, "kernel": kernel_of(stack.format, bool(stack.entry.ggml_types)),
+        "dtype": str(stack.dtype),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "cpu": _cpu_flags(), "source": _source_digest(stack),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _trace_length(stack: LayeredStack) -> int:
+    """A cached length to trace with that equals no size of the model (dynamic shapes
+    would otherwise take it for that size) and fits every sliding window."""
+    c = stack.config
+    sizes = {int(v) for v in vars(c).values() if isinstance(v, int) and not isinstance(v, bool)}
+    n = 37
+    window = stack.sliding_window or CAPACITY_QUANTUM
+    while n in sizes or n % 2 == 0:
+        n += 1
+    return min(n, window - 1, CAPACITY_QUANTUM - 1)
+
+
+class CompiledDecode:
+    """The compiled decode steps of one stack, one per sub-range, built in the background.
+
+    `step_for(session, kv_len)` gives the ready step for a session's decode position, or
+    None (eager). `state()` says, per sub-range, ``compiling``, ``loaded`` / ``compiled``
+    (with seconds) or ``eager: <reason>``.
+    """
+
+    def __init__(self, stack: LayeredStack, cache_dir: Path | None, *,
+                 background: bool = True) -> None:
+        self.stack, self.cache_dir, self.background = stack, cache_dir, background
+        self._lock = threading.Lock()
+        self._steps: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
+        self._states: dict[tuple[int, int], str] = {}
+        self._threads: dict[tuple[int, int], threading.Thread] = {}
+        self.seconds: dict[tuple[int, int], float] = {}
+        self.calls = 0  # decode steps given a compiled step (tests, benchmarks)
+
+    # ---- use ----
+
+    def step_for(self, session: LayeredSession, kv_len: int
+                 ) -> Callable[..., torch.Tensor] | None:
+        """The compiled step for one decode position of `session` with `kv_len` cached
+        positions after it, or None (not ready, not compilable, or a shape it was not
+        traced for). The first call for a sub-range starts its compilation."""
+        key = (session.start, session.end)
+        fn = self._steps.get(key)
+        if fn is None:
+            if key not in self._states:
+                self.start(*key)
+            return None
+        window = self.stack.sliding_window
+        if kv_len < 2 or (window is not None and kv_len > window):
+            return None
+        self.calls += 1
+        return fn
+
+    def state(self) -> dict[str, str]:
+        """``"lo-hi"`` → what the sub-range's decode steps run as."""
+        return {f"{a}-{b}": s for (a, b), s in sorted(self._states.items())}
+
+    def wait(self, start: int, end: int, timeout: float | None = None) -> str:
+        """Wait for a sub-range's compilation (tests, benchmarks); its state."""
+        t = self._threads.get((start, end))
+        if t is not None:
+            t.join(timeout)
+        return self._states.get((start, end), "")
+
+    # ---- build ----
+
+    def start(self, start: int, end: int) -> None:
+        """Start compiling (or loading) the step of `[start, end]`, once."""
+        key = (start, end)
+        with self._lock:
+            if key in self._states:
+                return
+            reason = self._cannot()
+            if reason:
+                self._eager(key, reason)
+                return
+            self._states[key] = "compiling"
+            if not self.background:
+                self._build(key)
+                return
+            t = threading.Thread(target=self._build, args=(key,), daemon=True,
+                                 name=f"compile-{start}-{end}")
+            self._threads[key] = t
+        t.start()
+
+    def _cannot(self) -> str:
+        """Why this stack's steps cannot be compiled ("" if they can)."""
+        s = self.stack
+        if not compile_decode_enabled():
+            return f"{COMPILE_ENV}=0"
+        if s.device.type != "cpu":
+            return f"on {s.device.type} (a CUDA device replays captured graphs instead)"
+        if s.rotary.dynamic:
+            return "the rope's frequencies depend on the step (dynamic or longrope)"
+        if s.additive_mask is not None:
+            return "the family uses eager attention with an additive mask"
+        if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+            return "no C++ compiler on this machine (torch.compile's CPU backend needs one)"
+        return ""
+
+    def _eager(self, key: tuple[int, int], reason: str) -> None:
+        self._states[key] = f"eager: {reason}"
+        log.info("decode_step_eager", model=self.stack.entry.alias,
+                 layers=list(key), reason=reason)
+
+    def _build(self, key: tuple[int, int]) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn, how = self._load_or_compile(*key)
+            session = self.stack.open_session(*key, CAPACITY_QUANTUM)
+            try:
+                error = _compare(fn, session, _trace_length(self.stack))
+            finally:
+                session.close()
+            limit = TOLERANCE.get(self.stack.dtype, 1e-3)
+            if error > limit:
+                self._discard(*key)
+                self._eager(key, f"the compiled step differs from the eager layers by "
+                                 f"{error:.2e} (relative; allowed {limit:.0e})")
+                return
+        except Exception as e:  # any compile failure: the range runs eagerly, said why
+            self._eager(key, f"compilation failed: {type(e).__name__}: {str(e)[:200]}")
+            return
+        seconds = time.perf_counter() - t0
+        self.seconds[key] = seconds
+        self._steps[key] = fn
+        self._states[key] = f"{how} in {seconds:.1f} s"
+        log.info("decode_step_compiled", model=self.stack.entry.alias, layers=list(key),
+                 how=how, seconds=round(seconds, 1), max_relative_error=f"{error:.1e}")
+
+    def _path(self, start: int, end: int) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        return self.cache_dir / f"decode-{artefact_key(self.stack, start, end)}.bin"
+
+    def _discard(self, start: int, end: int) -> None:
+        path = self._path(start, end)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def _load_or_compile(self, start: int, end: int
+                         ) -> tuple[Callable[..., torch.Tensor], str]:
+        path = self._path(start, end)
+        _use_inductor_cache(self.cache_dir)
+        if path is not None and path.exists():
+            try:
+                with path.open("rb") as f:
+                    fn = torch.compiler.load_compiled_function(f, f_globals=globals())
+                return fn, "loaded"
+            except Exception as e:  # a stale or torn file: compile afresh
+                log.info("decode_step_reload_failed", path=str(path),
+                         error=f"{type(e).__name__}: {str(e)[:200]}")
+                path.unlink(missing_ok=True)
+        session = self.stack.open_session(start, end, CAPACITY_QUANTUM)
+        try:
+            fn = _aot_compile(session, _trace_length(self.stack))
+        finally:
+            session.close()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fn.save_compiled_function(str(path))  # torch writes a temporary, then renames
+        compiled: Callable[..., torch.Tensor] = fn
+        return compiled, "compiled"
+
+
+def _aot_compile(session: LayeredSession, kv_len: int) -> Any:
+    """`decode_step` compiled ahead of time for `session`'s sub-range (any session of it)."""
+    stack = session.stack
+    h = torch.zeros(1, 1, stack.hidden_size, dtype=stack.dtype, device=stack.device)
+    pos = torch.tensor([kv_len - 1], device=stack.device)
+    # guards are replaced by `artefact_key` and `step_for`'s checks (they would pickle
+    # the stack); floats are constants of the model (norm eps, scaling), not inputs
+    compiled: Any = torch.compile(decode_step, fullgraph=True, dynamic=True,
+                             options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+    with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode():
+        return compiled.aot_compile(((session, h, pos, kv_len), {}))
+
+
+def _compare(fn: Callable[..., torch.Tensor], session: LayeredSession, kv_len: int) -> float:
+    """Max |compiled − eager| / max |eager| of one decode step at `kv_len`, after an eager
+    prefill of random hidden states (both steps write the same cache position)."""
+    stack = session.stack
+    g = torch.Generator(device="cpu").manual_seed(0)
+    prefix = torch.randn(1, kv_len - 1, stack.hidden_size, generator=g).to(stack.dtype)
+    x = torch.randn(1, 1, stack.hidden_size, generator=g).to(stack.dtype)
+    pos = torch.tensor([kv_len - 1], device=stack.device)
+    with torch.inference_mode():
+        session.forward(prefix, 0)
+        ref = session.step(x, pos, kv_len, plain=True).float()
+        out = fn(session, x, pos, kv_len).float()
+    return float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+
+
+def _use_inductor_cache(cache_dir: Path | None) -> None:
+    """Inductor's cache under the node's compiled dir, so a restart finds its kernels
+    built, unless the user set ``TORCHINDUCTOR_CACHE_DIR`` (process-wide: set once)."""
+    if cache_dir is None:
+        return
+    with _INDUCTOR_LOCK:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))

@@ -1,0 +1,110 @@
+"""Compiled decode steps on the CPU (M26 §5.7, engine/compiled.py): the compiled step of
+every family the suite covers gives transformers' logits and greedy tokens, a restart
+loads the saved step instead of compiling, and a range that cannot be compiled runs
+eagerly and says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hearthnet.config import COMPILE_ENV
+from hearthnet.distributed_inference.engine import compiled as compiled_mod
+from hearthnet.distributed_inference.engine.head import LayeredHead
+from hearthnet.distributed_inference.engine.layers import LayeredStack
+from tests.helpers.tiny_models import FAMILIES
+
+PROMPT = [300, 301]  # short: the decode positions stay inside every tiny sliding window
+DECODE = 2  # kv lengths 3 and 4: inside the smallest window (qwen2: 4)
+# families whose layers cannot be traced as a compiled step, and why
+EAGER = {"gemma2": "eager attention", "phi3": "rope's frequencies depend on the step"}
+
+
+@pytest.fixture(autouse=True)
+def compiling(monkeypatch):
+    monkeypatch.setenv(COMPILE_ENV, "1")  # the suite turns compilation off
+
+
+def _compiled_stack(entry, tmp_path):
+    stack = LayeredStack(entry, 0, entry.num_layers - 1, compile_decode=True,
+                         compile_dir=tmp_path / "compiled")
+    assert stack.compiled is not None
+    stack.compiled.start(0, entry.num_layers - 1)
+    return stack, stack.compiled.wait(0, entry.num_layers - 1)
+
+
+def _greedy(head, stack, ids, n):
+    session = stack.open_session(0, stack.hi, len(ids) + n + 1)
+    logits = [head.logits(session.forward(head.embed(ids), 0))]
+    toks = [int(logits[-1].argmax())]
+    for i in range(n):
+        logits.append(head.logits(session.forward(head.embed([toks[-1]]), len(ids) + i)))
+        toks.append(int(logits[-1].argmax()))
+    session.close()
+    return toks, torch.stack(logits)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_compiled_step_gives_transformers_tokens(family, family_models, family_reference,
+                                                 tmp_path):
+    entry = family_models[1][family]
+    stack, state = _compiled_stack(entry, tmp_path)
+    if family in EAGER:
+        assert state.startswith("eager: ") and EAGER[family] in state, state
+        return
+    assert state.startswith("compiled in "), state
+    toks, logits = _greedy(LayeredHead(entry), stack, PROMPT, DECODE)
+    assert stack.compiled.calls == DECODE  # every decode step ran compiled
+    with torch.no_grad():
+        ref = family_reference(entry)(torch.tensor([PROMPT + toks[:-1]])).logits[
+            0, len(PROMPT) - 1:]
+    diff = (logits - ref).abs().max().item()
+    assert diff < 1e-4, f"{family}: compiled step's logits differ by {diff}"
+    assert ref.argmax(-1).tolist() == toks
+
+
+def test_restart_loads_the_saved_step(family_models, tmp_path):
+    entry = family_models[1]["llama"]
+    _, first = _compiled_stack(entry, tmp_path)
+    assert first.startswith("compiled in "), first
+    saved = list((tmp_path / "compiled").glob("decode-*.bin"))
+    assert len(saved) == 1
+    stack, again = _compiled_stack(entry, tmp_path)  # a new stack: a restarted node
+    assert again.startswith("loaded in "), again
+    toks, _ = _greedy(LayeredHead(entry), stack, PROMPT, DECODE)
+    assert stack.compiled.calls == DECODE
+    eager = LayeredStack(entry, 0, entry.num_layers - 1)
+    assert toks == _greedy(LayeredHead(entry), eager, PROMPT, DECODE)[0]
+
+
+def test_a_failed_compile_runs_eagerly_and_says_why(family_models, tmp_path, monkeypatch):
+    def broken(*_):
+        raise RuntimeError("no kernel for this op")
+
+    monkeypatch.setattr(compiled_mod, "_aot_compile", broken)
+    entry = family_models[1]["qwen3"]
+    stack, state = _compiled_stack(entry, tmp_path)
+    assert state == "eager: compilation failed: RuntimeError: no kernel for this op"
+    assert stack.compile_state() == {f"0-{entry.num_layers - 1}": state}
+    head = LayeredHead(entry)
+    eager = LayeredStack(entry, 0, entry.num_layers - 1)
+    assert _greedy(head, stack, PROMPT, DECODE)[0] == _greedy(head, eager, PROMPT, DECODE)[0]
+    assert stack.compiled.calls == 0
+
+
+def test_a_step_that_differs_from_eager_is_not_used(family_models, tmp_path, monkeypatch):
+    monkeypatch.setitem(compiled_mod.TOLERANCE, torch.float32, -1.0)  # any difference fails
+    entry = family_models[1]["llama3"]
+    stack, state = _compiled_stack(entry, tmp_path)
+    assert state.startswith("eager: the compiled step differs from the eager layers"), state
+    assert not list((tmp_path / "compiled").glob("decode-*.bin"))  # not kept for a restart
+    _greedy(LayeredHead(entry), stack, PROMPT, DECODE)
+    assert stack.compiled.calls == 0  # every step ran eagerly
+
+
+def test_turned_off(family_models, tmp_path, monkeypatch):
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    stack, state = _compiled_stack(family_models[1]["llama"], tmp_path)
+    assert state == "eager: HEARTHNET_COMPILE=0"
+    assert stack.compile_state() == {"0-5": state}
+    assert not (tmp_path / "compiled").exists()  # nothing compiled, nothing written
