@@ -10,6 +10,7 @@ import torch
 
 from hearthnet.config import COMPILE_ENV
 from hearthnet.distributed_inference.engine import compiled as compiled_mod
+from hearthnet.distributed_inference.engine import quant
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from tests.helpers.tiny_models import FAMILIES
@@ -25,8 +26,8 @@ def compiling(monkeypatch):
     monkeypatch.setenv(COMPILE_ENV, "1")  # the suite turns compilation off
 
 
-def _compiled_stack(entry, tmp_path):
-    stack = LayeredStack(entry, 0, entry.num_layers - 1, compile_decode=True,
+def _compiled_stack(entry, tmp_path, weights="fp32"):
+    stack = LayeredStack(entry, 0, entry.num_layers - 1, weights, compile_decode=True,
                          compile_dir=tmp_path / "compiled")
     assert stack.compiled is not None
     stack.compiled.start(0, entry.num_layers - 1)
@@ -61,6 +62,26 @@ def test_compiled_step_gives_transformers_tokens(family, family_models, family_r
     diff = (logits - ref).abs().max().item()
     assert diff < 1e-4, f"{family}: compiled step's logits differ by {diff}"
     assert ref.argmax(-1).tolist() == toks
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_quantised_formats_compile_to_their_eager_tokens(weights, family_models, tmp_path):
+    """The quantised linears (fused q|k|v and gate|up, their kernels) trace into the
+    compiled step, which answers as the same format's eager layers do."""
+    entry = family_models[1]["llama"]
+    stack, state = _compiled_stack(entry, tmp_path, weights)
+    if weights == "int8" and quant.INT8_KERNEL == "fbgemm":  # AVX2-only CPUs, some VMs
+        assert state == ("eager: int8 runs in fbgemm on this CPU, whose packed weights (a "
+                         "TorchScript object) torch.compile cannot trace")
+        return
+    assert state.startswith("compiled in "), state
+    head = LayeredHead(entry)
+    toks, logits = _greedy(head, stack, PROMPT, DECODE)
+    assert stack.compiled.calls == DECODE
+    eager_toks, eager_logits = _greedy(head, LayeredStack(entry, 0, entry.num_layers - 1,
+                                                          weights), PROMPT, DECODE)
+    assert toks == eager_toks
+    assert (logits - eager_logits).abs().max() < 1e-2 * eager_logits.abs().max()
 
 
 def test_restart_loads_the_saved_step(family_models, tmp_path):

@@ -160,6 +160,20 @@ def test_goals_each_marked_met_or_missed_with_its_figure():
     assert not g["qwen1.5b decode_ratio"]["met"] and not g["qwen1.5b store_ratio"]["met"]
 
 
+def test_a_restarted_engine_has_its_compiled_step_within_five_seconds():
+    m = _model(0.81, 0.7, 1.0, mesh=2.0)
+    m["local"]["hearthnet"] = {"compile": {
+        "first_start": {"state": "compiled in 29.3 s", "seconds": 29.3},
+        "restart": {"state": "loaded in 6.2 s", "seconds": 6.2}}}
+    g = anchor.evaluate_goals({"smollm2": m})
+    assert g["smollm2 restart_compiled_step_s"] == {"measured": 6.2, "goal": "≤ 5.0",
+                                                    "met": False}
+    m["local"]["hearthnet"]["compile"]["restart"]["seconds"] = 2.5
+    assert anchor.evaluate_goals({"smollm2": m})["smollm2 restart_compiled_step_s"]["met"]
+    del m["local"]["hearthnet"]["compile"]  # compiled steps off: not checked
+    assert "smollm2 restart_compiled_step_s" not in anchor.evaluate_goals({"smollm2": m})
+
+
 def test_a_figure_not_measured_is_missed_and_a_skipped_part_is_not_checked():
     g = anchor.evaluate_goals({"smollm2": {"store_ratio": 3.0, "local": {"error": "x"}}})
     assert g["smollm2 decode_ratio"] == {"measured": None, "goal": "≥ 0.8", "met": False}

@@ -199,6 +199,9 @@ class CompiledDecode:
             return "the rope's frequencies depend on the step (dynamic or longrope)"
         if s.additive_mask is not None:
             return "the family uses eager attention with an additive mask"
+        if s.format == "int8" and kernel_of("int8") == "fbgemm":
+            return ("int8 runs in fbgemm on this CPU, whose packed weights (a TorchScript "
+                    "object) torch.compile cannot trace")
         if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
             return "no C++ compiler on this machine (torch.compile's CPU backend needs one)"
         return ""
@@ -224,7 +227,8 @@ class CompiledDecode:
                                  f"{error:.2e} (relative; allowed {limit:.0e})")
                 return
         except Exception as e:  # any compile failure: the range runs eagerly, said why
-            self._eager(key, f"compilation failed: {type(e).__name__}: {str(e)[:200]}")
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            self._eager(key, f"compilation failed: {type(e).__name__}: {first}")
             return
         seconds = time.perf_counter() - t0
         self.seconds[key] = seconds
