@@ -13,7 +13,9 @@ http://127.0.0.1:PORT/`` (``--api-port``, default 8080) — point a chat front-e
 
 With ``--json`` every line on stdout is one JSON object: ``demo_mesh`` (the nodes, their
 pids and the temporary folder), then the chat's frames as the node sends them
-(``shard_status``, ``token_delta``, ``done`` …), then ``demo_stopped``.
+(``shard_status``, ``token_delta``, ``done`` …), then ``demo_stopped``. Between
+``demo_mesh`` and the frames, ``demo_decode_steps``: what each shard's decode steps run as
+(the first demo on a machine waits for them to compile; later ones load them).
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def _run(args: argparse.Namespace) -> int:
         mesh = LocalMesh(specs, root=root, model=MODEL, threads=1)
         mesh.start()
         _announce(mesh, specs, root, time.perf_counter() - t0, args.json)
+        _decode_steps(mesh, args.json)
         rc = asyncio.run(_chat(mesh.nodes["node-a"].uri, args, sampling))
         if args.serve and rc == 0:
             _serve(mesh.nodes["node-a"].api, args.json)
@@ -120,6 +123,23 @@ def _run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _decode_steps(mesh: Any, as_json: bool) -> None:
+    """Wait for the shards' compiled decode steps (M26 §5.7): compiled once into the model
+    store by the first demo on a machine (about half a minute), loaded in seconds by every
+    later one; say what each shard's steps run as."""
+    states = mesh.decode_steps()
+    if "compiling" in states.values():
+        _say("compiling the shards' decode steps (once per machine: later runs load them) …",
+             as_json)
+        states = mesh.wait_decode_steps()
+    if as_json:
+        print(json.dumps({"type": "demo_decode_steps", "shards": states}), flush=True)
+        return
+    for shard_id, state in states.items():
+        print(f"  {shard_id.rsplit(':', 1)[-1]}: decode step {state}")
+    print(flush=True)
 
 
 def _serve(api: str, as_json: bool) -> None:

@@ -264,20 +264,24 @@ class LocalMesh:
         raise HearthNetError(f"model {self.model} not covered as seen from {node_id} "
                              f"within {timeout:.0f} s: {st.get('models')}")
 
-    def wait_decode_steps(self, timeout: float = 600.0) -> dict[str, str]:
-        """Wait until no node's shard is still compiling its decode step (M26 §5.7; a
-        benchmark measures what a warm node runs); {shard id: what its steps run as}."""
-        deadline = time.monotonic() + timeout
+    def decode_steps(self) -> dict[str, str]:
+        """{shard id: what its decode steps run as}, from each shard's own node (M26 §5.7)."""
         states: dict[str, str] = {}
+        for node_id in self.nodes:
+            try:
+                shards = self.status(node_id)["shards"]
+            except OSError:
+                shards = []
+            states.update({s["shard_id"]: s["decode_step"] for s in shards
+                           if s.get("decode_step")})
+        return states
+
+    def wait_decode_steps(self, timeout: float = 600.0) -> dict[str, str]:
+        """Wait until no node's shard is still compiling its decode step (a benchmark
+        measures what a warm node runs); `decode_steps`."""
+        deadline = time.monotonic() + timeout
         while True:
-            states = {}
-            for node_id in self.nodes:
-                try:
-                    shards = self.status(node_id)["shards"]
-                except OSError:
-                    shards = []
-                states.update({s["shard_id"]: s["decode_step"] for s in shards
-                               if s.get("decode_step")})
+            states = self.decode_steps()
             if not any(v == "compiling" for v in states.values()):
                 return states
             if time.monotonic() > deadline:

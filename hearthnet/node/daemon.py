@@ -56,6 +56,7 @@ from hearthnet.distributed_inference.directory.health import ShardHealthTracker
 from hearthnet.distributed_inference.directory.liveness import HostLiveness
 from hearthnet.distributed_inference.directory.routing import RoutingSettings, ShardRouter
 from hearthnet.distributed_inference.directory.store import ShardStore
+from hearthnet.distributed_inference.engine.compiled import compile_dir_of
 from hearthnet.distributed_inference.engine.device import resolve_device
 from hearthnet.distributed_inference.engine.generation import PromptLimits
 from hearthnet.distributed_inference.orchestrator.pipeline import PipelineOrchestrator
@@ -322,7 +323,7 @@ class Node:
                 prefill_chunk_tokens=self.cfg.di.prefill_chunk_tokens,
                 device=device or host.device, cuda_graphs=host.cuda_graphs,
                 compile_decode=host.compile_decode,
-                compile_dir=self.cfg.effective_data_dir() / "compiled",
+                compile_dir=compile_dir_of(entry),
                 batch_window_ms=self.cfg.di.batch_window_ms,
                 mixed_prefill_tokens=self.cfg.di.mixed_prefill_tokens),
             executor=self.executor, metrics=self.metrics)

@@ -10,7 +10,6 @@ import torch
 
 from hearthnet.config import COMPILE_ENV
 from hearthnet.distributed_inference.engine import compiled as compiled_mod
-from hearthnet.distributed_inference.engine import quant
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from tests.helpers.tiny_models import FAMILIES
@@ -66,13 +65,14 @@ def test_compiled_step_gives_transformers_tokens(family, family_models, family_r
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_quantised_formats_compile_to_their_eager_tokens(weights, family_models, tmp_path):
-    """The quantised linears (fused q|k|v and gate|up, their kernels) trace into the
-    compiled step, which answers as the same format's eager layers do."""
+    """int4's linears (the GGUF-block and re-quantised kernel) trace into the compiled
+    step, which answers as the same format's eager layers do; int8 says why it stays
+    eager."""
     entry = family_models[1]["llama"]
     stack, state = _compiled_stack(entry, tmp_path, weights)
-    if weights == "int8" and quant.INT8_KERNEL == "fbgemm":  # AVX2-only CPUs, some VMs
-        assert state == ("eager: int8 runs in fbgemm on this CPU, whose packed weights (a "
-                         "TorchScript object) torch.compile cannot trace")
+    if weights == "int8":
+        assert state == ("eager: int8's fused q|k|v and gate|up share one product per input "
+                         "through Python state, which torch.compile cannot trace")
         return
     assert state.startswith("compiled in "), state
     head = LayeredHead(entry)
@@ -96,6 +96,9 @@ def test_restart_loads_the_saved_step(family_models, tmp_path):
     assert stack.compiled.calls == DECODE
     eager = LayeredStack(entry, 0, entry.num_layers - 1)
     assert toks == _greedy(LayeredHead(entry), eager, PROMPT, DECODE)[0]
+    saved[0].write_bytes(b"not a compiled step")  # torn or foreign: compiled afresh
+    _, third = _compiled_stack(entry, tmp_path)
+    assert third.startswith("compiled in ") and "(the saved step did not load: " in third
 
 
 def test_a_failed_compile_runs_eagerly_and_says_why(family_models, tmp_path, monkeypatch):

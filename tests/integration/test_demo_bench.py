@@ -83,6 +83,10 @@ def test_demo_json_streams_through_the_mesh_and_stops_every_node(smollm2):
         "node-a": [], "node-b": [[0, 14]], "node-c": [[15, 29]]}
     kinds = [f["type"] for f in frames]
     assert kinds.count("shard_status") == 2
+    # what each shard's decode steps run as (the suite turns compiled steps off)
+    steps = frames[1]
+    assert steps["type"] == "demo_decode_steps" and len(steps["shards"]) == 2
+    assert set(steps["shards"].values()) == {"eager: HEARTHNET_COMPILE=0"}
     tokens = [f for f in frames if f["type"] == "token_delta"]
     assert 1 <= len(tokens) <= 16 and "".join(t["text"] for t in tokens).strip()
     done = next(f for f in frames if f["type"] == "done")

@@ -17,7 +17,7 @@ from hearthnet.distributed_inference.engine.blocks import GgmlBlocks, inexact_ze
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.engine.memory import layer_weight_bytes
-from hearthnet.distributed_inference.engine.quant import FusedMember, Int4Linear
+from hearthnet.distributed_inference.engine.quant import Int4Linear
 from hearthnet.models import ModelStore
 from hearthnet.models.hashing import weights_sha256
 from hearthnet.models.importer import import_model, smollm2_gguf_path
@@ -75,9 +75,7 @@ def test_kept_blocks_held_as_int4_answer_as_the_fp32_dequantised_model(family, q
     tokens, logits, stack = _greedy(entry, "int4")
     mods = list(stack.layers.modules())
     assert not [m for m in mods if isinstance(m, torch.nn.Linear)]
-    # per layer: o_proj, down_proj, q|k|v as one matrix, gate|up as one (quant.fuse_int4)
-    assert sum(isinstance(m, Int4Linear) and m.group == 32 for m in mods) == 4 * 4
-    assert sum(isinstance(m, FusedMember) for m in mods) == 4 * 5
+    assert sum(isinstance(m, Int4Linear) and m.group == 32 for m in mods) == 4 * 7
     assert stack.param_bytes() == layer_weight_bytes(entry, 0, entry.num_layers - 1, "int4")
     ref_tokens, ref_logits, _ = _greedy(entry, "fp32")
     assert tokens == ref_tokens

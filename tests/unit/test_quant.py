@@ -276,35 +276,3 @@ def test_siblings_reading_one_input_run_as_one_fused_gemm(kernel, monkeypatch):
         assert len(calls) == 4
         want = torch.nn.functional.linear(x, ref.q_proj.weight, ref.q_proj.bias)
         assert float((outs["q_proj"] - want).norm() / want.norm()) < 0.02
-
-
-def test_int4_siblings_run_as_one_product_with_the_same_numbers(monkeypatch):
-    """q/k/v held as int4 are one matrix (their values concatenated before packing: the
-    kernel's packed layout tiles rows, so packed matrices cannot be concatenated): one
-    int4 product per input, each member's output equal to its own linear's."""
-    torch.manual_seed(0)
-    ref = _Attn()
-    with torch.device("meta"):
-        held = _Attn()
-    quant.load_module(held, iter(ref.state_dict().items()), "int4", "test")
-    assert isinstance(held.q_proj, quant.FusedMember) and held.q_proj.group is held.v_proj.group
-    group = held.q_proj.group
-    assert isinstance(group.inner, Int4Linear) and group.inner.packed
-    assert group.splits == [64, 16, 16] and isinstance(held.o_proj, Int4Linear)
-    # held once: the fused q|k|v as int4 + its (scale, zero) pairs + fp32 bias, and o_proj
-    assert quant.held_bytes(held) == quant.held_bytes(group.inner) + quant.held_bytes(
-        held.o_proj)
-    x = torch.randn(3, 64)
-    solo = {n: Int4Linear(getattr(ref, n).weight.detach(), getattr(ref, n).bias.detach())(x)
-            for n in ("q_proj", "k_proj", "v_proj")}
-    calls = []
-    real = torch._weight_int4pack_mm_for_cpu
-    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu",
-                        lambda *a: calls.append(1) or real(*a))
-    with torch.inference_mode():
-        outs = {n: getattr(held, n)(x) for n in ("v_proj", "q_proj", "k_proj")}
-    assert len(calls) == 1
-    for n, y in outs.items():
-        assert torch.equal(y, solo[n]), n  # the same values and kernel: the same numbers
-    with pytest.raises(ValueError, match="before they are packed"):
-        Int4Linear.concat([held.o_proj, held.o_proj])

@@ -13,7 +13,8 @@ How:
   are symbols, so one compiled step serves every session of a sub-range at any length.
 - It is compiled once per (model weights, sub-range, format, kernel, torch, transformers,
   CPU flags, engine source) — `artefact_key` — ahead of time (`aot_compile`) and saved in
-  the node's data dir (`<data dir>/compiled/`), with inductor's own cache beside it, so a
+  the model store (`<models>/.compiled/`, `compile_dir_of`), with inductor's own cache
+  beside it, so every node and engine that uses the store finds it and a
   restart loads it in seconds instead of compiling again (first compile: 30-70 s on 2
   cores for SmolLM2).
 - Compilation runs in a background thread; sessions decode eagerly until the step is
@@ -47,6 +48,7 @@ import torch
 from hearthnet.config import COMPILE_ENV, compile_decode_enabled
 from hearthnet.distributed_inference.engine.kv_cache import CAPACITY_QUANTUM
 from hearthnet.distributed_inference.engine.quant import kernel_of
+from hearthnet.models.store import ModelEntry
 from hearthnet.observability import get_logger
 
 if TYPE_CHECKING:
@@ -61,6 +63,13 @@ _INDUCTOR_LOCK = threading.Lock()
 # bf16 kernels: a flipped bf16 rounding grows through the layers — measured 0.4 % on
 # SmolLM2's 30 layers with the bf16 int4 kernel)
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 3e-2}
+
+
+def compile_dir_of(entry: ModelEntry) -> Path:
+    """Where a stored model's compiled steps are kept: ``.compiled`` in its model store,
+    beside the model (every node and engine on the machine that uses the store finds
+    them; not a model folder, so the store skips it)."""
+    return entry.path.parent / ".compiled"
 
 
 def decode_step(session: LayeredSession, h: torch.Tensor, positions: torch.Tensor,
@@ -199,9 +208,9 @@ class CompiledDecode:
             return "the rope's frequencies depend on the step (dynamic or longrope)"
         if s.additive_mask is not None:
             return "the family uses eager attention with an additive mask"
-        if s.format == "int8" and kernel_of("int8") == "fbgemm":
-            return ("int8 runs in fbgemm on this CPU, whose packed weights (a TorchScript "
-                    "object) torch.compile cannot trace")
+        if s.format == "int8":
+            return ("int8's fused q|k|v and gate|up share one product per input through "
+                    "Python state, which torch.compile cannot trace")
         if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
             return "no C++ compiler on this machine (torch.compile's CPU backend needs one)"
         return ""
@@ -233,7 +242,8 @@ class CompiledDecode:
         seconds = time.perf_counter() - t0
         self.seconds[key] = seconds
         self._steps[key] = fn
-        self._states[key] = f"{how} in {seconds:.1f} s"
+        how, _, note = how.partition(" ")
+        self._states[key] = f"{how} in {seconds:.1f} s{' ' + note if note else ''}"
         log.info("decode_step_compiled", model=self.stack.entry.alias, layers=list(key),
                  how=how, seconds=round(seconds, 1), max_relative_error=f"{error:.1e}")
 
@@ -251,14 +261,16 @@ class CompiledDecode:
                          ) -> tuple[Callable[..., torch.Tensor], str]:
         path = self._path(start, end)
         _use_inductor_cache(self.cache_dir)
+        note = ""
         if path is not None and path.exists():
             try:
                 with path.open("rb") as f:
                     fn = torch.compiler.load_compiled_function(f, f_globals=globals())
                 return fn, "loaded"
-            except Exception as e:  # a stale or torn file: compile afresh
-                log.info("decode_step_reload_failed", path=str(path),
-                         error=f"{type(e).__name__}: {str(e)[:200]}")
+            except Exception as e:  # a stale or torn file: compile afresh, and say so
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                note = f" (the saved step did not load: {type(e).__name__}: {first})"
+                log.info("decode_step_reload_failed", path=str(path), error=note[2:-1])
                 path.unlink(missing_ok=True)
         session = self.stack.open_session(start, end, CAPACITY_QUANTUM)
         try:
@@ -269,7 +281,7 @@ class CompiledDecode:
             path.parent.mkdir(parents=True, exist_ok=True)
             fn.save_compiled_function(str(path))  # torch writes a temporary, then renames
         compiled: Callable[..., torch.Tensor] = fn
-        return compiled, "compiled"
+        return compiled, "compiled" + note
 
 
 def _aot_compile(session: LayeredSession, kv_len: int) -> Any:

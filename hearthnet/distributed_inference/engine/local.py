@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from hearthnet.distributed_inference.engine.base import ClientHead, LayerStack
+from hearthnet.distributed_inference.engine.compiled import compile_dir_of
 from hearthnet.distributed_inference.engine.device import sync
 from hearthnet.distributed_inference.engine.generation import (
     Generation,
@@ -26,7 +27,6 @@ from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.errors import BadRequest
 from hearthnet.models.store import ModelEntry
-from hearthnet.paths import data_dir
 
 
 @dataclass
@@ -55,7 +55,7 @@ class LocalEngine:
                  compile_decode: bool = True, compile_dir: Path | None = None) -> None:
         """`device`: where the layers run (default: the head's device, else the CPU).
         `compile_decode`: on the CPU, decode steps run compiled once the compiled step is
-        built or loaded (in the background; `compile_dir`, default `<data dir>/compiled`)."""
+        built or loaded (in the background; `compile_dir`, default `compiled.compile_dir_of`)."""
         self.entry = entry
         self.limits = limits or PromptLimits()
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
@@ -63,7 +63,7 @@ class LocalEngine:
         self.head = head or LayeredHead(entry, head_weights or weights, where)
         stack = LayeredStack(entry, 0, entry.num_layers - 1, weights, device=where,
                              cuda_graphs=cuda_graphs, compile_decode=compile_decode,
-                             compile_dir=compile_dir or data_dir() / "compiled")
+                             compile_dir=compile_dir or compile_dir_of(entry))
         if stack.compiled is not None:
             stack.compiled.start(0, entry.num_layers - 1)
         self.stack: LayerStack = stack

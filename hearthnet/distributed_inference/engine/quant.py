@@ -426,85 +426,48 @@ class Int4Linear(nn.Module):
 
     weight_int4: torch.Tensor
     scales_and_zeros: torch.Tensor
-    _q: torch.Tensor | None = None  # unpacked values until `pack` (`pack=False`)
 
     @classmethod
     def from_blocks(cls, blocks: GgmlBlocks, bias: torch.Tensor | None,
-                    dtype: torch.dtype | None = None, *, pack: bool = True) -> Int4Linear:
+                    dtype: torch.dtype | None = None) -> Int4Linear:
         """Q4_0/Q4_1/Q4_K `blocks` held exactly: groups of 32 with the blocks' scales and
         zeros (`blocks.int4_groups`) in `dtype` (default `INT4_BLOCKS_DTYPE`), which is
-        also what activations are computed in. `pack=False`: the values stay unpacked
-        until `pack()` (a `FUSE` sibling, packed with the others by `fuse_int4`)."""
+        also what activations are computed in."""
         n, k = blocks.shape
         _int4_shape_check(n, k, GROUP if k % GROUP == 0 else 0)
         q, scales, zeros = int4_groups(blocks.raw.cpu(), blocks.ggml_type, blocks.shape)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         sz = torch.stack((scales.t(), zeros.t()), dim=-1)  # (k / 32, n, 2), the kernel's
-        self._hold(q.to(torch.uint8), sz.to(dtype or INT4_BLOCKS_DTYPE), GROUP, bias, pack)
+        self._hold(q.int(), sz.to(dtype or INT4_BLOCKS_DTYPE), GROUP, bias)
         return self
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                 pack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         n, k = weight.shape
         gs = next((g for g in INT4_GROUPS if k % g == 0), 0)
         _int4_shape_check(n, k, gs)
         g = k // gs
-        q = torch.empty((n, k), dtype=torch.uint8)
+        q = torch.empty((n, k), dtype=torch.int32)
         sz = torch.empty((g, n, 2), dtype=torch.float32)
         for r, w in _rows(weight):
             wg = w.reshape(len(w), g, gs)
             lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
             s = ((hi - lo) / 15).clamp(min=1e-12)
-            q[r:r + len(w)] = torch.round((wg - lo) / s).clamp_(0, 15).reshape(len(w), k)
+            q[r:r + len(w)] = torch.round((wg - lo) / s).clamp_(0, 15).reshape(len(w), k).int()
             sz[:, r:r + len(w), 0] = s.squeeze(-1).t()
             sz[:, r:r + len(w), 1] = (lo + 8 * s).squeeze(-1).t()  # zero point of q=8
-        self._hold(q, sz.to(torch.bfloat16), gs, bias, pack)
+        self._hold(q, sz.to(torch.bfloat16), gs, bias)
 
     def _hold(self, q: torch.Tensor, sz: torch.Tensor, gs: int,
-              bias: torch.Tensor | None, pack: bool = True) -> None:
-        """Hold `q` (n, k) in 0..15 (uint8) with `sz` (k / gs, n, 2) (scale, zero), packed
-        for the kernel unless `pack` is False: weight ``(q − 8) · scale + zero``;
-        activations are computed in sz's dtype."""
+              bias: torch.Tensor | None) -> None:
+        """Pack int32 `q` (n, k) in 0..15 with `sz` (k / gs, n, 2) (scale, zero) for the
+        kernel: weight ``(q − 8) · scale + zero``; activations are computed in sz's dtype."""
         self.in_features, self.out_features, self.group = q.shape[1], q.shape[0], gs
-        self._q = q
-        if pack:
-            self.pack()
+        self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer("scales_and_zeros", sz)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None \
             else None
-
-    @property
-    def packed(self) -> bool:
-        return self._q is None
-
-    def pack(self) -> None:
-        """Pack the held values for the kernel (once) and let the unpacked ones go."""
-        if self._q is not None:
-            self.register_buffer("weight_int4",
-                                 torch._convert_weight_to_int4pack_for_cpu(self._q.int(), 1))
-            self._q = None
-
-    @classmethod
-    def concat(cls, parts: list[Int4Linear]) -> Int4Linear:
-        """One int4 linear whose output is `parts`' outputs side by side: their values
-        and (scale, zero) columns concatenated, then packed — the same numbers. (Packed
-        matrices cannot be concatenated: the kernel's layout tiles rows in blocks.)"""
-        if any(p.packed for p in parts):
-            raise ValueError("int4 linears are concatenated before they are packed")
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        biases = [p.bias for p in parts]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(p.out_features) for b, p in
-             zip(biases, parts, strict=True)])
-        q = torch.cat([p._q for p in parts if p._q is not None])
-        for p in parts:
-            p._q = None  # the load's transient: the group twice, not 3×
-        self._hold(q, torch.cat([p.scales_and_zeros for p in parts], dim=1), parts[0].group,
-                   bias)
-        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
@@ -520,29 +483,31 @@ FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings th
 _FUSED_NAMES = {n for names in FUSE for n in names}
 
 
-class FusedGroup(nn.Module):
-    """Sibling quantised linears that read the same input (`FUSE`) held as one matrix
-    (`inner`): one product for all of them (its small members — k_proj and v_proj are
-    256 rows in a 1.5B — no longer pay a call's fixed cost each).
+class Int8Fused(nn.Module):
+    """Sibling int8 linears that read the same input (`FUSE`), held as one packed matrix:
+    one activation split and one GEMM for all of them (its small members — k_proj and
+    v_proj are 256 rows in a 1.5B — no longer pay a call's fixed cost each).
 
-    Eagerly, the first member called with an input computes every member's output; the
-    others take theirs for the same input object (per thread), and the outputs are let go
-    once all are taken. A member called with another input, or twice, computes afresh.
-    In a compiled step each member computes the whole product and takes its part: the
-    compiler merges the identical products into one (common-subexpression elimination).
+    The first member called with an input computes every member's output; the others
+    take theirs for the same input object (per thread), and the outputs are let go once
+    all are taken. A member called with another input, or twice, computes afresh.
     """
 
-    inner: nn.Module
-
-    def __init__(self, splits: list[int]) -> None:
+    def __init__(self, parts: list[Int8Linear]) -> None:
         super().__init__()
-        self.splits = splits
+        biases = [p.bias for p in parts]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(p.out_features) for b, p in
+             zip(biases, parts, strict=True)])
+        q = torch.cat([p.weight_int8 for p in parts])
+        for p in parts:
+            del p._buffers["weight_int8"]  # the load's transient: the group twice, not 3×
+        self.inner = Int8Linear(q, bias, scales=torch.cat([p.scales.float() for p in parts]))
+        del q
+        self.splits = [p.out_features for p in parts]
         self._last = threading.local()
 
     def output(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            part: torch.Tensor = self.inner(x).split(self.splits, dim=-1)[i].contiguous()
-            return part
         last: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = getattr(
             self._last, "v", None)
         if last is None or last[0] is not x or i in last[2]:
@@ -555,61 +520,16 @@ class FusedGroup(nn.Module):
         return y
 
 
-class Int4Fused(FusedGroup):
-    """Sibling int4 linears of one group size and dtype as one `Int4Linear` (`concat`)."""
+class Int8Member(nn.Module):
+    """One member of an `Int8Fused` group, in its linear's place."""
 
-    def __init__(self, parts: list[Int4Linear]) -> None:
-        super().__init__([p.out_features for p in parts])
-        self.inner = Int4Linear.concat(parts)
-
-
-class Int8Fused(FusedGroup):
-    """Sibling int8 linears as one packed int8 matrix: one activation split and one GEMM."""
-
-    def __init__(self, parts: list[Int8Linear]) -> None:
-        super().__init__([p.out_features for p in parts])
-        biases = [p.bias for p in parts]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(p.out_features) for b, p in
-             zip(biases, parts, strict=True)])
-        q = torch.cat([p.weight_int8 for p in parts])
-        for p in parts:
-            del p._buffers["weight_int8"]  # the load's transient: the group twice, not 3×
-        self.inner = Int8Linear(q, bias, scales=torch.cat([p.scales.float() for p in parts]))
-        del q
-
-
-class FusedMember(nn.Module):
-    """One member of a `FusedGroup`, in its linear's place."""
-
-    def __init__(self, group: FusedGroup, index: int) -> None:
+    def __init__(self, group: Int8Fused, index: int) -> None:
         super().__init__()
         self.group, self.index = group, index
         self.in_features, self.out_features = group.inner.in_features, group.splits[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.output(x, self.index)
-
-
-Int8Member = FusedMember  # the name the int8 tests and callers know
-
-
-def fuse_int4(module: nn.Module) -> None:
-    """Hold `module`'s `FUSE` siblings that are unpacked int4 linears of one input size,
-    group size and dtype as one matrix each (`Int4Fused`), then pack every int4 linear."""
-    for parent in list(module.modules()):
-        for names in FUSE:
-            parts = [p for n in names if isinstance(p := getattr(parent, n, None), Int4Linear)
-                     and not p.packed and (p.bias is None or not p.bias.is_meta)]
-            if len(parts) == len(names) and len({(p.in_features, p.group,
-                                                  p.scales_and_zeros.dtype)
-                                                 for p in parts}) == 1:
-                group = Int4Fused(parts)
-                for i, n in enumerate(names):
-                    setattr(parent, n, FusedMember(group, i))
-    for m in module.modules():
-        if isinstance(m, Int4Linear):
-            m.pack()
 
 
 def _plain(m: object) -> TypeGuard[Int8Linear]:
@@ -670,8 +590,7 @@ def load_module(module: nn.Module,
             and not lin.bias.is_meta else None
         if isinstance(value, GgmlBlocks) and lin is not None and quant is Int4Linear:
             # DESIGN.md decision 15: a GGUF's Q4 blocks held as they are; others as int8
-            fused = owner_name.rpartition(".")[2] in _FUSED_NAMES  # packed by `fuse_int4`
-            module.set_submodule(owner_name, Int4Linear.from_blocks(value, bias, pack=not fused)
+            module.set_submodule(owner_name, Int4Linear.from_blocks(value, bias)
                                  if value.ggml_type in Q4_TYPES
                                  else Int8Linear(value.dequantise(), bias))
             if lin.bias is not None and bias is None:
@@ -683,16 +602,13 @@ def load_module(module: nn.Module,
             # whole, then are packed as one matrix (`pack_int8`)
             module.set_submodule(owner_name, Int8Linear(
                 t, bias, keep_rows=owner_name.rpartition(".")[2] in _FUSED_NAMES)
-                if quant is Int8Linear else Int4Linear(
-                    t, bias, pack=owner_name.rpartition(".")[2] not in _FUSED_NAMES))
+                if quant is Int8Linear else quant(t, bias))
             if lin.bias is not None and bias is None:
                 _meta_bias(module.get_submodule(owner_name), lin.bias)
             continue
         _assign(owner, attr, _place(t.to(dtype)), name, where)
     if quant is Int8Linear:
         pack_int8(module)
-    elif quant is Int4Linear:
-        fuse_int4(module)
 
 
 def _meta_bias(qmod: nn.Module, meta: torch.Tensor) -> None:
