@@ -15,6 +15,7 @@ KL(fp32 ‖ format).
 from __future__ import annotations
 
 import argparse
+import inspect
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,10 @@ def reference(path: Path, prompts: list[list[int]], tokens: int
 
     load: Any = AutoModelForCausalLM.from_pretrained  # untyped in transformers
     model = load(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    # the cache's name in the installed transformers (`cache` from 5.2x, deprecating
+    # `past_key_values`): no warning, and no break when the old name goes
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters \
+        else "past_key_values"
     out = []
     with torch.inference_mode():
         for ids in prompts:
@@ -58,8 +63,8 @@ def reference(path: Path, prompts: list[list[int]], tokens: int
                 lg = step.logits[0, -1].float()
                 logits.append(lg)
                 answer.append(int(lg.argmax()))
-                step = model(torch.tensor([answer[-1:]]), past_key_values=step.past_key_values,
-                             use_cache=True)
+                step = model(torch.tensor([answer[-1:]]), use_cache=True,
+                             **{name: getattr(step, name)})
             out.append((answer, torch.stack(logits)))
     del model
     return out

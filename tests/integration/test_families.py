@@ -8,6 +8,8 @@ node processes in tests/integration/test_family_mesh.py.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -87,3 +89,17 @@ def test_tiny_configs_are_the_real_families():
     assert g3.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
     assert tiny_config("gemma2").final_logit_softcapping == 30.0
     assert tiny_config("phi3").rope_parameters["rope_type"] == "longrope"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_layer_calls_reach_the_user_with_no_library_warning(family, family_store, capfd):
+    """The layers are called with the cache argument the installed transformers expects
+    (`cache`, or `past_key_values` before it), so no deprecation warning is printed."""
+    entry = family_store[family]
+    head = LayeredHead(entry)
+    stack = LayeredStack(entry, 0, entry.num_layers - 1)
+    capfd.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # transformers' deprecation: an error
+        _greedy_through(head, [stack], [(0, entry.num_layers - 1)], PROMPT, 2)
+    assert "deprecated" not in capfd.readouterr().err

@@ -27,7 +27,8 @@ def test_int8_and_int4_linear_match_the_float_product():
         y = m(x)
         assert y.shape == ref.shape and y.dtype == x.dtype
         assert float((y - ref).norm() / ref.norm()) < tol
-    assert Int4Linear(torch.randn(16, 96), None).group == 32  # 128 and 64 do not divide 96
+    assert Int4Linear(torch.randn(16, 96), None).group == 32  # 64 does not divide 96
+    assert Int4Linear(torch.randn(16, 256), None).group == 64
     with pytest.raises(BadRequest, match="int4 needs"):
         Int4Linear(torch.randn(16, 100), None)
 

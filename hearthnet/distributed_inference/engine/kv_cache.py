@@ -12,10 +12,11 @@ Why not transformers' `StaticCache`: its sliding-window layers are rolling buffe
 cannot be rewound to an earlier position, and its buffers always span the full capacity,
 while the eager (CPU, prefill) path here attends only over the positions written so far.
 
-The slot is the `past_key_values` object the family's own decoder layers receive: they call
-``update(key, value, layer_idx, ...)`` and get the keys/values to attend over. Masks are
-computed from a positions tensor with two tensor ops (no Python structures per step), so
-the same step function can be captured in a CUDA graph.
+The slot is the cache object (`cache`, formerly `past_key_values`) the family's own
+decoder layers receive: they call ``update(key, value, layer_idx, ...)`` and get the
+keys/values to attend over. Masks are computed from a positions tensor with two tensor ops
+(no Python structures per step), so the same step function can be captured in a CUDA
+graph.
 """
 
 from __future__ import annotations

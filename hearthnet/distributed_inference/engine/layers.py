@@ -172,7 +172,8 @@ class LayeredSession:
         pos_ids = positions.unsqueeze(0)
         for layer, kind in zip(self.layers, self._types, strict=True):
             h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
-                      past_key_values=self.slot, use_cache=True, position_embeddings=pe[kind])
+                      use_cache=True, position_embeddings=pe[kind],
+                      **{self.stack.cache_arg: self.slot})
         return h
 
     @torch.inference_mode()
@@ -288,6 +289,10 @@ class LayeredStack:
         self.graphs = self.graphs and not self.rotary.dynamic  # data-dependent rope: eager
         del base
         self.layer_types = layer_types(self.config)
+        # the name the installed transformers gives the cache argument of a decoder layer
+        # (`cache` from 5.2x; `past_key_values`, deprecated there, before): no warning
+        forward = inspect.signature(type(self.layers[0]).forward).parameters
+        self.cache_arg = "cache" if "cache" in forward else "past_key_values"
         self._tables: dict[int, tuple[dict[str, Any], torch.Tensor]] = {}
         self._idle: dict[tuple[int, int, int], list[KVSlot]] = {}
         self.budget.release(estimate)  # the held bytes, once known (quantised: fewer)
@@ -383,7 +388,8 @@ class LayeredStack:
         pos_ids = positions.unsqueeze(1)
         for layer, kind in zip(first.layers, first._types, strict=True):
             h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
-                      past_key_values=cache, use_cache=True, position_embeddings=pe[kind])
+                      use_cache=True, position_embeddings=pe[kind],
+                      **{self.cache_arg: cache})
         for s, p in zip(sessions, starts, strict=True):
             s.advance(p + 1)
         return h
@@ -426,7 +432,8 @@ class LayeredStack:
         pos_ids = positions.unsqueeze(0)
         for layer, kind in zip(first.layers, first._types, strict=True):
             h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
-                      past_key_values=cache, use_cache=True, position_embeddings=pe[kind])
+                      use_cache=True, position_embeddings=pe[kind],
+                      **{self.cache_arg: cache})
         for s, n in zip(sessions, cache.lengths, strict=True):
             s.advance(n)
         return list(torch.split(h, counts, dim=1))
