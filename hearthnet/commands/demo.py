@@ -131,8 +131,8 @@ def _decode_steps(mesh: Any, as_json: bool) -> None:
     later one; say what each shard's steps run as."""
     states = mesh.decode_steps()
     if "compiling" in states.values():
-        _say("compiling the shards' decode steps (once per machine: later runs load them) …",
-             as_json)
+        _say("waiting for the shards' compiled decode steps (compiled by the first run on a "
+             "machine, loaded by later ones) …", as_json)
         states = mesh.wait_decode_steps()
     if as_json:
         print(json.dumps({"type": "demo_decode_steps", "shards": states}), flush=True)
