@@ -132,3 +132,23 @@ def test_turned_off(family_models, tmp_path, monkeypatch):
     assert state == "eager: HEARTHNET_COMPILE=0"
     assert stack.compile_state() == {"0-5": state}
     assert not (tmp_path / "compiled").exists()  # nothing compiled, nothing written
+
+
+def test_sessions_decode_while_the_step_compiles_then_switch(family_models, tmp_path):
+    """Compilation runs in the background: sessions decode eagerly meanwhile (on this
+    thread, beside the compiling one) and compiled once it is ready, with the same tokens."""
+    entry = family_models[1]["qwen3"]
+    head = LayeredHead(entry)
+    want = _greedy(head, LayeredStack(entry, 0, entry.num_layers - 1), PROMPT, DECODE)[0]
+    stack = LayeredStack(entry, 0, entry.num_layers - 1, compile_decode=True,
+                         compile_dir=tmp_path / "compiled")
+    stack.compiled.start(0, entry.num_layers - 1)  # in a background thread
+    eager_runs = 0
+    while stack.compile_state()["0-5"] == "compiling":
+        assert _greedy(head, stack, PROMPT, DECODE)[0] == want
+        eager_runs += 1
+    assert eager_runs > 0  # chats decoded while it compiled
+    assert stack.compiled.wait(0, 5).startswith("compiled in ")
+    before = stack.compiled.calls  # (the last eager run may have switched midway)
+    assert _greedy(head, stack, PROMPT, DECODE)[0] == want
+    assert stack.compiled.calls - before == DECODE

@@ -241,9 +241,9 @@ class CompiledDecode:
             return
         seconds = time.perf_counter() - t0
         self.seconds[key] = seconds
-        self._steps[key] = fn
         how, _, note = how.partition(" ")
         self._states[key] = f"{how} in {seconds:.1f} s{' ' + note if note else ''}"
+        self._steps[key] = fn  # after the state: status never says compiling while in use
         log.info("decode_step_compiled", model=self.stack.entry.alias, layers=list(key),
                  how=how, seconds=round(seconds, 1), max_relative_error=f"{error:.1e}")
 
