@@ -103,6 +103,7 @@ from hearthnet.transport.codec import max_frame_bytes
 from hearthnet.transport.websocket import SHARD_PATH, ServerStream, TensorChannel
 
 log = get_logger("node")
+PREPARE_POLL_S = 1.0  # how often a node looks for models it has come to serve or orchestrate
 
 
 class Node:
@@ -161,7 +162,8 @@ class Node:
         self.supervisor.spawn("liveness", self.liveness.run)
         self._start_metrics()
         if cfg.distributed_enabled and cfg.di.prepare_heads_at_start:
-            # load heads + sanity bounds now, not in the first call
+            # heads + sanity bounds before the first call, of the models this node serves
+            # or can orchestrate (as they become so); any other model's on first use
             self.supervisor.spawn("prepare", self._prepare_models)  # idempotent: retried
         await self._start_api()
         self._announce_ready(data)
@@ -426,15 +428,31 @@ class Node:
         self.log.append(ADVERTISED, payload)
 
     async def _prepare_models(self) -> None:
-        for e in self.models.entries():
-            try:
-                async with progress(log, "head_load", model=e.alias):
-                    await self.orchestrator.prepare(e.alias)
-            except ModelUnusable:
-                pass  # logged once by the orchestrator, with its cause; calls get the error
-            except HearthNetError as err:
-                log.warning("model_prepare_failed", model=e.alias, code=err.code,
-                            message=err.message)
+        """Prepare the head of every stored model this node serves layers of or that the
+        mesh covers whole (a call of it can be orchestrated here), once, as each becomes
+        so: a head is the embeddings and lm_head (a 7B's is GBs), so a model nobody can
+        run here is not loaded until a call asks for it."""
+        done: set[tuple[str, str]] = set()
+        while True:
+            for e in self.models.entries():
+                key = (e.alias, e.weights_sha256)
+                if key in done or not self._runs_here(e):
+                    continue
+                done.add(key)
+                try:
+                    async with progress(log, "head_load", model=e.alias):
+                        await self.orchestrator.prepare(e.alias)
+                except ModelUnusable:
+                    pass  # logged once by the orchestrator, with its cause; calls get it
+                except HearthNetError as err:
+                    log.warning("model_prepare_failed", model=e.alias, code=err.code,
+                                message=err.message)
+            await asyncio.sleep(PREPARE_POLL_S)
+
+    def _runs_here(self, e: ModelEntry) -> bool:
+        """This node serves layers of `e`, or live shards hold all of its layers."""
+        return any(s.entry.weights_sha256 == e.weights_sha256 for s in self.shards.values()) \
+            or self.store.covers(e.model_id, e.weights_sha256, e.num_layers)
 
     async def _heartbeat_loop(self) -> None:
         """Re-advertise every health timeout / 2 with health; evict idle weights."""

@@ -75,6 +75,21 @@ def test_advertisements_are_indexed_and_queried(tmp_path: Path) -> None:
     assert len(store) == 3
 
 
+def test_covers_needs_every_layer_of_one_hash_live(tmp_path: Path) -> None:
+    clock = Clock()
+    b, c = Host(tmp_path, "node-b", clock), Host(tmp_path, "node-c", clock)
+    store = ShardStore(120, clock=clock)
+    assert not store.covers("m", SHA, 30)  # nothing advertised
+    store.apply(b.advertise(desc(0, 14)))
+    store.apply(c.advertise(desc(15, 29, "node-c", sha=SHA2)))  # the other half, another hash
+    assert not store.covers("m", SHA, 30) and not store.covers("m", SHA2, 30)
+    store.apply(c.advertise(desc(10, 29, "node-c")))  # overlapping ranges cover too
+    assert store.covers("m", SHA, 30) and not store.covers("other", SHA, 30)
+    assert not store.covers("m", SHA, 31)  # a layer no one holds
+    clock.t += 10_000  # every advertisement expired: nothing is live
+    assert not store.covers("m", SHA, 30)
+
+
 def test_same_range_on_two_hosts_are_two_shards(tmp_path: Path) -> None:
     clock = Clock()
     store = ShardStore(120, clock=clock)

@@ -216,6 +216,15 @@ class ShardStore:
         return [a for a in self.live() if a.descriptor.model_id == model_id
                 and (weights_sha256 is None or a.descriptor.weights_sha256 == weights_sha256)]
 
+    def covers(self, model_id: str, weights_sha256: str, num_layers: int) -> bool:
+        """Whether live advertisements of this model and hash hold every one of its
+        `num_layers` layers: a pipeline of it can be built (M26 §4.3)."""
+        held: set[int] = set()
+        for a in self.candidates(model_id, weights_sha256):
+            lo, hi = a.descriptor.layer_range
+            held.update(range(max(lo, 0), min(hi, num_layers - 1) + 1))
+        return num_layers > 0 and len(held) == num_layers
+
     def by_key(self, model_id: str, weights_sha256: str, layer_range: tuple[int, int]
                ) -> list[Advertisement]:
         """Live advertisements of exactly this model, hash and hosted range."""
