@@ -431,10 +431,12 @@ class Node:
         """Prepare the head of every stored model this node serves layers of or that the
         mesh covers whole (a call of it can be orchestrated here), once, as each becomes
         so: a head is the embeddings and lm_head (a 7B's is GBs), so a model nobody can
-        run here is not loaded until a call asks for it."""
+        run here is not loaded until a call asks for it. Ends once every stored model is
+        prepared (a model imported later is prepared by its first call)."""
         done: set[tuple[str, str]] = set()
         while True:
-            for e in self.models.entries():
+            entries = self.models.entries()
+            for e in entries:
                 key = (e.alias, e.weights_sha256)
                 if key in done or not self._runs_here(e):
                     continue
@@ -447,6 +449,8 @@ class Node:
                 except HearthNetError as err:
                     log.warning("model_prepare_failed", model=e.alias, code=err.code,
                                 message=err.message)
+            if all((e.alias, e.weights_sha256) in done for e in entries):
+                return
             await asyncio.sleep(PREPARE_POLL_S)
 
     def _runs_here(self, e: ModelEntry) -> bool:
