@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,9 +40,28 @@ from hearthnet.errors import HearthNetError
 from hearthnet.paths import models_dir
 from hearthnet.security.provision import provision
 
+_PORTS = range(20000, 32768)  # below Linux's ephemeral range (32768-60999): a port the
+# kernel hands out (bind to 0) can be taken by any outgoing connection before the node
+# binds it, and with many WebSocket clients on one machine that happened
+_HANDED_OUT: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free on 127.0.0.1 now, outside the ephemeral range, not handed out before
+    by this process (chosen at random: processes started together do not collide)."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(_PORTS)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # the range is crowded: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
