@@ -77,7 +77,8 @@ def _listen_host(v: str) -> str:
 ListenHost = Annotated[str, AfterValidator(_listen_host)]
 Trust = Literal["guest", "member", "trusted", "steward"]
 WeightFormat = Literal["native", "fp32", "bf16", "fp16", "int8", "int4"]  # formats.FORMATS
-CallWeights = Literal["exact", "fp32", "bf16", "fp16", "int8", "int4"]  # formats.check_policy
+# formats.check_policy
+CallWeights = Literal["lossless", "exact", "fp32", "bf16", "fp16", "int8", "int4"]
 DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:[0-9]{1,3})?)$"
 DeviceSpec = Annotated[str, Field(pattern=DEVICE_PATTERN)]
 """A device setting: auto | cpu | cuda | cuda:N | mps (DESIGN.md decision 11)."""
@@ -196,14 +197,15 @@ class DistributedInferenceSection(_Section):
     host_probe_interval_seconds: Annotated[float, Field(gt=0, le=600)] = 2.0
     host_probe_failures: Annotated[int, Field(ge=1, le=100)] = 2
     fallback_to_local: bool = True
-    # wire dtype of hidden states (M26 §5.3): auto = fp16 where the calibrated magnitude
-    # fits, activation_wide_dtype where it does not
+    # wire dtype of hidden states (M26 §5.3): auto = fp32, lossless (orchestrator/wire.py);
+    # compact = fp16 where the calibrated magnitude fits, activation_wide_dtype where not
     activation_dtype: CallWireName = "auto"
     activation_wide_dtype: WideWireName = "bf16"
     # DESIGN.md decision 10: how this node's orchestrator holds the head (and the local engine);
-    # `weights` is the default minimum format of the shards a call accepts
+    # `weights` is the default policy of the shards a call accepts: lossless (formats that
+    # keep the stored weights), exact, or a minimum format (formats.py)
     head_weights: WeightFormat = "fp32"
-    weights: CallWeights = "int8"
+    weights: CallWeights = "lossless"
     # load every stored model's head (+ calibration) at start, so the first call does not
     # wait; false on a host that only serves shards of a large model: its memory is for its
     # layers (a 7B head in fp32 is 4.4 GB), and a call through it still loads the head then

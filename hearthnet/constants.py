@@ -26,7 +26,9 @@ DEFAULT_TIMEOUT_S = 30.0
 
 WireName = Literal["fp16", "bf16", "fp32"]
 WideWireName = Literal["bf16", "fp32"]
-CallWireName = Literal["auto", WireName]  # a call's choice: auto picks per stage
+# a call's choice: auto = fp32, what the layers compute (lossless); compact = fp16 per stage
+# where calibration says it fits, the wide dtype elsewhere (lossy: asked for, never a default)
+CallWireName = Literal["auto", "compact", WireName]
 WIRE_DTYPES: tuple[str, ...] = get_args(WireName)
 WIDE_WIRE_DTYPES: tuple[str, ...] = get_args(WideWireName)
 CALL_WIRE_DTYPES: tuple[str, ...] = get_args(CallWireName)

@@ -163,8 +163,9 @@ class TokenDelta(_Wire):
 
 @dataclass(frozen=True, slots=True)
 class ShardStatus(_Wire):
-    """A stage of the pipeline: ``ok`` at construction (with its layers and wire dtype), or
-    ``degraded`` when it failed (with the error's code and message; M26 §5.4)."""
+    """A stage of the pipeline: ``ok`` at construction (with its layers, wire dtype and
+    how its weights are held — a compact format is never silent), or ``degraded`` when it
+    failed (with the error's code and message; M26 §5.4)."""
 
     TYPE: ClassVar[str] = "shard_status"
     shard_id: str = field(metadata=_wire(_str))
@@ -173,10 +174,14 @@ class ShardStatus(_Wire):
     wire_dtype: str | None = field(default=None, metadata=_wire(_str))
     code: str | None = field(default=None, metadata=_wire(_str))
     message: str | None = field(default=None, metadata=_wire(_str))
+    weights_format: str | None = field(default=None, metadata=_wire(_str))
+    kernel: str | None = field(default=None, metadata=_wire(_str))
 
     @classmethod
-    def ok(cls, shard_id: str, layers: tuple[int, int], wire_dtype: str) -> ShardStatus:
-        return cls(shard_id, "ok", layers=layers, wire_dtype=wire_dtype)
+    def ok(cls, shard_id: str, layers: tuple[int, int], wire_dtype: str,
+           weights_format: str | None = None, kernel: str | None = None) -> ShardStatus:
+        return cls(shard_id, "ok", layers=layers, wire_dtype=wire_dtype,
+                   weights_format=weights_format, kernel=kernel or None)
 
     @classmethod
     def degraded(cls, shard_id: str, cause: HearthNetError) -> ShardStatus:

@@ -235,9 +235,12 @@ class CompletionBuilder:
         d = self.done
         if d is None:
             return {"pipeline": [], "failovers": 0, "fallback": False, "timings": {},
-                    "events": self.events}
+                    "formats": {}, "events": self.events}
+        # the formats that served the call, and whether all were lossless: a compact
+        # format's answer must never read as an exact one (DESIGN.md decision 10)
         return {"pipeline": list(d.pipeline), "failovers": d.failovers or 0,
-                "fallback": d.fallback, "timings": d.timings, "events": self.events}
+                "fallback": d.fallback, "timings": d.timings, "formats": d.formats or {},
+                "events": self.events}
 
     def last_chunk(self) -> Json:
         chunk = self._chunk({}, self.finish_reason)

@@ -48,7 +48,7 @@ from hearthnet.bench import (
 )
 from hearthnet.bench.local import weights_of
 from hearthnet.constants import WIRE_DTYPES
-from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
+from hearthnet.distributed_inference.directory.formats import FORMATS, head_format, policy_for
 from hearthnet.errors import BadRequest, HearthNetError
 
 GOALS = {"ratio_min": 0.85, "first_token_ms_max": 300.0, "construction_ms_max": 100.0,
@@ -205,7 +205,8 @@ def _specs(args: argparse.Namespace, ranges: list[tuple[int, int]], head: str
         di["mixed_prefill_tokens"] = args.mixed_prefill_tokens
     host = {"device": args.device, "weights": args.weights}
     return [NodeSpec("node-a", extra_host=host,
-                     extra_di={**di, "max_concurrent_pipelines": max(4, most)})] + [
+                     extra_di={**di, "max_concurrent_pipelines": max(4, most),
+                               "weights": policy_for(args.weights)})] + [
         NodeSpec(f"node-{chr(ord('b') + i)}", [r], extra_host=host,
                  extra_di={**di, "prepare_heads_at_start": False},
                  max_streams=max(8, most)) for i, r in enumerate(ranges)]

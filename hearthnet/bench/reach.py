@@ -28,7 +28,7 @@ from hearthnet.bench import (
     table,
     write_results,
 )
-from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
+from hearthnet.distributed_inference.directory.formats import FORMATS, head_format, policy_for
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     entry = ModelStore().get(args.model)
     ranges = split_layers(entry.num_layers, args.shards)
     whole = model_bytes(entry, args.weights) / 2**20
-    specs = [NodeSpec("node-a", extra_di={"head_weights": head_format(args.weights)})] + [
+    specs = [NodeSpec("node-a", extra_di={"head_weights": head_format(args.weights),
+                                          "weights": policy_for(args.weights)})] + [
         NodeSpec(f"node-{chr(ord('b') + i)}", [r], extra_host={"weights": args.weights},
                  extra_di={"prepare_heads_at_start": False})  # a shard host: layers only
         for i, r in enumerate(ranges)]

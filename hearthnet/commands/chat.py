@@ -11,7 +11,7 @@ from typing import Any
 from hearthnet.argtypes import positive
 from hearthnet.commands.remote import chat_via_node
 from hearthnet.constants import CALL_WIRE_DTYPES
-from hearthnet.distributed_inference.directory.formats import EXACT, HELD_FORMATS
+from hearthnet.distributed_inference.directory.formats import POLICIES
 from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.frames import (
     Done,
@@ -40,10 +40,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--wire-dtype", choices=list(CALL_WIRE_DTYPES), default=None,
-                   help="hidden-state wire dtype (default: the node's activation_dtype, auto)")
-    p.add_argument("--weights", choices=[*HELD_FORMATS, EXACT], default=None,
-                   help="which shard formats the call accepts: a minimum format, or exact "
-                        "(only the node's own head format); default int8")
+                   help="hidden-state wire dtype: auto (fp32, lossless), compact (fp16 where "
+                        "it fits, lossy), fp16, bf16, fp32 (default: the node's "
+                        "activation_dtype, auto)")
+    p.add_argument("--weights", choices=list(POLICIES), default=None,
+                   help="which shard formats the call accepts: lossless (formats that keep "
+                        "the stored weights; the node's default), a minimum format (int8 and "
+                        "int4 are lossy), or exact (only the node's own head format)")
     p.add_argument("--json", action="store_true", help="one JSON object per frame")
     p.add_argument("--threads", type=positive, default=2, help="torch threads in this process")
     p.set_defaults(func=_run)
@@ -68,9 +71,23 @@ def emit(frame: StreamFrame | OtherFrame, as_json: bool) -> None:
         sys.stdout.write("\n")
         t, n = frame.timings, frame.text_tokens
         print(f"[{n} tokens, first token {t.get('first_token_ms', 0):.0f} ms, "
-              f"{t.get('tokens_per_second', 0):.1f} tok/s]", file=sys.stderr)
+              f"{t.get('tokens_per_second', 0):.1f} tok/s{formats_note(frame.formats)}]",
+              file=sys.stderr)
     elif is_incident(frame) or isinstance(frame, ErrorFrame):
         print("\n" + describe(frame), file=sys.stderr)
+
+
+def formats_note(formats: dict[str, Any] | None) -> str:
+    """"; layers fp32, head fp32, wire fp32: lossless" — what served a call, so an answer
+    from a compact format never reads like an exact one (M26 §5.3, DESIGN.md decision 10)."""
+    if not formats or "lossless" not in formats:
+        return ""
+    layers = "/".join(dict.fromkeys(str(f) for f in formats.get("stages", ()))) or "?"
+    out = f"; layers {layers}, head {formats.get('head', '?')}"
+    if formats.get("wire"):
+        out += ", wire " + "/".join(dict.fromkeys(str(w) for w in formats["wire"]))
+    return out + (": lossless" if formats["lossless"] else
+                  ": LOSSY (a compact format was asked for)")
 
 
 def _short(shard_id: Any) -> str:
@@ -118,6 +135,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace, messages: list[dict[str, str]],
                params: SamplingParams) -> int:
+    from hearthnet.distributed_inference.directory.formats import call_formats, lossless_of
     from hearthnet.distributed_inference.engine.local import LocalEngine, LocalTimings
     from hearthnet.distributed_inference.orchestrator.frames import done_frame, token_frame
     from hearthnet.models import ModelStore
@@ -131,6 +149,7 @@ def _run_local(args: argparse.Namespace, messages: list[dict[str, str]],
     # the node's fallback `done` (one builder): every path's done frame has the same keys
     emit(done_frame(gen, t0=t0, first_ms=timings.first_token_ms,
                     tokens_per_s=timings.decode_tokens_per_s, pipeline=["local"],
-                    formats={"head": engine.head.format, "stages": [engine.stack.format]}),
+                    formats=call_formats(engine.head.format, [engine.stack.format], [], None,
+                                         lossless_of(engine.entry))),
          args.json)
     return 0

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from hearthnet.distributed_inference.directory.formats import FORMATS, head_format
+from hearthnet.distributed_inference.directory.formats import FORMATS, head_format, policy_for
 from hearthnet.frames import (
     Done,
     ErrorFrame,
@@ -93,7 +93,9 @@ def _run(args: argparse.Namespace) -> int:
     half = entry.num_layers // 2
     api = {"listen_port": args.api_port} if args.serve else {}
     host = {"weights": args.weights}
-    specs = [NodeSpec("node-a", api=api, extra_di={"head_weights": head_format(args.weights)}),
+    # the shards hold --weights: the orchestrator's calls accept it (a compact one asked for)
+    di = {"head_weights": head_format(args.weights), "weights": policy_for(args.weights)}
+    specs = [NodeSpec("node-a", api=api, extra_di=di),
              NodeSpec("node-b", [(0, half - 1)], extra_host=host),
              NodeSpec("node-c", [(half, entry.num_layers - 1)], extra_host=host)]
     root = Path(tempfile.mkdtemp(prefix="hearthnet-demo-"))

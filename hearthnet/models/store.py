@@ -20,6 +20,9 @@ cheaply.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import json
 import os
 import time
@@ -41,8 +44,36 @@ if TYPE_CHECKING:
     from hearthnet.models.writer import WrittenModel
 
 MANIFEST = "manifest.json"
+# What a head reads besides its weights (M26 §5.3: the head tokenises and templates the
+# prompt): two aliases with the same weights but another of these files are other heads
+HEAD_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+              "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+              "chat_template.json")
+HeadKey = tuple[str, str, str]  # `ModelEntry.head_key`: alias, weights, head files
 _RACY_NS = 2_000_000_000  # a folder list younger than this is listed again
 IMPORTING = ".importing"  # suffix of a folder being written (renamed when complete)
+
+
+@functools.cache
+def _q4_layers(folder: Path, weights_sha256: str) -> bool:
+    """Whether every 2-D layer tensor of the store is a GGUF Q4_0/Q4_1/Q4_K block tensor
+    (headers only; once per weights hash: a store's tensors never change under it)."""
+    q4 = ("Q4_0", "Q4_1", "Q4_K")  # engine/blocks.Q4_TYPES, without importing torch
+    seen = False
+    for f in sorted(folder.glob("*.safetensors")):
+        header, _, meta = read_safetensors_header_and_metadata(f)
+        blocks = ggml_tensors(meta)
+        for name, rec in header.items():
+            if name == "__metadata__" or ".layers." not in name:
+                continue
+            if name in blocks:
+                seen = True
+                if blocks[name][0] not in q4:
+                    return False
+            elif len(rec.get("shape", ())) == 2:  # type: ignore[arg-type]
+                return False  # a float matrix: int4 would quantise it
+    return seen
 
 
 @dataclass(frozen=True)
@@ -69,6 +100,12 @@ class ModelEntry:
         float32, is that of its other tensors and of `native`), else `dtype`."""
         return "gguf:" + "+".join(self.ggml_types) if self.ggml_types else self.dtype
 
+    @property
+    def q4_blocks(self) -> bool:
+        """Whether every layer weight is a kept GGUF Q4_0/Q4_1/Q4_K block: held as int4,
+        such a store loses nothing (`formats.lossless_formats`)."""
+        return bool(self.ggml_types) and _q4_layers(self.path, self.weights_sha256)
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["path"] = str(self.path)
@@ -89,6 +126,38 @@ class ModelEntry:
                     for n in self.files}
         except OSError:
             return None
+
+    def head_sha256(self) -> str:
+        """sha256 over the `HEAD_FILES` the folder holds (name, size and bytes of each, in
+        that order): the tokenizer, chat template and generation config a head is made of
+        besides its weights. Hashed once per entry, and again only when one of those files'
+        size or mtime changed (a template fixed in place): a chat pays a few `stat` calls."""
+        stats = self._head_file_stats()
+        cached: tuple[dict[str, tuple[int, int]], str] | None = self.__dict__.get("_head_hash")
+        if cached is None or cached[0] != stats:
+            h = hashlib.sha256()
+            for name, (size, _) in stats.items():
+                h.update(f"{name}\0{size}\0".encode())
+                with contextlib.suppress(OSError):  # removed since: a key no head matches
+                    h.update((self.path / name).read_bytes())
+            cached = (stats, h.hexdigest())
+            self.__dict__["_head_hash"] = cached  # frozen dataclass: a cache, not a field
+        return cached[1]
+
+    def head_key(self) -> HeadKey:
+        """What a loaded head is kept under: alias, `weights_sha256` and `head_sha256` —
+        the same weights with another tokenizer or chat template give another prompt."""
+        return (self.alias, self.weights_sha256, self.head_sha256())
+
+    def _head_file_stats(self) -> dict[str, tuple[int, int]]:
+        out = {}
+        for name in HEAD_FILES:
+            try:
+                st = (self.path / name).stat()
+            except OSError:
+                continue
+            out[name] = (st.st_size, st.st_mtime_ns)
+        return out
 
     def manifest_stats(self) -> dict[str, tuple[int, int]]:
         """(size, mtime_ns) of every weights file as the manifest recorded them."""

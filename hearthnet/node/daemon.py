@@ -92,7 +92,7 @@ from hearthnet.mesh.gossip import (
     GossipPeerLink,
     handle_gossip_connection,
 )
-from hearthnet.models.store import ModelEntry, ModelStore
+from hearthnet.models.store import HeadKey, ModelEntry, ModelStore
 from hearthnet.node.capabilities import CHAT_CAPABILITY, SERVED_MODELS_CAPABILITY
 from hearthnet.node.guard import NodeGuard, remove_state, write_state
 from hearthnet.node.supervise import Supervisor
@@ -433,11 +433,11 @@ class Node:
         so: a head is the embeddings and lm_head (a 7B's is GBs), so a model nobody can
         run here is not loaded until a call asks for it. Ends once every stored model is
         prepared (a model imported later is prepared by its first call)."""
-        done: set[tuple[str, str]] = set()
+        done: set[HeadKey] = set()  # the orchestrator's key: a re-imported template counts
         while True:
             entries = self.models.entries()
             for e in entries:
-                key = (e.alias, e.weights_sha256)
+                key = e.head_key()
                 if key in done or not self._runs_here(e):
                     continue
                 done.add(key)
@@ -449,7 +449,7 @@ class Node:
                 except HearthNetError as err:
                     log.warning("model_prepare_failed", model=e.alias, code=err.code,
                                 message=err.message)
-            if all((e.alias, e.weights_sha256) in done for e in entries):
+            if all(e.head_key() in done for e in entries):
                 return
             await asyncio.sleep(PREPARE_POLL_S)
 

@@ -57,14 +57,14 @@ TINY_QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hid
 """A tiny Qwen2 config.json for `write_synthetic` (models written in bf16, as `synth` does)."""
 
 def tiny_config(family: str, *, layers: int = 6, vocab_size: int = 49152,
-                head_dim: int = 16) -> Any:
+                head_dim: int = 16, max_positions: int = 256) -> Any:
     """The scaled-down transformers config of `family`."""
     from transformers import AutoConfig
 
     kw = dict(FAMILIES[family])
     model_type = kw.pop("model_type")
     kw.setdefault("tie_word_embeddings", family != "qwen3")
-    kw.setdefault("max_position_embeddings", 256)
+    kw.setdefault("max_position_embeddings", max_positions)
     if "layer_types" in kw:
         kw["layer_types"] = (kw["layer_types"] * layers)[:layers]
     return AutoConfig.for_model(
@@ -79,7 +79,7 @@ OVERFLOW_GAIN = 40000.0
 
 def make_tiny_model(family: str, out: Path, tokenizer_from: Path, *, layers: int = 6,
                     seed: int = 0, overflow_from: int | None = None, head_dim: int = 16,
-                    vocab_size: int = 49152) -> Path:
+                    vocab_size: int = 49152, max_positions: int = 256) -> Path:
     """A `family` model with random weights and SmolLM2's tokenizer, written to `out`.
 
     `overflow_from` (Gemma families): layer whose post-feed-forward norm gets a gain of
@@ -88,7 +88,8 @@ def make_tiny_model(family: str, out: Path, tokenizer_from: Path, *, layers: int
     """
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(family, layers=layers, head_dim=head_dim, vocab_size=vocab_size)
+    cfg = tiny_config(family, layers=layers, head_dim=head_dim, vocab_size=vocab_size,
+                      max_positions=max_positions)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).float()
     with torch.no_grad():  # larger weights than the init so layers really mix positions
@@ -113,12 +114,13 @@ OVERFLOW_ALIAS = "gemma-overflow"
 
 def overflow_model(store: Any, root: Path, tokenizer_from: Path) -> Any:
     """The Gemma-3-like model whose residual stream passes 65,504 from layer 2 on, in
-    `store` (imported once per store)."""
+    `store` (imported once per store); 2,048 positions, for prompts past 1,000 tokens as
+    a real Gemma-3's wire was found wanting on."""
     from hearthnet.models.importer import import_folder
 
     found = store.find(OVERFLOW_ALIAS)
     if found is not None:
         return found
     src = make_tiny_model("gemma3", root / OVERFLOW_ALIAS, tokenizer_from, seed=2,
-                          overflow_from=2)
+                          overflow_from=2, max_positions=2048)
     return import_folder(store, src, alias=OVERFLOW_ALIAS)

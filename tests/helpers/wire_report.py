@@ -49,20 +49,20 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def wire_report(entry: ModelEntry, ranges: list[tuple[int, int]], n: int = 64
                 ) -> dict[str, list[int | None]]:
-    """First divergence of fp16 / bf16 / auto wire vs fp32 wire, per report prompt."""
+    """First divergence of fp16 / bf16 / compact wire vs fp32 wire, per report prompt."""
     head = LayeredHead(entry)
     stacks = [LayeredStack(entry, a, b) for a, b in ranges]
-    plan = WirePlan("auto", "bf16", calibrate(entry.path))
-    auto = [plan.for_stage(a, b) for a, b in ranges]
-    out: dict[str, list[int | None]] = {"fp16": [], "bf16": [], "auto": []}
+    plan = WirePlan("compact", "bf16", calibrate(entry.path))
+    compact = [plan.for_stage(a, b) for a, b in ranges]
+    out: dict[str, list[int | None]] = {"fp16": [], "bf16": [], "compact": []}
     for p in REPORT_PROMPTS:
         ids = head.chat_prompt_ids([{"role": "user", "content": p}])
         runs = {w: greedy_over_wire(head, stacks, ranges, ids, n, [w] * len(ranges))
                 for w in ("fp32", "fp16", "bf16")}
-        uniform = len(set(auto)) == 1
-        runs["auto"] = runs[auto[0]] if uniform else greedy_over_wire(
-            head, stacks, ranges, ids, n, auto)
+        uniform = len(set(compact)) == 1
+        runs["compact"] = runs[compact[0]] if uniform else greedy_over_wire(
+            head, stacks, ranges, ids, n, compact)
         for w in out:
             out[w].append(first_divergence(runs[w], runs["fp32"]))
-    out["auto_wires"] = auto  # type: ignore[assignment]
+    out["compact_wires"] = compact  # type: ignore[assignment]
     return out

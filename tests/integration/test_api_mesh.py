@@ -71,6 +71,9 @@ async def test_openai_answers_equal_hearthnet_chat(oai, reference):
     assert r.choices[0].message.content == reference
     assert r.usage.completion_tokens == N or r.choices[0].finish_reason == "stop"
     assert len(r.model_extra["hearthnet"]["pipeline"]) == 2
+    # the formats that served it, lossless by default (weights and wire)
+    f = r.model_extra["hearthnet"]["formats"]
+    assert f["lossless"] is True and f["policy"] == "lossless" and f["wire"] == ["fp32"] * 2
     stream = await oai.chat.completions.create(model="smollm2", messages=msgs, max_tokens=N,
                                                temperature=0, stream=True,
                                                stream_options={"include_usage": True})
@@ -188,7 +191,8 @@ def test_status_page_in_headless_chromium(mesh, repo_root, tmp_path):
                "document.getElementById('send').click(); true")
         b.wait_for("document.getElementById('answer').dataset.state === 'done'", 180)
         assert b.eval("document.getElementById('answer').textContent.trim().length") > 0
-        assert "node-b" in b.eval("document.getElementById('answer-facts').textContent")
+        facts = b.eval("document.getElementById('answer-facts').textContent")
+        assert "node-b" in facts and "wire fp32 · lossless" in facts, facts
         b.screenshot(out / "status-page.png")
         b.viewport(1000, 700)
         b.screenshot(out / "status-page-desktop.png")

@@ -131,27 +131,65 @@ async def test_family_through_three_node_processes(family_mesh, family, family_r
     assert len(ids) > 7  # longer than every family's sliding window
     answer = _tokens(frames)
     assert answer and _greedy_by_transformers(family_reference(entry), ids, answer) == answer
-    auto = await _chat(mesh, family)  # the default wire: fp16 fits these models
-    assert auto[-1]["type"] == "done" and _wires(auto[-1]) == ["fp16"] * 3
+    compact = await _chat(mesh, family, wire_dtype="compact")  # fp16 fits these models
+    assert compact[-1]["type"] == "done" and _wires(compact[-1]) == ["fp16"] * 3
 
 
-# ---- the wire fits the activations (issue 11 §2) ----
+# ---- the default wire never changes an answer ----
 
-async def test_auto_wire_uses_bf16_where_calibration_says_fp16_overflows(family_mesh):
+def _long_chat(tokenizer: Any, target: int) -> list[dict[str, str]]:
+    """A system + user chat whose prompt is about `target` tokens."""
+    line = ("The keeper climbed the stairs at dusk, trimmed the wick and wrote the weather "
+            "in the log, as every keeper had for a hundred years.")
+    text: list[str] = []
+    while len(tokenizer(" ".join(text))["input_ids"]) < target:
+        text.append(line)
+    return [{"role": "system", "content": "You are a careful storyteller."},
+            {"role": "user", "content": " ".join(text) + " What happened next?"}]
+
+
+@pytest.mark.parametrize("family", [*sorted(FAMILIES), OVERFLOW])
+async def test_default_wire_answers_as_the_local_engine(family_mesh, family):
+    """The default wire is lossless: a long system + user chat through three shards gives
+    the local engine's tokens, also on a Gemma-3 whose activations pass fp16's range (a
+    bf16 wire changed such an answer within 7 tokens), past 1,000 prompt tokens there."""
+    from hearthnet.distributed_inference.engine.local import LocalEngine
+
+    mesh, store = family_mesh
+    entry = store.get(family)
+    local = LocalEngine(entry)
+    # the tiny families hold 256 positions; the Gemma-3-like model 2,048
+    messages = _long_chat(local.head.tokenizer, 1100 if family == OVERFLOW else 180)
+    params = SamplingParams(max_tokens=N)
+    gen = local.new_generation(messages, params)
+    assert len(gen.prompt_ids) > (1000 if family == OVERFLOW else 160)
+    want = [ev.token_id for ev in local.run(gen)]
+    args = chat_args("", family, params)
+    args["request"]["messages"] = messages
+    frames = [f async for f in bus_call(mesh.nodes["node-a"].uri, CHAT_CAPABILITY, args)]
+    done = frames[-1]
+    assert done["type"] == "done", done
+    assert _wires(done) == ["fp32"] * 3 and done["formats"]["lossless"] is True
+    assert _tokens(frames) == want
+
+
+# ---- a compact wire fits the activations ----
+
+async def test_compact_wire_uses_bf16_where_calibration_says_fp16_overflows(family_mesh):
     mesh, _ = family_mesh
-    frames = await _chat(mesh, OVERFLOW)
+    frames = await _chat(mesh, OVERFLOW, wire_dtype="compact")
     assert frames[-1]["type"] == "done", frames[-1]
     # [0,1] carries the embeddings and layer 1 (small); [2,3] and [4,5] carry > 65,504
     assert _wires(frames[-1]) == ["fp16", "bf16", "bf16"]
-    assert not _of(frames, "wire_widened")
+    assert not _of(frames, "wire_widened") and frames[-1]["formats"]["lossless"] is False
     _no_shard_blamed(mesh, frames)
-    fp32 = await _chat(mesh, OVERFLOW, wire_dtype="fp32")
+    fp32 = await _chat(mesh, OVERFLOW)
     assert len(_tokens(fp32)) == len(_tokens(frames))
 
 
 async def test_overflow_seen_at_run_time_is_widened_and_blames_no_shard(family_mesh):
     mesh, _ = family_mesh
-    frames = await _chat(mesh, MISCALIBRATED)
+    frames = await _chat(mesh, MISCALIBRATED, wire_dtype="compact")
     assert frames[-1]["type"] == "done", frames[-1]
     widened = _of(frames, "wire_widened")
     # the shard [2,3] saw its output overflow; the orchestrator saw [2,3]'s output

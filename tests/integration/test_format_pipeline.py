@@ -1,8 +1,9 @@
-"""Weight formats through the orchestrator (issue 12 §2, §5): the real SmolLM2.
+"""Weight formats through the orchestrator: the real SmolLM2.
 
 Distributed output is token-identical to a local engine holding the same formats; the
-`done` frame names every stage's format and the head's; a call's `weights` decides which
-shards it may use.
+`done` frame and the stages' `shard_status` name every stage's format and the head's and
+say whether all were lossless; a call's `weights` decides which shards it may use, and by
+default only formats that keep the stored weights serve it.
 """
 
 from __future__ import annotations
@@ -47,10 +48,15 @@ async def test_distributed_equals_local_with_the_same_formats(smollm2, model_sto
     mesh = InProcessMesh(smollm2)
     mesh.add("node-b", 0, 14, fmt)
     mesh.add("node-c", 15, 29, fmt)
-    frames = await _run(_orch(mesh, model_store, fmt))
+    frames = await _run(_orch(mesh, model_store, fmt), weights=fmt)
     assert _tokens(frames) == want
     done = frames[-1]
-    assert done["type"] == "done" and done["formats"] == {"head": fmt, "stages": [fmt, fmt]}
+    # the bundled store is bf16: bf16 keeps its weights, int8 does not
+    assert done["type"] == "done" and done["formats"] == {
+        "head": fmt, "stages": [fmt, fmt], "wire": ["fp32", "fp32"], "policy": fmt,
+        "lossless": fmt == "bf16"}
+    assert [(f["weights_format"], f.get("kernel")) for f in frames
+            if f["type"] == "shard_status"] == [(fmt, INT8_KERNEL if fmt == "int8" else None)] * 2
     assert {v["weights_format"] for v in done["timings"]["per_shard"].values()} == {fmt}
     assert {v["kernel"] for v in done["timings"]["per_shard"].values()} == {
         INT8_KERNEL if fmt == "int8" else ""}  # what int8 runs in here; bf16 names none
@@ -60,17 +66,22 @@ async def test_call_weights_param_filters_shards(smollm2, model_store):
     mesh = InProcessMesh(smollm2)
     mesh.add("node-b", 0, 29, "int8")
     orch = _orch(mesh, model_store, "fp32")
-    # default (at least int8) uses the int8 shard under an fp32 head
+    # the default (lossless) never uses the int8 shard: int8 rounds every stored weight
     frames = await _run(orch, fallback_to_local=False)
+    assert frames[-1]["type"] == "error" and frames[-1]["code"] == "shard_unavailable"
+    assert "holds int8 weights; the call accepts bf16, fp32" in frames[-1]["message"]
+    # asked for (at least int8): it serves, and the answer says it was lossy
+    frames = await _run(orch, fallback_to_local=False, weights="int8")
     assert frames[-1]["type"] == "done"
-    assert frames[-1]["formats"] == {"head": "fp32", "stages": ["int8"]}
+    assert frames[-1]["formats"] == {"head": "fp32", "stages": ["int8"], "wire": ["fp32"],
+                                     "policy": "int8", "lossless": False}
     # exact: only the orchestrator's own format (fp32) — none is there
     frames = await _run(orch, fallback_to_local=False, weights="exact")
     assert frames[-1]["type"] == "error" and frames[-1]["code"] == "shard_unavailable"
     assert "holds int8 weights; the call accepts fp32" in frames[-1]["message"]
     # with fallback the local engine answers, in the orchestrator's own format
     frames = await _run(orch, weights="bf16")
-    assert frames[-1]["fallback"] and frames[-1]["formats"] == {"head": "fp32",
-                                                                "stages": ["fp32"]}
+    assert frames[-1]["fallback"] and frames[-1]["formats"] == {
+        "head": "fp32", "stages": ["fp32"], "wire": [], "lossless": True}
     with pytest.raises(BadRequest, match="weights must be"):
         DistributedChatParams.from_dict({"weights": "q4"}, DistributedChatParams())

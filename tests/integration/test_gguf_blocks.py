@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
 from hearthnet.commands.models import _list
+from hearthnet.distributed_inference.directory.formats import lossless_of
 from hearthnet.distributed_inference.engine import quant as quant_module
 from hearthnet.distributed_inference.engine.blocks import GgmlBlocks, inexact_zeros
 from hearthnet.distributed_inference.engine.head import LayeredHead
@@ -65,6 +66,9 @@ def test_kept_blocks_held_as_int4_answer_as_the_fp32_dequantised_model(family, q
     assert entry.ggml_types == {quant: 4 * 7 + 1}  # every layer matrix and the embeddings
     assert entry.dtype == "float32"  # `native`: the blocks de-quantised exactly
     assert entry.stored_as == f"gguf:{quant}"  # what `models list` shows, not float32
+    # its Q4 blocks held as they are keep every stored weight: a default (lossless) call
+    # takes int4 shards of this store, and fp32 ones; never int8 or bf16
+    assert lossless_of(entry) == {"fp32", "int4"}
     _list(argparse.Namespace(models_dir=str(tmp_path / "store"), json=False))
     listed = capsys.readouterr().out
     assert f" gguf:{quant} " in listed and "float32" not in listed

@@ -255,5 +255,5 @@ def test_the_weights_policy_rides_in_the_hearthnet_field_and_the_node_checks_it(
                                                DistributedChatParams()).weights == policy
     args = parse_chat_request({"model": "m", "messages": msgs,
                                "hearthnet": {"weights": "int3"}}, lim).args
-    with pytest.raises(BadRequest, match="weights must be 'exact' or a minimum format"):
+    with pytest.raises(BadRequest, match="weights must be 'lossless', 'exact' or a minimum format"):
         DistributedChatParams.from_dict(args["params"], DistributedChatParams())

@@ -291,4 +291,4 @@ def test_the_wire_dtype_names_are_one_list() -> None:
     assert tuple(d.wire_name for d in WireDtype) == WIRE_DTYPES == tuple(FLOAT_DTYPES)
     assert "bf16" in WIRE_DTYPES
     field = DistributedInferenceSection.model_fields["activation_dtype"]
-    assert get_args(field.annotation) == ("auto", *WIRE_DTYPES)
+    assert get_args(field.annotation) == ("auto", "compact", *WIRE_DTYPES)

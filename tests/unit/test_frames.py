@@ -83,6 +83,10 @@ def test_the_wire_keys_are_the_spec_s() -> None:
     assert ShardStatus.ok(A, (0, 14), "fp16").to_wire() == {
         "type": "shard_status", "shard_id": A, "status": "ok", "layers": [0, 14],
         "wire_dtype": "fp16"}
+    # the stage's held format and kernel, when the orchestrator knows them
+    assert ShardStatus.ok(A, (0, 14), "fp32", "int8", "onednn").to_wire() == {
+        "type": "shard_status", "shard_id": A, "status": "ok", "layers": [0, 14],
+        "wire_dtype": "fp32", "weights_format": "int8", "kernel": "onednn"}
     assert ShardStatus.degraded(B, ShardUnavailable("gone")).to_wire() == {
         "type": "shard_status", "shard_id": B, "status": "degraded",
         "code": "shard_unavailable", "message": "gone"}

@@ -28,7 +28,7 @@ def test_concurrent_fallbacks_build_one_local_engine(monkeypatch):
     orch._head = head
     orch.executor = ThreadPoolExecutor(2)
     orch.local_weights, orch.limits, orch.prefill_chunk_tokens = "fp32", None, 64
-    entry = SimpleNamespace(weights_sha256="abc")
+    entry = SimpleNamespace(head_key=lambda: ("m", "abc", "def"))
 
     async def main():
         calls = [asyncio.create_task(orch._local(entry)) for _ in range(8)]

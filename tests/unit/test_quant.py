@@ -40,11 +40,19 @@ def test_formats_and_routing_policy():
     assert quant.format_name(torch.bfloat16) == "bf16" and quant.format_name("float32") == "fp32"
     with pytest.raises(BadRequest, match="unknown weight format 'int3'"):
         formats.resolve_format("int3", "float32")
-    assert formats.check_policy(None) == "int8"
-    for bad in ("fp8", 3, "EXACT"):
+    assert formats.check_policy(None) == "lossless"
+    for bad in ("fp8", 3, "EXACT", "Lossless"):
         with pytest.raises(BadRequest, match="weights must be"):
             formats.check_policy(bad)
-    # default: at least as precise as int8 — int4 is left out
+    # the default: only formats that keep the stored weights
+    assert formats.lossless_formats("float32") == {"fp32"}
+    assert formats.lossless_formats("bfloat16") == {"fp32", "bf16"}
+    assert formats.lossless_formats("float16") == {"fp32", "fp16"}
+    assert formats.lossless_formats("float32", q4_blocks=True) == {"fp32", "int4"}
+    keep = formats.lossless_formats("bfloat16")
+    assert formats.accepted_formats("lossless", "fp32", keep) == ["fp32", "bf16"]
+    assert formats.accepted_formats("lossless", "fp32") == ["fp32"]
+    # a minimum format: at least as precise as int8 — int4 is left out
     assert formats.accepted_formats("int8", "fp32") == ["fp32", "bf16", "fp16", "int8"]
     assert formats.accepted_formats("bf16", "fp32") == ["fp32", "bf16", "fp16"]
     assert formats.accepted_formats("int4", "fp32") == list(formats.HELD_FORMATS)

@@ -125,6 +125,15 @@ function renderPeers(st) {
     (p.direction === "in" ? " (incoming)" : ""))) : [el("li", {class: "muted"}, "none")]));
 }
 
+function formatsNote(f) {
+  // what served the answer: a compact format's answer must not read as an exact one
+  if (!f || f.lossless === undefined) return "";
+  const uniq = (xs) => [...new Set(xs || [])].join("/");
+  return ` · layers ${uniq(f.stages)}, head ${f.head}` +
+    (f.wire && f.wire.length ? `, wire ${uniq(f.wire)}` : "") +
+    (f.lossless ? " · lossless" : " · LOSSY (a compact format was asked for)");
+}
+
 function describe(ev) {
   const when = new Date(ev.time * 1000).toLocaleTimeString();
   if (ev.type === "shard_failover")
@@ -193,7 +202,8 @@ async function chat(ev) {
           const h = chunk.hearthnet, t = h.timings || {};
           facts.textContent = `via ${h.fallback ? "local fallback" :
             h.pipeline.map(shortShard).join(" → ")} · first token ${fmt(t.first_token_ms, 0)} ms` +
-            ` · ${fmt(t.tokens_per_second, 1)} tok/s · ${h.failovers} failover(s)`;
+            ` · ${fmt(t.tokens_per_second, 1)} tok/s · ${h.failovers} failover(s)` +
+            formatsNote(h.formats);
         }
       }
     }

@@ -94,7 +94,13 @@ class ClientHead(Protocol):
     device: torch.device
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` with the chat template and a generation prompt."""
+        """Token ids of `messages` with the chat template and a generation prompt.
+
+        Raises:
+            BadRequest: the template refused the messages (roles that do not alternate, a
+                system message it does not take), with the template's own message: the
+                one place every chat path applies the template.
+        """
         ...
 
     def embed(self, token_ids: list[int]) -> torch.Tensor:

@@ -144,11 +144,18 @@ class LayeredHead:
                                                           tokenize=True)
         except TemplateSyntaxError:
             raise  # the model's template is broken: not the caller's doing (internal)
-        except TemplateError as e:  # the template refused these messages (`raise_exception`)
+        except (TemplateError, ValueError) as e:
+            # the template refused these messages (`raise_exception`: Llama-2's, Mistral's
+            # and Gemma's roles must alternate), or transformers refused them before
+            # rendering (ValueError): the caller's to change, so a typed bad_request that
+            # names the rule on every path — mesh, local, fallback, bus and HTTP (400)
+            rule = (e.message if isinstance(e, TemplateError) else str(e)) \
+                or type(e).__name__
             raise BadRequest(f"the chat template of {self.entry.alias} refused the messages: "
-                             f"{e.message or type(e).__name__}; send messages it accepts "
-                             "(some models take no system message: put it in the first user "
-                             "message)") from e
+                             f"{rule}; send messages it accepts (some models take no system "
+                             "message: put it in the first user message; some need user and "
+                             "assistant turns to alternate, starting with user)",
+                             model=self.entry.alias) from e
         ids: Any = out["input_ids"] if hasattr(out, "keys") else out
         return [int(i) for i in ids]
 

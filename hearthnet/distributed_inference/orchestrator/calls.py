@@ -108,6 +108,8 @@ class CallState:
     max_len: int
     wire: WirePlan
     formats: frozenset[str] | None = None  # weight formats the call accepts (DESIGN.md decision 10)
+    # the model's formats that keep its stored weights (what `done` reports against)
+    lossless: frozenset[str] = frozenset({"fp32"})
     failures: int = 0
     step: int = 0
     failover_ms: list[float] = field(default_factory=list)

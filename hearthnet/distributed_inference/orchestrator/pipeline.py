@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hearthnet.distributed_inference.directory.descriptors import PipelineStage
-from hearthnet.distributed_inference.directory.formats import accepted_formats, resolve_format
+from hearthnet.distributed_inference.directory.formats import (
+    accepted_formats,
+    call_formats,
+    lossless_of,
+    resolve_format,
+)
 from hearthnet.distributed_inference.directory.health import ShardHealthTracker
 from hearthnet.distributed_inference.directory.routing import ShardRouter
 from hearthnet.distributed_inference.engine.base import ClientHead
@@ -56,7 +61,7 @@ from hearthnet.errors import (
     WeightsMismatch,
 )
 from hearthnet.frames import Done, ErrorFrame, PipelineAborted, ShardStatus, StreamFrame
-from hearthnet.models.store import ModelEntry, ModelStore
+from hearthnet.models.store import HeadKey, ModelEntry, ModelStore
 from hearthnet.observability import Metrics, get_logger
 from hearthnet.transport.websocket import SHARD_PATH
 
@@ -92,10 +97,13 @@ class PipelineOrchestrator:
         self.defaults = defaults or DistributedChatParams()
         self.enabled = enabled
         self.sign_open = sign_open or (lambda p: p)
-        self._prepared: dict[str, _Prepared] = {}
-        self._unusable: dict[str, HearthNetError] = {}
-        self._locals: dict[str, LocalEngine] = {}
-        self._local_locks: dict[str, asyncio.Lock] = {}
+        # by `ModelEntry.head_key` (alias, weights, tokenizer and template files), not by
+        # weights alone: a model re-imported with a fixed template under another alias
+        # must not get the head (the prompt) of whichever alias loaded first
+        self._prepared: dict[HeadKey, _Prepared] = {}
+        self._unusable: dict[HeadKey, HearthNetError] = {}
+        self._locals: dict[HeadKey, LocalEngine] = {}
+        self._local_locks: dict[HeadKey, asyncio.Lock] = {}
         self._head_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(max_concurrent_pipelines)
         self.local_weights = local_weights  # the head's and local engine's format
@@ -160,7 +168,8 @@ class PipelineOrchestrator:
             construct_ms = (time.perf_counter() - t0) * 1000
             self.metrics.pipeline_construct_ms.observe(construct_ms)
             for st in call.stages:
-                yield ShardStatus.ok(st.shard_id, (st.stage.start, st.stage.end), st.wire)
+                yield ShardStatus.ok(st.shard_id, (st.stage.start, st.stage.end), st.wire,
+                                     st.stage.shard.weights_format, st.stage.shard.kernel)
             try:
                 async for f in self.decoder.run(call, head, checker, t0):
                     yield f
@@ -195,11 +204,12 @@ class PipelineOrchestrator:
         Nothing half-built is kept: a head or calibration that fails is remembered as the
         error (logged once, here) and every call of that model gets it, typed.
         """
-        key = entry.weights_sha256
+        key = entry.head_key()
         async with self._head_lock:
             if key in self._unusable:
                 raise self._unusable[key]
             if key not in self._prepared:
+                self._forget_replaced(key)
                 try:
                     self._prepared[key] = await self._prepare(entry)
                 except HearthNetError as e:
@@ -208,6 +218,14 @@ class PipelineOrchestrator:
                               message=e.message)
                     raise
         return self._prepared[key]
+
+    def _forget_replaced(self, key: HeadKey) -> None:
+        """Drop what was kept for an earlier version of `key`'s alias (re-imported, or its
+        template fixed in place): no call asks for it again, and a 7B head is GBs. Calls
+        under way keep their own reference."""
+        for kept in (self._prepared, self._unusable, self._locals, self._local_locks):
+            for k in [k for k in kept if k[0] == key[0] and k != key]:
+                del kept[k]
 
     async def _prepare(self, entry: ModelEntry) -> _Prepared:
         loop = asyncio.get_running_loop()
@@ -242,7 +260,7 @@ class PipelineOrchestrator:
         busy: set[str] = set()
         reasons: list[str] = []
         own = resolve_format(self.local_weights, entry.dtype)
-        formats = frozenset(accepted_formats(params.weights, own))
+        formats = frozenset(accepted_formats(params.weights, own, lossless_of(entry)))
         slot = self.router.busy_wait(params.timeout_s)
         failures = 0
         while failures < _OPEN_ATTEMPTS:
@@ -265,7 +283,8 @@ class PipelineOrchestrator:
                 return_exceptions=True)
             stages = [o for o in opened if isinstance(o, StageSession)]
             if len(stages) == len(opened):
-                return CallState(pipeline, stages, gen, params, max_len, wire, formats)
+                return CallState(pipeline, stages, gen, params, max_len, wire, formats,
+                                 lossless=lossless_of(entry))
             for st in stages:
                 with contextlib.suppress(Exception):
                     await st.channel.close()
@@ -342,17 +361,17 @@ class PipelineOrchestrator:
         finally:
             await loop.run_in_executor(self.executor, it.close)  # frees the local KV cache
         self.metrics.tokens_per_second.observe(timings.decode_tokens_per_s)
-        own = engine.stack.format
         yield done_frame(gen, t0=t0, first_ms=first_ms or 0.0,
                          tokens_per_s=timings.decode_tokens_per_s, pipeline=["local"],
-                         formats={"head": engine.head.format, "stages": [own]},
+                         formats=call_formats(engine.head.format, [engine.stack.format], [],
+                                              None, lossless_of(entry)),
                          fallback=True)
 
     async def _local(self, entry: ModelEntry) -> LocalEngine:
         """The one local engine of `entry`, built by the first caller: calls falling back
         at once wait for it (each building its own held the whole model once per call —
         eight chats falling back together OOM-killed a 1.5B orchestrator)."""
-        key = entry.weights_sha256
+        key = entry.head_key()
         async with self._local_locks.setdefault(key, asyncio.Lock()):
             if key not in self._locals:
                 head = (await self._head(entry)).head
@@ -381,17 +400,21 @@ class PipelineOrchestrator:
                     "wire_dtype": st.wire}
         return done_frame(call.gen, t0=t0, first_ms=call.first_ms or 0.0, tokens_per_s=tps,
                           pipeline=[s.shard_id for s in call.stages],
-                          formats={"head": self._own_format(call),
-                                   "stages": [s.stage.shard.weights_format
-                                              for s in call.stages]},
+                          formats=call_formats(
+                              self._own_format(call),
+                              [s.stage.shard.weights_format for s in call.stages],
+                              [s.wire for s in call.stages], call.params.weights,
+                              call.lossless),
                           timings={"construction_ms": round(construct_ms, 1),
                                    "failover_ms": [round(x, 1) for x in call.failover_ms],
                                    "per_shard": per_shard},
                           failovers=len(call.failover_ms))
 
     def _own_format(self, call: CallState) -> str:
-        prepared = self._prepared.get(call.pipeline.weights_sha256)
-        return prepared.head.format if prepared is not None else self.local_weights
+        # a head's format follows from its weights' dtype alone: any head of them says it
+        w = call.pipeline.weights_sha256
+        return next((p.head.format for k, p in self._prepared.items() if k[1] == w),
+                    self.local_weights)
 
     async def _close(self, call: CallState) -> None:
         self.router.release(call.pipeline)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hearthnet.constants import DEFAULT_TIMEOUT_S
-from hearthnet.distributed_inference.directory.formats import DEFAULT_MIN_FORMAT, check_policy
+from hearthnet.distributed_inference.directory.formats import DEFAULT_POLICY, check_policy
 from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.distributed_inference.orchestrator.wire import check_wire_names
 from hearthnet.errors import BadRequest
@@ -40,14 +40,15 @@ class DistributedChatParams:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     fallback_to_local: bool = True
-    wire_dtype: str = "auto"  # auto | fp16 | bf16 | fp32 (M26 §5.3)
-    wire_wide_dtype: str = "bf16"  # what auto uses where fp16 does not fit: bf16 | fp32
+    wire_dtype: str = "auto"  # auto (fp32: lossless) | compact | fp16 | bf16 | fp32 (M26 §5.3)
+    wire_wide_dtype: str = "bf16"  # what compact uses where fp16 does not fit: bf16 | fp32
     max_shards: int = 16
     timeout_s: float = DEFAULT_TIMEOUT_S
     fallback_after_failures: int = 2
-    # the shards' weight formats the call accepts (DESIGN.md decision 10): a minimum format, or
-    # "exact" (only the orchestrator's own); see formats.check_policy
-    weights: str = DEFAULT_MIN_FORMAT
+    # the shards' weight formats the call accepts (DESIGN.md decision 10): "lossless" (only
+    # formats that keep the stored weights), a minimum format, or "exact" (only the
+    # orchestrator's own); see formats.check_policy
+    weights: str = DEFAULT_POLICY
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], defaults: DistributedChatParams) -> DistributedChatParams:
