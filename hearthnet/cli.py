@@ -74,5 +74,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(rc or 0)
 
 
+def run() -> None:
+    """The console script (and ``python -m hearthnet.cli``): `main`, then exit.
+
+    A decode step still compiling in a background thread (`engine/compiled.py`) cannot be
+    stopped, and an interpreter that tears such a thread down aborts (a C++ terminate,
+    exit 134, after the answer was printed). Its artefact is written atomically and
+    checked again when loaded, so the process then ends at once, its output flushed.
+    """
+    rc = main()
+    compiled = sys.modules.get("hearthnet.distributed_inference.engine.compiled")
+    if compiled is not None and compiled.compiling():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

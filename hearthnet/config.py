@@ -75,6 +75,9 @@ def _listen_host(v: str) -> str:
 
 
 ListenHost = Annotated[str, AfterValidator(_listen_host)]
+# a Host header value (RFC 9110 §7.2) and a browser's Origin (RFC 6454 §6.1)
+_HOST_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:[0-9]{1,5})?$"
+_ORIGIN_PATTERN = r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:[0-9]{1,5})?$"
 Trust = Literal["guest", "member", "trusted", "steward"]
 WeightFormat = Literal["native", "fp32", "bf16", "fp16", "int8", "int4"]  # formats.FORMATS
 # formats.check_policy
@@ -106,6 +109,13 @@ class NodeSection(_Section):
     # "mdns": announce this node and find peers on the LAN by mDNS/DNS-SD (DESIGN.md decision 14);
     # discovery only finds addresses, membership still comes from the member list
     discovery: Literal["off", "mdns"] = "off"
+    # dial other known members (their advertised endpoints, discovered addresses) while
+    # fewer than this many are linked: 2 survives any one link or node failure (mesh.links);
+    # 0: only configured and discovered peers (and members whose heartbeats stopped)
+    min_gossip_links: Annotated[int, Field(ge=0, le=16)] = 2
+    # SIGTERM/SIGINT: open shard sessions and chats get this long to finish (new ones are
+    # refused `shard_unavailable`, so orchestrators fail over), then the node exits
+    drain_timeout_seconds: Annotated[float, Field(ge=0, le=600)] = 10.0
 
     @field_validator("advertise_host")
     @classmethod
@@ -341,11 +351,28 @@ class ApiSection(_Section):
     ``/v1`` and ``/api`` call needs ``Authorization: Bearer <key>`` with a key from
     ``keys`` or ``key_file`` (one key a line). Bodies, message counts and ``max_tokens`` are
     bounded before any work.
+
+    Which web pages may use it: every request's ``Host`` must name this listener (its
+    address and port; ``localhost``/``127.0.0.1``/``[::1]`` on a loopback or wildcard bind;
+    any IP address on a wildcard bind) or an ``allowed_hosts`` entry, so a DNS-rebinding
+    page is refused with 403; an ``Origin``, when sent, must be the node's own page or an
+    ``allowed_origins`` entry. POST bodies must be ``application/json`` (415 otherwise), so
+    another site's form or ``text/plain`` fetch cannot reach a handler.
     """
 
     enabled: bool = True
     listen_host: ListenHost = "127.0.0.1"
     listen_port: Port = 0
+    # extra names clients reach the API by (a reverse proxy, an mDNS or LAN name, a port
+    # forward): "hearth.lan" (any port) or "localhost:9000" (that port only)
+    allowed_hosts: list[Annotated[str, Field(pattern=_HOST_PATTERN)]] = Field(
+        default_factory=list)
+    # extra page origins allowed to call it from a browser, e.g. "https://hearth.lan"
+    allowed_origins: list[Annotated[str, Field(pattern=_ORIGIN_PATTERN)]] = Field(
+        default_factory=list)
+    # seconds a client has to send a request's headers (also the idle time of a kept-alive
+    # connection) and again its body: a half-sent request is not held open
+    read_timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
     keys: list[Annotated[str, Field(min_length=16, max_length=256)]] = Field(
         default_factory=list)
     key_file: str = ""

@@ -12,7 +12,9 @@ transport can all import it cheaply:
 - `CloseCode`: the WebSocket close codes HearthNet sends (RFC 6455 §7.4.1, docs/protocol.md §7).
 - `TENSOR_CHUNK_BYTES` / `MAX_TENSOR_BYTES` / `TENSOR_FLOW_CONTROL_WINDOW`: the tensor
   transport's defaults (M26 §5.5, docs/protocol.md §3–4), also the config's defaults.
-- `DEFAULT_GGUF_DTYPE`: what a GGUF is de-quantised to on import (DESIGN.md decision 10), the
+- `DEFAULT_GGUF_DTYPE`: how a GGUF is imported (DESIGN.md decisions 10 and 15): `gguf`
+  keeps its own quantised blocks (a store of the file's size; Q4 blocks are held as they
+  are by default, `formats.default_held`), or a float dtype to de-quantise to; the
   importer's default and the `models import --dtype` default.
 """
 
@@ -47,7 +49,7 @@ MAX_TENSOR_BYTES = 256 << 20
 TENSOR_FLOW_CONTROL_WINDOW = 16
 """Default credit window in chunks (M26 §5.5)."""
 
-DEFAULT_GGUF_DTYPE = "bf16"
+DEFAULT_GGUF_DTYPE = "gguf"  # its own blocks kept: the GGUF's size, held exactly
 """A GGUF is imported to bf16 unless `--dtype` says otherwise: half fp32's size."""
 
 

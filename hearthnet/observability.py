@@ -78,6 +78,11 @@ class Metrics:
             "Shard outputs rejected by the NaN/Inf/norm sanity check", ["shard_id"], registry=r)
         self.chats_total = Counter(
             p + "chats_total", "Distributed chat calls by outcome", ["outcome"], registry=r)
+        # what served the stages: the format each shard's ACCEPT stated (not its
+        # advertisement), and whether it kept the stored weights (formats.lossless_formats)
+        self.stage_formats_total = Counter(
+            p + "stage_formats_total", "Pipeline stages opened, by the weight format the "
+            "shard accepted with", ["weights_format", "lossless"], registry=r)
         self.tokens_generated_total = Counter(
             p + "tokens_generated_total", "Tokens streamed to callers", registry=r)
         # shard host side (M26 §5.10)

@@ -22,7 +22,11 @@ def model_store():
     from hearthnet.models.importer import import_smollm2
 
     store = ModelStore()
-    import_smollm2(store)
+    entry = import_smollm2(store, "bf16")
+    if entry.ggml_types:  # a store the default import wrote (the demo's): not the reference
+        pytest.exit(f"{entry.path} keeps the GGUF's blocks; the suite's reference is SmolLM2 "
+                    f"de-quantised to bf16: run `make test` (its own data dir) or set "
+                    f"HEARTHNET_DATA_DIR to a fresh folder", returncode=2)
     return store
 
 

@@ -1,9 +1,11 @@
 """OpenAI chat-completions shapes ↔ `experimental.distributed_llm.chat` (DESIGN.md decision 13).
 
-Owns the translation only — no I/O: `parse_chat_request` turns an OpenAI request body into
-the bus arguments of a chat call (every bound checked before any work), `CompletionBuilder`
-turns the call's frames into OpenAI chunks or one response, and `openai_error` gives an
-error in OpenAI's shape with its HTTP status.
+Owns the translation only — no I/O: `parse_json_body` reads a body (its nesting bounded
+before it is parsed), `parse_chat_request` turns an OpenAI request body into the bus
+arguments of a chat call (every field's exact JSON type and bound checked before any work,
+a wrong one a `bad_request` naming it), `CompletionBuilder` turns the call's frames into
+OpenAI chunks or one response, and `openai_error` gives an error in OpenAI's shape with its
+HTTP status.
 
 HearthNet's own facts (pipeline, failovers, fallback, per-shard timings and the
 `shard_failover` / `pipeline_aborted` frames) ride in a ``hearthnet`` extension field of the
@@ -12,11 +14,14 @@ last chunk or of the response; standard clients ignore unknown fields.
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hearthnet.distributed_inference.orchestrator.params import check_params, unknown_keys
 from hearthnet.errors import BadRequest
 from hearthnet.frames import Done, ErrorFrame, StreamFrame, TokenDelta, is_incident
 
@@ -27,7 +32,10 @@ _STATUS: dict[str, tuple[int, str]] = {
     "bad_request": (400, "invalid_request_error"),
     "invalid_request_error": (400, "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error"),
+    "unsupported_media_type": (415, "invalid_request_error"),
+    "request_timeout": (408, "invalid_request_error"),
     "auth_failed": (401, "authentication_error"),
+    "forbidden": (403, "permission_error"),
     "model_not_found": (404, "invalid_request_error"),
     "not_found": (404, "invalid_request_error"),
     "method_not_allowed": (405, "invalid_request_error"),
@@ -64,6 +72,9 @@ class Limits:
     max_messages: int = 64
     max_tokens: int = 2048
     default_max_tokens: int = 256
+    # a chat body nests 5 deep (body, messages, message, content parts, part); the bound
+    # stops a deeply nested body before the parser recurses (RecursionError, a 500)
+    max_json_depth: int = 32
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,51 @@ class ParsedChat:
     stream: bool
     include_usage: bool
     args: dict[str, Any]  # bus arguments of experimental.distributed_llm.chat
+
+
+# a JSON string, or an unterminated one to the end (so that no quote is scanned twice)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_OPEN_CLOSE = bytes.maketrans(b"[]{}", b"()()")
+
+
+def json_depth_within(raw: bytes, limit: int) -> bool:
+    """Whether `raw`'s arrays and objects nest at most `limit` deep (and balance).
+
+    Without a Python loop over the body: strings are cut out, every other byte but the
+    brackets dropped, and each pass of ``replace(b"()", b"")`` removes exactly the
+    innermost level (the leaves of the nesting tree), so a balanced body is empty after
+    as many passes as it is deep. A run of ``limit + 1`` openers, or a pass that removes
+    nothing (unbalanced), ends it early.
+    """
+    brackets = _JSON_STRING.sub(b"", raw).translate(_OPEN_CLOSE, _NOT_BRACKET)
+    too_deep = b"(" * (limit + 1)
+    for _ in range(limit):
+        if not brackets:
+            return True
+        if too_deep in brackets:
+            return False
+        inner = brackets.replace(b"()", b"")
+        if len(inner) == len(brackets):
+            return False
+        brackets = inner
+    return not brackets
+
+
+def parse_json_body(raw: bytes, limits: Limits) -> Any:
+    """A request body as JSON; raises `BadRequest` for one that is not JSON or that nests
+    deeper than ``limits.max_json_depth``, before the parser recurses into it."""
+    if not json_depth_within(raw, limits.max_json_depth):
+        raise BadRequest(f"the body is not JSON nested at most {limits.max_json_depth} deep")
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not JSON: {e}") from e
+
+
+def _no_constant(name: str) -> Any:
+    """Python's parser takes NaN and Infinity; JSON has no such numbers (RFC 8259 §6)."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _text(content: Any, i: int) -> str:
@@ -101,7 +157,8 @@ def _messages(raw: Any, limits: Limits) -> list[dict[str, str]]:
                          f"{limits.max_messages}", param="messages")
     out = []
     for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or m["role"] not in _ROLES:
             raise BadRequest(f"messages[{i}] needs a role in {sorted(_ROLES)}",
                              param=f"messages[{i}].role")
         role = "system" if m["role"] == "developer" else str(m["role"])
@@ -119,12 +176,13 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
 
 
 def _max_tokens(body: dict[str, Any], limits: Limits) -> int:
-    v = body.get("max_completion_tokens", body.get("max_tokens"))
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    v = body.get(key)
     if v is None:
         return min(limits.default_max_tokens, limits.max_tokens)
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= limits.max_tokens:
-        raise BadRequest(f"max_tokens must be an integer in 1..{limits.max_tokens}",
-                         param="max_tokens")
+        raise BadRequest(f"{key} must be an integer in 1..{limits.max_tokens}", param=key)
     return v
 
 
@@ -141,21 +199,32 @@ def _stop(v: Any) -> list[str]:
 def _seed(v: Any) -> int | None:
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest("seed must be an integer", param="seed")
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
+        raise BadRequest("seed must be an integer in 0..2**63-1", param="seed")
+    return v
+
+
+def _flag(body: dict[str, Any], key: str, name: str | None = None) -> bool:
+    """A ``true``/``false`` field (``null`` or absent: false); never a truthy string."""
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(f"{name or key} must be true or false", param=name or key)
     return v
 
 
 def _extension(v: Any) -> dict[str, Any]:
     """The request's own ``hearthnet`` field: wire_dtype, fallback_to_local, timeout_s,
-    max_shards, weights (the shard formats the call accepts, DESIGN.md decision 10)."""
+    max_shards, weights (the shard formats the call accepts, DESIGN.md decision 10), each
+    of the spec's JSON type and range (`params.CALL_PARAMS`)."""
     if v is None:
         return {}
     allowed = {"wire_dtype", "fallback_to_local", "timeout_s", "max_shards", "weights"}
-    if not isinstance(v, dict) or set(v) - allowed:
+    if not isinstance(v, dict) or unknown_keys(v, allowed):
         raise BadRequest(f"hearthnet must be an object with keys from {sorted(allowed)}",
                          param="hearthnet")
-    return dict(v)
+    return check_params(v, prefix="hearthnet.")
 
 
 def parse_chat_request(body: Any, limits: Limits) -> ParsedChat:
@@ -165,13 +234,12 @@ def parse_chat_request(body: Any, limits: Limits) -> ParsedChat:
     model = body.get("model")
     if not isinstance(model, str) or not model or len(model) > 256:
         raise BadRequest("model must be a model name (see GET /v1/models)", param="model")
-    n = body.get("n", 1)
-    if n != 1 or isinstance(n, bool):
-        raise BadRequest("only n = 1 is supported", param="n")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream must be true or false", param="stream")
-    opts = body.get("stream_options") or {}
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
+        raise BadRequest("only n = 1 (an integer) is supported", param="n")
+    stream = _flag(body, "stream")
+    opts = body.get("stream_options")
+    opts = {} if opts is None else opts
     if not isinstance(opts, dict):
         raise BadRequest("stream_options must be an object", param="stream_options")
     sampling = {"max_tokens": _max_tokens(body, limits),
@@ -180,7 +248,8 @@ def parse_chat_request(body: Any, limits: Limits) -> ParsedChat:
                 "seed": _seed(body.get("seed")), "stop": _stop(body.get("stop"))}
     args = {"request": {"model": model, "messages": _messages(body.get("messages"), limits)},
             "params": {"sampling": sampling, **_extension(body.get("hearthnet"))}}
-    return ParsedChat(model, stream, bool(opts.get("include_usage", False)), args)
+    return ParsedChat(model, stream,
+                      _flag(opts, "include_usage", "stream_options.include_usage"), args)
 
 
 @dataclass

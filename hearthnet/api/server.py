@@ -17,6 +17,15 @@ constant time (`hmac.compare_digest`); refusals count in
 ``hearthnet_auth_failures_total{reason="api_key"}``. Body size, message count and
 ``max_tokens`` are bounded before any work; a call over ``max_concurrent_pipelines`` is
 refused with 429 instead of queueing.
+
+Which pages may call (a loopback listener is no defence against the browser of the same
+machine): every request's ``Host`` must name this listener (`HostPolicy`) or it is refused
+with 403 — a DNS-rebinding page sends its own name; an ``Origin``, when present, must be
+the node's own page (``http://`` + the Host) or a configured one — another site's fetch or
+form; a POST body must be ``application/json`` (415), which no form and no CORS-free fetch
+can send, and nests at most ``Limits.max_json_depth`` deep. A client has ``read_timeout_s``
+to send its headers (aiohttp's ``keepalive_timeout``: its timer runs from the connection's
+start and closes it while no complete request has arrived) and again its body.
 """
 
 from __future__ import annotations
@@ -24,8 +33,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,6 +48,7 @@ from hearthnet.api.openai_compat import (
     ParsedChat,
     openai_error,
     parse_chat_request,
+    parse_json_body,
 )
 from hearthnet.errors import HearthNetError, ModelNotFound
 from hearthnet.frames import StreamFrame
@@ -48,6 +60,8 @@ STATIC = Path(__file__).parent / "static"
 Json = dict[str, Any]  # an OpenAI-shaped chunk
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PUBLIC = ("/", "/favicon.ico")  # the page itself (and /static/*) holds no mesh data
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_WILDCARD = frozenset({"0.0.0.0", "::"})
 
 
 class ApiHost(Protocol):
@@ -70,18 +84,100 @@ def _error(code: str, message: str, param: str | None = None) -> web.Response:
     return web.json_response(body, status=status)
 
 
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(name)
+    except ValueError:
+        return None
+
+
+def _norm(name: str) -> str:
+    """A host name compared case-blind without its root dot; an IP address canonical."""
+    ip = _ip(name)
+    return ip.compressed if ip is not None else name.lower().rstrip(".")
+
+
+def split_host(value: str) -> tuple[str, int | None] | None:
+    """(name, port or None) of a ``Host`` value (RFC 9110 §7.2; an IPv6 address in
+    brackets, RFC 3986 §3.2.2), the name normalised; None when it is malformed."""
+    v = value.strip()
+    if v.startswith("["):
+        name, sep, rest = v[1:].partition("]")
+        if not sep or _ip(name) is None or (rest and not rest.startswith(":")):
+            return None
+        port = rest[1:]
+    elif v.count(":") > 1:
+        return None  # an IPv6 address without brackets
+    else:
+        name, _, port = v.partition(":")
+    if not name or (port and not (port.isascii() and port.isdigit() and len(port) <= 5)):
+        return None
+    return _norm(name), int(port) if port else None
+
+
+@dataclass(frozen=True)
+class HostPolicy:
+    """Which ``Host`` and ``Origin`` values name this listener (DNS rebinding, cross-site
+    requests): a browser always sends the name the page's script used, so a rebinding
+    page's request carries the attacker's name, never one of these.
+
+    - this listener's own address and port (a request without a port is for port 80);
+    - ``localhost``, ``127.0.0.1`` and ``::1`` on a loopback or wildcard bind;
+    - any IP address on a wildcard bind (a page at ``http://<ip>:<port>`` that reaches
+      this listener was served by it: an address is not a name a rebinding site controls);
+    - ``extra_hosts``: a bare name with any port, ``name:port`` with that port only.
+
+    An ``Origin`` is the node's own page (``http://`` + a Host above) or in ``origins``.
+    """
+
+    listen_host: str
+    port: int
+    extra_hosts: frozenset[tuple[str, int | None]] = frozenset()
+    origins: frozenset[str] = frozenset()
+
+    @classmethod
+    def build(cls, listen_host: str, port: int, hosts: Sequence[str] = (),
+              origins: Sequence[str] = ()) -> HostPolicy:
+        extra = {h for h in map(split_host, hosts) if h is not None}
+        return cls(listen_host.strip("[]"), port, frozenset(extra),
+                   frozenset(o.lower().rstrip("/") for o in origins))
+
+    def host_ok(self, name: str, port: int | None) -> bool:
+        if (name, port) in self.extra_hosts or (name, None) in self.extra_hosts:
+            return True
+        if (port if port is not None else 80) != self.port:
+            return False
+        bound = self.listen_host
+        if bound in _WILDCARD:
+            return name in _LOOPBACK_NAMES or _ip(name) is not None
+        if name == _norm(bound):
+            return True
+        ip = _ip(bound)
+        loopback = bound == "localhost" or (ip is not None and ip.is_loopback)
+        return loopback and name in _LOOPBACK_NAMES
+
+    def origin_ok(self, origin: str, host: str) -> bool:
+        """`origin` (a browser's ``Origin``) is this host's own page, or a configured one."""
+        origin = origin.strip().lower().rstrip("/")
+        return origin == "http://" + host.strip().lower() or origin in self.origins
+
+
 class ApiServer:
     """The HTTP listener of one node; `start` binds it, `stop` closes it."""
 
     def __init__(self, host: ApiHost, *, listen_host: str, listen_port: int,
                  keys: list[str], limits: Limits, max_body_bytes: int,
-                 require_key: bool) -> None:
+                 require_key: bool, allowed_hosts: Sequence[str] = (),
+                 allowed_origins: Sequence[str] = (), read_timeout_s: float = 10.0) -> None:
         self.host = host
         self.listen_host, self.listen_port = listen_host, listen_port
         self._keys = [k.encode() for k in keys]
         self.require_key = require_key
         self.limits = limits
         self.max_body_bytes = max_body_bytes
+        self.allowed_hosts, self.allowed_origins = list(allowed_hosts), list(allowed_origins)
+        self.read_timeout_s = read_timeout_s
+        self.policy = HostPolicy.build(listen_host, listen_port)  # its port once bound
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -101,7 +197,11 @@ class ApiServer:
         return app
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        # keepalive_timeout is aiohttp's only timer on a request still being read: armed
+        # when the connection opens and after each answer, it closes the connection while
+        # no complete request head has arrived (a half-sent header is not held open)
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                                     keepalive_timeout=self.read_timeout_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.listen_host, self.listen_port,
                            shutdown_timeout=2.0)
@@ -109,6 +209,8 @@ class ApiServer:
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
         self.port = int(sockets[0].getsockname()[1]) if sockets else self.listen_port
+        self.policy = HostPolicy.build(self.listen_host, self.port, self.allowed_hosts,
+                                       self.allowed_origins)
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -128,9 +230,34 @@ class ApiServer:
             ok |= hmac.compare_digest(given, key)
         return ok
 
+    def _refuse_page(self, request: web.Request) -> web.Response | None:
+        """403 for a request that names another host or comes from another site's page."""
+        raw = request.headers.get("Host", "")
+        host = split_host(raw)
+        if host is None:  # RFC 9112 §3.2: a request without a valid Host is a 400
+            return _error("bad_request", "a valid Host header is required")
+        origin = request.headers.get("Origin")
+        if not self.policy.host_ok(*host):
+            reason, why = "api_host", (f"Host {raw[:100]!r} is not this node's API (port "
+                                       f"{self.port}); a name it is reached by must be "
+                                       "listed in [api] allowed_hosts")
+        elif origin is not None and not self.policy.origin_ok(origin, raw):
+            reason, why = "api_origin", (f"requests from the page at {origin[:100]!r} are "
+                                         "refused: only the node's own status page, or an "
+                                         "[api] allowed_origins entry, may call this API "
+                                         "from a browser")
+        else:
+            return None
+        self.host.metrics.auth_failures_total.labels(reason=reason).inc()
+        log.info("api_refused", reason=reason, path=request.path[:64], peer=request.remote)
+        return _error("forbidden", why)
+
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         public = request.path in _PUBLIC or request.path.startswith("/static/")
+        refusal = self._refuse_page(request)
+        if refusal is not None:
+            return refusal
         if self.require_key and not public and not self._authorised(request):
             self.host.metrics.auth_failures_total.labels(reason="api_key").inc()
             log.info("api_refused", path=request.path[:64], peer=request.remote)
@@ -138,6 +265,10 @@ class ApiServer:
                           "Authorization: Bearer <key> (see [api] keys)")
             refusal.headers["WWW-Authenticate"] = "Bearer"
             return refusal
+        if request.method == "POST" and request.content_type != "application/json":
+            # no HTML form and no fetch without a CORS preflight can send this type
+            return _error("unsupported_media_type", "a POST body must be JSON, sent with "
+                          "Content-Type: application/json")
         resp: web.StreamResponse
         try:
             resp = await handler(request)
@@ -176,11 +307,13 @@ class ApiServer:
             return _error("request_too_large", f"the body is over {self.max_body_bytes} "
                           "bytes ([api] max_body_bytes)")
         try:
-            body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError) as e:
-            return _error("bad_request", f"the body is not JSON: {e}")
+            async with asyncio.timeout(self.read_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            return _error("request_timeout", f"the body did not arrive within "
+                          f"{self.read_timeout_s:g} s ([api] read_timeout_s)")
         try:
-            parsed = parse_chat_request(body, self.limits)
+            parsed = parse_chat_request(parse_json_body(raw, self.limits), self.limits)
             self.host.model_known(parsed.model)
         except ModelNotFound as e:
             return _error("model_not_found", e.message, "model")
@@ -204,7 +337,7 @@ class ApiServer:
                     first = chunk
                     break
         except HearthNetError as e:  # failed before the first token: an HTTP error
-            return _error(e.code, e.message)
+            return _error(e.code, e.message, e.details.get("param"))
         if not parsed.stream:
             try:
                 async for frame in frames:

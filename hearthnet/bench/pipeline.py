@@ -231,6 +231,11 @@ async def chat_frames(uri: str, prompt: str, model: str, tokens: int,
     wall = time.perf_counter() - t0
     if not frames or frames[-1].get("type") != "done":
         raise HearthNetError(f"the chat did not finish: {frames[-1:]}")
+    if frames[-1].get("fallback"):  # the local engine's figure is not the pipeline's
+        why = next((f.get("reason") for f in frames if f.get("type") == "pipeline_aborted"),
+                   "?")
+        raise HearthNetError(f"the chat fell back to the orchestrator's local engine "
+                             f"({why}): no distributed figure to report")
     return frames, wall
 
 

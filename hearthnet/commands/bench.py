@@ -71,9 +71,10 @@ BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
               "and the head (each in a fresh process)", *_lazy("local")),
     "pipeline": ("distributed vs local tokens/s, per-hop overhead, first token, concurrency "
                  "(shards in separate processes on 127.0.0.1)", *_lazy("pipeline")),
-    "quality": ("compact weight formats against fp32: top-1 agreement and mean KL of the "
-                "next-token prediction over a shipped text; --gguf: a GGUF's kept blocks "
-                "against transformers' fp32 de-quantisation", *_lazy("quality")),
+    "quality": ("each weight format against each model's exact format (--model a b …): "
+                "text top-1 agreement and KL, and first divergence along the exact "
+                "format's greedy answers; --gguf: a GGUF's kept blocks against "
+                "transformers' fp32 de-quantisation", *_lazy("quality")),
     "reach": ("the mission's headline: a model split over shard processes that each hold "
               "under half of it; peak RSS per process, tok/s, tokens vs local",
               *_lazy("reach")),
@@ -82,6 +83,9 @@ BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
             *_lazy("api")),
     "failover": ("kill -9 the last-stage shard mid-answer: time to the next token, total "
                  "time and tokens against an unfaulted run", *_lazy("failover")),
+    "chaos": ("fault scenarios on fresh meshes (kill -9, SIGSTOP, restart, int8 restart, "
+              "gossip partition, flood, orchestrator kill): answers lost, wrong-format uses, "
+              "re-cover time", *_lazy("chaos")),
     "placement": ("automatic vs equal layer split on three hosts with different threads "
                   "and memory budgets", *_lazy("placement")),
     "anchor": ("HearthNet against llama.cpp (built once into a cache) on the same GGUF, "

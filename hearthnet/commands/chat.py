@@ -135,12 +135,18 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace, messages: list[dict[str, str]],
                params: SamplingParams) -> int:
-    from hearthnet.distributed_inference.directory.formats import call_formats, lossless_of
+    from hearthnet.distributed_inference.directory.formats import (
+        call_formats,
+        default_held,
+        lossless_of,
+    )
     from hearthnet.distributed_inference.engine.local import LocalEngine, LocalTimings
     from hearthnet.distributed_inference.orchestrator.frames import done_frame, token_frame
     from hearthnet.models import ModelStore
 
-    engine = LocalEngine(ModelStore().get(args.model))
+    entry = ModelStore().get(args.model)
+    # held as a host would by default: a GGUF's Q4 blocks as they are, else fp32
+    engine = LocalEngine(entry, default_held("fp32", entry.q4_blocks), head_weights="fp32")
     timings = LocalTimings()
     t0 = time.perf_counter()
     gen = engine.new_generation(messages, params)

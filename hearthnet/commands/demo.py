@@ -56,8 +56,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                    "through it, print per-shard latencies, stop the mesh.")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--weights", default="fp32", choices=FORMATS,
-                   help="how the shards (and node A's head) hold their weights")
+    p.add_argument("--weights", default=None, choices=FORMATS,
+                   help="how the shards (and node A's head) hold their weights (default: a "
+                        "host's own — a GGUF's Q4 blocks as they are, else fp32)")
     p.add_argument("--json", action="store_true", help="one JSON object per frame on stdout")
     p.add_argument("--serve", action="store_true",
                    help="after the answer keep the mesh running until Ctrl-C, with node A's "
@@ -92,9 +93,11 @@ def _run(args: argparse.Namespace) -> int:
     PromptLimits().check_request([{"role": "user", "content": args.prompt}], sampling)
     half = entry.num_layers // 2
     api = {"listen_port": args.api_port} if args.serve else {}
-    host = {"weights": args.weights}
-    # the shards hold --weights: the orchestrator's calls accept it (a compact one asked for)
-    di = {"head_weights": head_format(args.weights), "weights": policy_for(args.weights)}
+    host = {"weights": args.weights} if args.weights else {}
+    # the shards hold --weights: the orchestrator's calls accept it (a compact one asked
+    # for); by default the nodes' own defaults (lossless)
+    di = {"head_weights": head_format(args.weights), "weights": policy_for(args.weights)} \
+        if args.weights else {}
     specs = [NodeSpec("node-a", api=api, extra_di=di),
              NodeSpec("node-b", [(0, half - 1)], extra_host=host),
              NodeSpec("node-c", [(half, entry.num_layers - 1)], extra_host=host)]

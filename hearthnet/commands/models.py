@@ -30,9 +30,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     imp.add_argument("--alias", default=None)
     imp.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "gguf"],
                      default=DEFAULT_GGUF_DTYPE,
-                     help="what a GGUF is de-quantised to (default bf16); gguf: keep its "
-                          "own quantised blocks (a store of the GGUF's size, held exactly "
-                          "as int4)")
+                     help="gguf (the default): keep a GGUF's own quantised blocks (a store "
+                          "of the GGUF's size; Q4 blocks held exactly as int4); bf16, fp16, "
+                          "fp32: de-quantise to that dtype")
     imp.set_defaults(func=_import)
     syn = msub.add_parser("synth", help="write a real-shape model with random weights: "
                           + ", ".join(SHAPES))

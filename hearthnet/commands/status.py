@@ -37,6 +37,8 @@ def _device(s: dict[str, Any]) -> str:
 def _format(s: dict[str, Any]) -> str:
     """e.g. `int8 (fbgemm)`: the held format and, quantised, the kernel it runs in."""
     fmt = s.get("format") or "-"
+    if s.get("advertised_format") not in (None, fmt):  # its ACCEPT said otherwise: "int8!"
+        return fmt + "!"
     return f"{fmt} ({s['kernel']})" if s.get("kernel") else fmt
 
 
@@ -62,6 +64,8 @@ def render(st: dict[str, Any]) -> str:
                      f"{(s['p95_latency_ms'] or 0):>7.1f} {s['age_s']:>6.1f}  {_device(s)}")
         if s.get("reason"):
             lines.append(f"    {state}: {s['reason']}")
+        if s.get("unusable_reason"):  # live, but no call from here may use it
+            lines.append(f"    not used by calls: {s['unusable_reason']}")
         if s.get("decode_step"):
             lines.append(f"    decode step: {s['decode_step']}")
     if not st["shards"]:

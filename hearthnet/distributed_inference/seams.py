@@ -34,6 +34,9 @@ class StepOutput(Protocol):
 class Channel(Protocol):
     """The orchestrator's end of one stage session (docs/protocol.md §3)."""
 
+    accepted: dict[str, Any]
+    """The shard's ACCEPT params: what it really holds (format, weights, layers)."""
+
     @property
     def wire_dtype(self) -> torch.dtype:
         """The dtype of every tensor on this stream."""

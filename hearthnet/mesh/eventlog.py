@@ -234,6 +234,12 @@ class EventLog:
         compact_retain_s: when set, `compact(compact_retain_s)` runs every
             `compact_every` stored events (the daemon passes 4 × the health timeout).
         types: the event-type registry (subjects for compaction); `EVENT_TYPES` by default.
+        set_aside_corrupt: a file SQLite finds corrupt (not a database, malformed pages)
+            is renamed ``<name>.corrupt-<UTC time>`` (with its ``-wal``/``-shm``), kept for
+            inspection, logged ``event_log_set_aside``, and a fresh log is created (the
+            daemon: its peers hold copies and gossip catch-up refills it). Off: a
+            `StorageError`, as for every other failure. Permissions, a full disk or a
+            locked file are never set aside: those stay a `StorageError`.
     """
 
     def __init__(self, path: str | Path, node_id: str, *, metrics: Metrics | None = None,
@@ -242,7 +248,7 @@ class EventLog:
                  clock: Callable[[], float] = time.time,
                  compact_retain_s: float | None = None,
                  compact_every: int = DEFAULT_COMPACT_EVERY,
-                 types: EventTypes = EVENT_TYPES) -> None:
+                 types: EventTypes = EVENT_TYPES, set_aside_corrupt: bool = False) -> None:
         if not valid_node_id(node_id):
             raise BadRequest(f"node id {node_id!r} is not [a-z0-9-]+")
         self.path = Path(path)
@@ -263,15 +269,56 @@ class EventLog:
         # which origins' events catch-up serves (the daemon: current members only)
         self.serve_filter: Callable[[str], bool] | None = None
         self._lock = threading.RLock()
+        self._vector: dict[str, int] = {}
         with self._sql("open"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, check_same_thread=False,
-                                       isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
-            self._vector: dict[str, int] = dict(
-                self._db.execute("SELECT origin, max_seq FROM origins").fetchall())
+            self._db = self._connect()
+            try:
+                self._prepare()
+            except sqlite3.DatabaseError as e:
+                if not (set_aside_corrupt and _is_corrupt(e)):
+                    self._db.close()
+                    raise
+                self._set_aside(e)  # still open: closing first would delete the -wal
+                self._db.close()
+                self._db = self._connect()
+                self._prepare()
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+
+    def _prepare(self) -> None:
+        """Check the file is a sound database, create the tables, read the high-water
+        marks."""
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        # a file whose header reads but whose pages do not would fail later, mid-gossip;
+        # the log is bounded by compaction, so the check is cheap at start
+        problems = [r[0] for r in self._db.execute("PRAGMA quick_check(3)")]
+        if problems != ["ok"]:
+            raise _Corrupt("integrity check failed: " + "; ".join(map(str, problems)))
+        self._db.executescript(_SCHEMA)
+        self._vector = dict(self._db.execute("SELECT origin, max_seq FROM origins").fetchall())
+
+    def _set_aside(self, cause: sqlite3.Error) -> None:
+        """Rename the corrupt file (and its ``-wal``/``-shm``) out of the way, never delete
+        it: someone may want to look at it, or recover what it held."""
+        if str(self.path) == ":memory:":
+            raise cause
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._clock()))
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        n = 1
+        while aside.exists():  # two corrupt files within a second: keep both
+            n += 1
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            side = self.path.with_name(self.path.name + suffix)
+            if side.exists():
+                side.rename(aside.with_name(aside.name + suffix))
+        _log.warning("event_log_set_aside", node=self.node_id, path=str(self.path),
+                     moved_to=str(aside), error=f"{type(cause).__name__}: {cause}",
+                     action="started a fresh event log; this node's peers refill it "
+                            "(gossip catch-up), as after an emptied log")
 
     @contextlib.contextmanager
     def _sql(self, action: str) -> Iterator[None]:
@@ -580,6 +627,23 @@ class EventLog:
             except sqlite3.Error as e:  # closing is the last thing: report, do not raise
                 _log.warning("event_log_close_failed", node=self.node_id,
                              path=str(self.path), error=f"{type(e).__name__}: {e}")
+
+
+class _Corrupt(sqlite3.DatabaseError):
+    """The file opened, but SQLite's integrity check found it damaged."""
+
+
+# SQLite primary result codes of a damaged file (https://sqlite.org/rescode.html); every
+# other failure (CANTOPEN, READONLY, PERM, FULL, IOERR, BUSY) is the disk or the
+# permissions, which setting the file aside would not mend
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+
+
+def _is_corrupt(e: sqlite3.Error) -> bool:
+    """True when `e` says the file is not a sound SQLite database."""
+    code = getattr(e, "sqlite_errorcode", None)
+    return isinstance(e, _Corrupt) or (isinstance(code, int) and
+                                       code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB))
 
 
 _SCHEMA = """

@@ -36,7 +36,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
@@ -44,7 +44,7 @@ from websockets.exceptions import ConnectionClosed, WebSocketException
 from hearthnet import safe_msgpack
 from hearthnet.background import detach
 from hearthnet.constants import CloseCode
-from hearthnet.errors import HearthNetError, PeerDataError, ProtocolError, Refused
+from hearthnet.errors import AuthError, HearthNetError, PeerDataError, ProtocolError, Refused
 from hearthnet.mesh.eventlog import Event, EventLog
 from hearthnet.observability import get_logger
 from hearthnet.security.tls import tls_refusals
@@ -187,6 +187,19 @@ class _Closing(Exception):
         self.code, self.reason = code, reason
 
 
+class _WrongPeer(_Closing):
+    """The hello names another node than the one we meant to reach (or ourselves)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(CloseCode.POLICY_VIOLATION, reason)
+
+
+# how a link that does not redial (`GossipPeerLink(redial=False)`) ended: refused
+# authentication or answered by another node / unreachable / connected, then closed
+LinkEnd = Literal["refused", "unreachable", "closed"]
+EndCallback = Callable[[LinkEnd, bool], None]  # (how, held stable_after_s or longer)
+
+
 async def run_gossip_session(log: EventLog, ws: GossipConnection, *,
                              on_hello: Callable[[str], None] | None = None,
                              expect_peer: str | None = None) -> str:
@@ -212,10 +225,10 @@ async def run_gossip_session(log: EventLog, ws: GossipConnection, *,
     if not isinstance(hello, Hello):
         raise _Closing(CloseCode.PROTOCOL_ERROR, "first message must be hello")
     if hello.node == log.node_id:
-        raise _Closing(CloseCode.POLICY_VIOLATION, "connected to self")
+        raise _WrongPeer("connected to self")
     if expect_peer is not None and hello.node != expect_peer:  # no member may pose as another
         _count(log, "hello_not_peer")
-        raise _Closing(CloseCode.POLICY_VIOLATION, "hello node id is not the TLS peer")
+        raise _WrongPeer("hello node id is not the TLS peer")
     if on_hello is not None:
         on_hello(hello.node)
 
@@ -369,6 +382,16 @@ class GossipPeerLink:
             current member list (mutual TLS pinned to member keys).
         check_peer: called with the open connection before the session; raising (e.g.
             `AuthError` from `tls.peer_node_id`) drops it and retries with backoff.
+        expect_peer: the member this link must reach: a hello naming another node is
+            refused (in plaintext mode the only check; with TLS `check_peer` pins it too).
+        redial: False for a link that a `mesh.links.LinkKeeper` manages: it makes one
+            connection, never dials again, and reports how it ended to `on_end`; the keeper
+            decides whether and when to dial again (its backoff is per member).
+        on_end: with ``redial=False``, called once with ``(how, held)`` when the link ends
+            by itself (not by `stop`): ``how`` is ``"refused"`` (authentication failed, or
+            the peer is another node than `expect_peer`), ``"unreachable"`` or ``"closed"``
+            (it connected, then the connection ended); ``held``: it stayed up at least
+            `stable_after_s`.
     """
 
     def __init__(self, log: EventLog, uri: str, *, min_backoff: float = 0.2,
@@ -377,9 +400,12 @@ class GossipPeerLink:
                  connect_kwargs: Mapping[str, Any] | None = None,
                  on_peer: PeerCallback | None = None,
                  ssl_factory: Callable[[], Any] | None = None,
-                 check_peer: Callable[[Any], object] | None = None) -> None:
+                 check_peer: Callable[[Any], object] | None = None,
+                 expect_peer: str | None = None, redial: bool = True,
+                 on_end: EndCallback | None = None) -> None:
         self.log = log
         self.uri = uri.rstrip("/")
+        self.expect_peer, self.redial, self._on_end = expect_peer, redial, on_end
         self.min_backoff, self.max_backoff = min_backoff, max(min_backoff, max_backoff)
         self.stable_after_s = stable_after_s
         self.open_timeout = open_timeout
@@ -433,7 +459,7 @@ class GossipPeerLink:
                                   "proxy": None, "close_timeout": CLOSE_TIMEOUT_S}
         kwargs.update(self._connect_kwargs)
         while True:
-            reached_hello = False
+            reached_hello = refused = False
             lasted = 0.0
             hello_at = time.monotonic()
             try:
@@ -442,10 +468,13 @@ class GossipPeerLink:
                 with tls_refusals(self.uri):  # ssl.SSLError: an AuthError (a Refused)
                     ws = await connect(self.uri + GOSSIP_PATH, **kwargs)
                 async with ws:
-                    expect = None
+                    expect = self.expect_peer
                     if self._check_peer is not None:
                         who = self._check_peer(ws)
-                        expect = who if isinstance(who, str) else None
+                        if isinstance(who, str) and expect is not None and who != expect:
+                            raise AuthError(f"{self.uri} is {who}, not {expect}",
+                                            reason="unexpected_peer", peer=who)
+                        expect = who if isinstance(who, str) else expect
                     self._ws = ws
                     def hello(node: str) -> None:
                         nonlocal reached_hello
@@ -461,6 +490,7 @@ class GossipPeerLink:
                         await run_gossip_session(self.log, ws, on_hello=hello,
                                                  expect_peer=expect)
                     except Exception as e:
+                        refused = isinstance(e, _WrongPeer)  # another node answered
                         await _close_for(ws, e, self.log, self.peer_id)
                     finally:
                         self._ws = None
@@ -469,6 +499,7 @@ class GossipPeerLink:
                 self._disconnected(reached_hello)
                 raise
             except Refused as e:
+                refused = isinstance(e, AuthError)
                 self.failures += 1
                 _log.warning("gossip_peer_refused", node=self.log.node_id, uri=self.uri,
                              error=e.message)
@@ -480,7 +511,14 @@ class GossipPeerLink:
                 self.failures += 1
                 _log.exception("gossip_link_failed", node=self.log.node_id, uri=self.uri)
             self._disconnected(reached_hello)
-            if reached_hello and lasted >= self.stable_after_s:
+            held = reached_hello and lasted >= self.stable_after_s
+            if not self.redial:  # the keeper decides about the next dial
+                how: LinkEnd = "refused" if refused else \
+                    "closed" if reached_hello else "unreachable"
+                if self._on_end is not None:
+                    self._on_end(how, held)
+                return
+            if held:
                 delay = self.min_backoff  # only a link that held resets the backoff (§6)
             await asyncio.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(self.max_backoff, delay * 2)

@@ -80,6 +80,7 @@ class NodeSpec:
     api: dict[str, Any] = field(default_factory=dict)  # [api] (e.g. listen_port)
     model_shards: list[tuple[str, int, int]] = field(default_factory=list)  # other models
     max_streams: int = 8  # every [[shards]] entry's max_concurrent_streams
+    extra_node: dict[str, Any] = field(default_factory=dict)  # [node] (drain_timeout_seconds)
 
 
 @dataclass
@@ -138,7 +139,9 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
               f"listen_port = {port}", f"data_dir = {_toml_value(str(data_dir))}",
               f"models_dir = {_toml_value(str(models))}",
               f"torch_threads = {spec.threads or threads}",
-              f"peers = {_toml_value(peers)}", 'log_level = "info"', "",
+              f"peers = {_toml_value(peers)}", 'log_level = "info"']
+    lines += [f"{k} = {_toml_value(v)}" for k, v in spec.extra_node.items()]
+    lines += ["",
               "[research]", "enable = true", "", "[research.distributed_inference]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in di.items()]
     lines += ["", "[research.distributed_inference.host]",

@@ -30,8 +30,9 @@ import json
 import os
 import signal
 import time
+import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from pathlib import Path
@@ -42,7 +43,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from hearthnet.background import detach
+from hearthnet.background import cancel_and_wait, detach
 from hearthnet.config import NodeConfig
 from hearthnet.constants import CloseCode
 from hearthnet.distributed_inference.directory.descriptors import (
@@ -52,10 +53,16 @@ from hearthnet.distributed_inference.directory.descriptors import (
     make_shard_id,
     withdrawal_payload,
 )
+from hearthnet.distributed_inference.directory.formats import (
+    accepted_formats,
+    default_held,
+    lossless_of,
+    resolve_format,
+)
 from hearthnet.distributed_inference.directory.health import ShardHealthTracker
 from hearthnet.distributed_inference.directory.liveness import HostLiveness
 from hearthnet.distributed_inference.directory.routing import RoutingSettings, ShardRouter
-from hearthnet.distributed_inference.directory.store import ShardStore
+from hearthnet.distributed_inference.directory.store import Advertisement, ShardStore
 from hearthnet.distributed_inference.engine.compiled import compile_dir_of
 from hearthnet.distributed_inference.engine.device import resolve_device
 from hearthnet.distributed_inference.engine.generation import PromptLimits
@@ -79,11 +86,12 @@ from hearthnet.errors import (
     PortInUse,
     Refused,
     ShardUnavailable,
+    StorageError,
     WeightsMismatch,
 )
 from hearthnet.frames import StreamFrame, is_incident
 from hearthnet.mesh.bus import BUS_PATH, CapabilityBus
-from hearthnet.mesh.discovery import LanDiscovery
+from hearthnet.mesh.discovery import DiscoveredPeers, LanDiscovery
 from hearthnet.mesh.eventlog import EventLog
 from hearthnet.mesh.gossip import (
     CLOSE_TIMEOUT_S,
@@ -92,6 +100,7 @@ from hearthnet.mesh.gossip import (
     GossipPeerLink,
     handle_gossip_connection,
 )
+from hearthnet.mesh.links import VIA_AD, VIA_MDNS, Known, LinkKeeper, OnEnd
 from hearthnet.models.store import HeadKey, ModelEntry, ModelStore
 from hearthnet.node.capabilities import CHAT_CAPABILITY, SERVED_MODELS_CAPABILITY
 from hearthnet.node.guard import NodeGuard, remove_state, write_state
@@ -104,6 +113,8 @@ from hearthnet.transport.websocket import SHARD_PATH, ServerStream, TensorChanne
 
 log = get_logger("node")
 PREPARE_POLL_S = 1.0  # how often a node looks for models it has come to serve or orchestrate
+STOP_STEP_S = 2.0  # the most one step of the shutdown waits (besides the drain itself)
+DRAIN_POLL_S = 0.05  # how often the drain looks whether the open sessions have ended
 
 
 class Node:
@@ -112,6 +123,9 @@ class Node:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         self.node_id = cfg.node.id
+        # this process's boot id, in every advertisement: peers drop the advertisements of
+        # an earlier process of this node as soon as they see one of this one's
+        self.incarnation = uuid.uuid4().hex[:16]
         self.metrics = Metrics()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.bus = CapabilityBus(self.metrics)
@@ -129,13 +143,19 @@ class Node:
         self.supervisor = Supervisor(
             self.metrics, failing_window_s=max(5.0, 3 * cfg.di.heartbeat_interval_s))
         self._gossip_ws: dict[str, set[Any]] = {}  # incoming gossip connections by member
-        self._stopping = asyncio.Event()
+        self._stopping = asyncio.Event()  # set at SIGTERM/SIGINT: drain, refuse new work
+        self._drain_cut = asyncio.Event()  # a second SIGTERM/SIGINT: stop draining now
+        self._chats = 0  # chats this node orchestrates now (the drain waits for them)
+        self._retiring: set[ShardServer] = set()  # dropped, still serving open sessions
         self.started_at = time.time()
         self.api: Any = None  # hearthnet.api.server.ApiServer once started
         self._metrics_server: Any = None  # prometheus_client's server, when configured
         self.discovery: LanDiscovery | None = None
         # gossip peers by node id: (connected, since) — incoming and outgoing links
         self.peer_links: dict[str, tuple[bool, float]] = {}
+        self._peer_conns: dict[str, int] = {}  # gossip connections past the hello, by peer
+        # the links to other members than the configured peers (mesh.links)
+        self.keeper: LinkKeeper[GossipPeerLink] | None = None
         # recent shard_failover / pipeline_aborted / degraded frames, for the status page
         self.recent_events: deque[dict[str, Any]] = deque(maxlen=20)
 
@@ -170,7 +190,7 @@ class Node:
         if cfg.auto_hosting:  # shards = "auto" (DESIGN.md decision 14)
             self.auto = AutoHost(cfg, log_=self.log, store=self.store, models=self.models,
                                  host=self, view=self.placement, liveness=self.liveness,
-                                 executor=self.executor)
+                                 executor=self.executor, usable=self.shard_usable)
             self.auto.start()
 
     def _open_event_log(self) -> None:
@@ -178,9 +198,13 @@ class Node:
         cfg = self.cfg
         self.guard = NodeGuard(cfg, self.metrics)  # key, members, TLS, limits (M26 §5.8)
         self._gate = self.guard.gate()
+        # a corrupt log is set aside, not fatal: the peers hold copies of every event and
+        # catch-up refills a fresh one, as after an emptied log (M26 §5.1); a full disk or
+        # bad permissions stay a `StorageError` that stops the start
         self.log = EventLog(cfg.event_log_path(), self.node_id, metrics=self.metrics,
                             compact_retain_s=cfg.di.advertisement_expiry_s,
-                            signer=self.guard.key.sign, admit=self.guard.admit_event)
+                            signer=self.guard.key.sign, admit=self.guard.admit_event,
+                            set_aside_corrupt=True)
         # catch-up serves members' events only: a removed member's are dropped (§7)
         self.log.serve_filter = lambda origin: origin in self.guard.directory
         self.guard.on_reload.append(self._drop_removed_members)
@@ -198,6 +222,7 @@ class Node:
                                 tracker=self.health)
         self.store.rebuild(self.log.all_events())
         self.log.subscribe(self.store.apply)
+        self._withdraw_earlier_incarnations()
         # every node probes the hosts it sees advertised: a dead host shows in seconds
         self.liveness = HostLiveness(self.store, self.node_id,
                                      interval_s=cfg.di.host_probe_interval_seconds,
@@ -206,6 +231,18 @@ class Node:
         self.placement.rebuild(self.log.all_events())
         self.log.subscribe(self.placement.apply)
         self.models = ModelStore(cfg.effective_models_dir())
+
+    def _withdraw_earlier_incarnations(self) -> None:
+        """An earlier process of this node (crashed, or stopped with its gossip down) may
+        have left advertisements in the log that peers still hold: withdraw each one now,
+        before this process advertises what it really hosts, so no peer routes or places
+        by them (a restart keeps its id and address: liveness probes cannot tell)."""
+        if not self.cfg.research.enable:
+            return
+        for ad in self.store.live():
+            d = ad.descriptor
+            if d.host == self.node_id and d.incarnation != self.incarnation:
+                self.log.append(WITHDRAWN, withdrawal_payload(d.shard_id, "restarted"))
 
     async def _listen(self) -> None:
         """The main listener (mutual TLS for members) and the loopback admin listener."""
@@ -259,20 +296,30 @@ class Node:
             head_device=str(resolve_device(cfg.di.head_device)))  # absent: start-up error
 
     async def _join_mesh(self) -> None:
-        """The bus capabilities, the links to configured peers, and mDNS discovery."""
+        """The bus capabilities, the links to configured peers, mDNS discovery, and the
+        keeper of the links to other members (`mesh.links`)."""
         cfg = self.cfg
         self.bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(SERVED_MODELS_CAPABILITY, self._served_capability)
         for peer in cfg.peer_uris():
             self._link(peer)
+        keeper = self.keeper = LinkKeeper(
+            self.node_id, self.links,
+            make_link=self._member_link, known=self._known_members,
+            live=lambda: {p for p, n in self._peer_conns.items() if n > 0},
+            is_member=lambda nid: nid in self.guard.directory,
+            on_refused=self._refused_address, target=cfg.node.min_gossip_links)
         if cfg.node.discovery == "mdns":  # addresses only; TLS pins members (DESIGN.md decision 14)
             self.discovery = LanDiscovery(
                 self.node_id, cfg.advertise_host(), self.port,
                 "wss" if self.guard.tls else "ws",
                 allowed=lambda nid: nid in self.guard.directory,
-                on_found=lambda _nid, uri: self._link(uri))
+                on_found=lambda _nid, _uri: keeper.wake(),
+                on_lost=lambda _nid, _uri: keeper.wake(),
+                peers=DiscoveredPeers(linked=keeper.linked))
             await self.discovery.start()
+        self.supervisor.spawn("links", keeper.run)  # restarts if it dies
 
     def _start_metrics(self) -> None:
         """A plain-HTTP /metrics for a LAN Prometheus, when a port is configured."""
@@ -320,12 +367,13 @@ class Node:
                 eviction_idle_s=host.shard_eviction_idle_seconds,
                 session_idle_timeout_s=host.session_idle_timeout_seconds,
                 max_session_tokens=host.max_session_tokens,
-                weights=weights or host.weights or host.compute_dtype,
+                weights=weights or host.weights or default_held(host.compute_dtype,
+                                                                entry.q4_blocks),
                 max_vram_mb=host.shard_max_vram_mb,
                 prefill_chunk_tokens=self.cfg.di.prefill_chunk_tokens,
                 device=device or host.device, cuda_graphs=host.cuda_graphs,
                 compile_decode=host.compile_decode,
-                compile_dir=compile_dir_of(entry),
+                compile_dir=compile_dir_of(entry), incarnation=self.incarnation,
                 batch_window_ms=self.cfg.di.batch_window_ms,
                 mixed_prefill_tokens=self.cfg.di.mixed_prefill_tokens),
             executor=self.executor, metrics=self.metrics)
@@ -335,6 +383,18 @@ class Node:
         await self._advertise(shard)
         return shard
 
+    @property
+    def stopping(self) -> bool:
+        """True from SIGTERM/SIGINT (or `stop`) on: the node drains and takes no new work."""
+        return self._stopping.is_set()
+
+    def _refuse_when_stopping(self, what: str) -> None:
+        """Raise a stopping node's refusal: `shard_unavailable` and not busy, so an
+        orchestrator fails over at once instead of waiting for a slot here (M26 §5.6)."""
+        if self.stopping:
+            raise ShardUnavailable(f"node {self.node_id} is shutting down and {what}; "
+                                   "use another node", stopping=True, node=self.node_id)
+
     # ---- automatic hosting (DESIGN.md decision 14; `AutoHost` drives these) ----
 
     def hosted(self) -> list[ShardServer]:
@@ -342,9 +402,21 @@ class Node:
 
     async def load_shard(self, entry: ModelEntry, lo: int, hi: int,
                          placement: dict[str, Any]) -> ShardServer:
-        """Load and advertise an automatically placed shard (its ad carries `placement`)."""
-        self._placement[make_shard_id(entry.model_id, lo, hi, self.node_id)] = placement
-        return await self._host_shard(entry, lo, hi, 8)
+        """Load and advertise an automatically placed shard (its ad carries `placement`).
+
+        Raises:
+            ShardUnavailable: the node is stopping (it hosts nothing new), also when the
+                stop began while the layers loaded: the shard is never served.
+        """
+        self._refuse_when_stopping("loads no new shard")
+        sid = make_shard_id(entry.model_id, lo, hi, self.node_id)
+        self._placement[sid] = placement
+        shard = await self._host_shard(entry, lo, hi, 8)
+        if self.stopping:  # began while it loaded: never advertised (`_advertise`), freed
+            self.shards.pop(sid, None)
+            shard.stack = None
+        self._refuse_when_stopping("loads no new shard")
+        return shard
 
     async def drop_shard(self, shard_id: str, reason: str) -> None:
         """Withdraw a shard now, free it once its open sessions have ended (no failed chat)."""
@@ -354,11 +426,15 @@ class Node:
         self._placement.pop(shard_id, None)
         if self.cfg.research.enable:
             self.log.append(WITHDRAWN, withdrawal_payload(shard_id, reason))
+        # until freed, a node stopping meanwhile drains and closes its sessions too (this
+        # wait is cancelled by the stop, and the shard stays in the set for it)
+        self._retiring.add(shard)
         limit = time.monotonic() + self.cfg.di.host.session_idle_timeout_seconds
         while shard.active and time.monotonic() < limit:
             await asyncio.sleep(0.2)
         await shard.close_all()
         shard.stack = None
+        self._retiring.discard(shard)
         log.info("shard_dropped", shard_id=shard_id, reason=reason)
 
     async def _start_api(self) -> None:
@@ -374,12 +450,16 @@ class Node:
                              max_body_bytes=api.max_body_bytes,
                              limits=Limits(max_messages=api.max_messages,
                                            max_tokens=api.max_tokens,
-                                           default_max_tokens=api.default_max_tokens))
+                                           default_max_tokens=api.default_max_tokens),
+                             allowed_hosts=api.allowed_hosts,
+                             allowed_origins=api.allowed_origins,
+                             read_timeout_s=api.read_timeout_s)
         with binding("the HTTP API", "[api] listen_port", api.listen_host, api.listen_port):
             await self.api.start()
 
     def _link(self, uri: str) -> None:
-        """Keep a gossip link to `uri` (a configured or discovered peer), once."""
+        """Keep a gossip link to `uri` (a configured peer), once, for as long as the node
+        runs; links to other members are the keeper's (`_join_mesh`)."""
         if any(link.uri == uri.rstrip("/") for link in self.links):
             return
         link = GossipPeerLink(
@@ -390,8 +470,52 @@ class Node:
         self.links.append(link)
 
     def _on_peer(self, peer: str, connected: bool) -> None:
-        """A gossip link to `peer` came up or went down (status: peers, killed hosts)."""
-        self.peer_links[peer] = (connected, time.time())
+        """A gossip connection to `peer` (in or out) came up or went down (status: peers,
+        killed hosts; the keeper: which members are linked). A peer stays connected while
+        any of its connections is: one dialled each way is common."""
+        n = max(0, self._peer_conns.get(peer, 0) + (1 if connected else -1))
+        self._peer_conns[peer] = n
+        was = self.peer_links.get(peer)
+        if was is None or was[0] != (n > 0):
+            self.peer_links[peer] = (n > 0, time.time())
+        if self.keeper is not None:
+            self.keeper.wake()
+
+    def _member_link(self, node_id: str, uri: str, on_end: OnEnd) -> GossipPeerLink:
+        """A link the keeper manages to member `node_id` at `uri`: TLS pinned to that one
+        member's key, its hello must name it (M26 §5.8), one connection, no redial."""
+        tls = self.guard.tls
+        return GossipPeerLink(
+            self.log, uri, on_peer=self._on_peer, expect_peer=node_id, redial=False,
+            on_end=on_end,
+            ssl_factory=(lambda: self.guard.client_ssl(node_id)) if tls else None,
+            check_peer=(lambda ws: self.guard.peer_of(ws, expect=node_id)) if tls else None)
+
+    def _known_members(self) -> list[Known]:
+        """The members' addresses this node knows: the endpoint each host signed into its
+        newest advertisement (stale when its heartbeats stopped arriving: 3 heartbeat
+        intervals, well before the ads expire at 8), then the addresses discovered."""
+        scheme = "wss" if self.guard.tls else "ws"  # never dial ws:// when TLS is on
+        stale_after = 3 * self.cfg.di.heartbeat_interval_s
+        now = time.time()
+        newest: dict[str, Advertisement] = {}
+        for ad in self.store.live():
+            held = newest.get(ad.descriptor.host)
+            if held is None or ad.seen_at > held.seen_at:
+                newest[ad.descriptor.host] = ad
+        out = []
+        for host, ad in newest.items():
+            endpoint = ad.descriptor.endpoint  # checked: ws:// or wss://
+            out.append(Known(host, scheme + endpoint[endpoint.index("://"):], VIA_AD,
+                             stale=now - ad.seen_at > stale_after))
+        if self.discovery is not None:
+            out += [Known(nid, uri, VIA_MDNS) for nid, uri in self.discovery.current().items()]
+        return out
+
+    def _refused_address(self, node_id: str, uri: str) -> None:
+        """A dial of `node_id` at `uri` was refused: discovery forgets that address."""
+        if self.discovery is not None:
+            self.discovery.forget(node_id, uri)
 
     # ---- the API's view of this node (hearthnet.api.server.ApiHost) ----
 
@@ -421,6 +545,8 @@ class Node:
 
     async def _advertise(self, shard: ShardServer) -> None:
         if not self.cfg.research.enable:  # M26 §5.1: opted out → no advertisements
+            return
+        if self.stopping:  # withdrawn by the stop: a late heartbeat or load must not revive it
             return
         payload = advertisement_payload(shard.descriptor, await shard.health())
         if shard.shard_id in self._placement:
@@ -454,9 +580,22 @@ class Node:
             await asyncio.sleep(PREPARE_POLL_S)
 
     def _runs_here(self, e: ModelEntry) -> bool:
-        """This node serves layers of `e`, or live shards hold all of its layers."""
+        """This node serves layers of `e`, or usable live shards hold all of its layers."""
         return any(s.entry.weights_sha256 == e.weights_sha256 for s in self.shards.values()) \
-            or self.store.covers(e.model_id, e.weights_sha256, e.num_layers)
+            or self.store.covers(e.model_id, e.weights_sha256, e.num_layers,
+                                 lambda ad: self.shard_usable(ad, e))
+
+    def default_formats(self, e: ModelEntry) -> frozenset[str]:
+        """The shard formats a call of `e` accepts under this node's default policy
+        (`[research.distributed_inference] weights`)."""
+        own = resolve_format(self.cfg.di.head_weights, e.dtype)
+        return frozenset(accepted_formats(self.cfg.di.weights, own, lossless_of(e)))
+
+    def shard_usable(self, ad: Advertisement, e: ModelEntry) -> bool:
+        """Whether a default call of `e` from this node may use `ad`'s shard: the router's
+        one definition (`ShardRouter.usable_host`), shared by automatic hosting, head
+        preparation and the coverage `status` shows."""
+        return self.router.usable_host(ad, self.default_formats(e))
 
     async def _heartbeat_loop(self) -> None:
         """Re-advertise every health timeout / 2 with health; evict idle weights."""
@@ -478,14 +617,31 @@ class Node:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, self._stopping.set)
+                loop.add_signal_handler(sig, self._signalled)
         with contextlib.suppress(NotImplementedError, AttributeError):
             loop.add_signal_handler(signal.SIGHUP, self.reload)
-        await self.start()
+        starting = asyncio.ensure_future(self.start())
+        told = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({starting, told}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            told.cancel()
+        if starting.done():
+            starting.result()  # a failed start raises here: nothing was served, no stop
+        else:  # told to stop mid-start (a long shard load): stop what is up so far
+            log.info("start_interrupted")
+            await cancel_and_wait([starting], STOP_STEP_S)
         try:
             await self._stopping.wait()
         finally:
             await self.stop()
+
+    def _signalled(self) -> None:
+        """SIGTERM/SIGINT: stop, draining the open sessions; a second one (Ctrl-C twice)
+        ends the drain at once."""
+        if self._stopping.is_set():
+            self._drain_cut.set()
+        self._stopping.set()
 
     def reload(self) -> bool:
         """Re-read the config's member list and trust minimums (SIGHUP): no restart needed."""
@@ -507,29 +663,34 @@ class Node:
             log.info("members_dropped", peers=gone)
 
     async def stop(self) -> None:
-        """Withdraw advertisements, close sessions and links, flush the log."""
-        log.info("node_stopping")
+        """Stop within the drain timeout (``[node] drain_timeout_seconds``): refuse new
+        sessions, chats and shard loads, end every background loop, withdraw the
+        advertisements, let the open shard sessions and chats finish (M26 §4.2: a leaving
+        host fails no call it serves), then close what is left and flush the log. Every
+        step is bounded: a task that swallows its cancellation is logged and left."""
+        self._stopping.set()
+        drain_s = self.cfg.node.drain_timeout_seconds
+        deadline = time.monotonic() + drain_s
+        log.info("node_stopping", drain_timeout_s=drain_s)
         if self.auto is not None:
-            await self.auto.stop()
+            await self.auto.stop(STOP_STEP_S)
         if hasattr(self, "guard"):
             remove_state(self.cfg.effective_data_dir())
-        for t in self._tasks:
-            t.cancel()
-        await self.supervisor.stop()
-        for sid in self.shards:
-            if self.cfg.research.enable:
-                self.log.append(WITHDRAWN, withdrawal_payload(sid, "shutdown"))
+        await cancel_and_wait(self._tasks, STOP_STEP_S)
+        await self.supervisor.stop(STOP_STEP_S)
+        self._withdraw_all()
         if self.links and self.shards:
             await asyncio.sleep(0.3)  # let the live push carry the withdrawals out
-        for shard in self.shards.values():
-            await shard.close_all()
+        await self._drain(deadline)
+        for shard in [*self.shards.values(), *self._retiring]:
+            await bounded("close_sessions", shard.close_all(), STOP_STEP_S)
         discovery: LanDiscovery | None = getattr(self, "discovery", None)
         if discovery is not None:
-            await discovery.stop()
-        for link in self.links:
-            await link.stop()
+            await bounded("discovery", discovery.stop(), STOP_STEP_S)
+        await bounded("gossip_links", asyncio.gather(*(link.stop() for link in self.links)),
+                      STOP_STEP_S)
         if self.api is not None:
-            await self.api.stop()
+            await bounded("api", self.api.stop(), STOP_STEP_S)
         for server in (self.server, self.admin_server):
             if server is not None:
                 server.close()
@@ -541,6 +702,40 @@ class Node:
         self.log.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         log.info("node_stopped")
+
+    def _withdraw_all(self) -> None:
+        """Withdraw every hosted shard (routers stop picking them at once, M26 §5.1); a
+        failing log write is logged by the log and must not stop the shutdown."""
+        if not self.cfg.research.enable:
+            return
+        for sid in self.shards:
+            with contextlib.suppress(StorageError):
+                self.log.append(WITHDRAWN, withdrawal_payload(sid, "shutdown"))
+
+    def _open_work(self) -> tuple[int, int]:
+        """(open shard sessions, chats orchestrated here) now."""
+        return sum(s.active for s in (*self.shards.values(), *self._retiring)), self._chats
+
+    async def _drain(self, deadline: float) -> None:
+        """Wait until the open shard sessions and chats have ended, or `deadline`
+        (monotonic): a session open at SIGTERM finishes its answer (new ones are refused
+        `shard_unavailable`, so orchestrators fail over)."""
+        sessions, chats = self._open_work()
+        if not (sessions or chats):
+            return
+        t0 = time.monotonic()
+        log.info("node_draining", sessions=sessions, chats=chats,
+                 timeout_s=round(max(0.0, deadline - t0), 1))
+        while (sessions or chats) and time.monotonic() < deadline and \
+                not self._drain_cut.is_set():
+            await asyncio.sleep(DRAIN_POLL_S)
+            sessions, chats = self._open_work()
+        if sessions or chats:
+            log.warning("drain_timed_out", sessions=sessions, chats=chats,
+                        timeout_s=self.cfg.node.drain_timeout_seconds,
+                        second_signal=self._drain_cut.is_set())
+        else:
+            log.info("node_drained", seconds=round(time.monotonic() - t0, 2))
 
     # ---- connections ----
 
@@ -596,6 +791,7 @@ class Node:
             return
         params, _ = split_open(stream.open_params)
         try:
+            self._refuse_when_stopping("takes no new session")  # open ones are drained
             shard = self.shards.get(str(params.get("shard_id")))
             if shard is None:
                 raise ShardUnavailable(f"this node does not host {params.get('shard_id')!r}; "
@@ -679,11 +875,16 @@ class Node:
         request = ChatRequest.from_dict(args.get("request", {}))
         params = DistributedChatParams.from_dict(args.get("params", {}),
                                                  self.orchestrator.defaults)
-        async with contextlib.aclosing(self.orchestrator.chat(request, params)) as it:
-            async for frame in it:
-                if is_incident(frame):
-                    self.recent_events.append({**frame.to_wire(), "time": time.time()})
-                yield frame
+        self._refuse_when_stopping("takes no new chat")  # the open ones are drained
+        self._chats += 1
+        try:
+            async with contextlib.aclosing(self.orchestrator.chat(request, params)) as it:
+                async for frame in it:
+                    if is_incident(frame):
+                        self.recent_events.append({**frame.to_wire(), "time": time.time()})
+                    yield frame
+        finally:
+            self._chats -= 1
 
     async def _served_capability(self, args: dict[str, Any]
                                  ) -> AsyncGenerator[dict[str, Any], None]:
@@ -738,6 +939,16 @@ class Node:
         from hearthnet.node.status import mesh_status
 
         return await mesh_status(self)
+
+
+async def bounded(step: str, aw: Awaitable[Any], timeout_s: float) -> None:
+    """Await one step of the shutdown for at most `timeout_s`; past it the step is
+    cancelled and logged (``stop_step_timed_out``): the node exits regardless."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await aw
+    except TimeoutError:
+        log.warning("stop_step_timed_out", step=step, timeout_s=timeout_s)
 
 
 @contextlib.contextmanager

@@ -31,11 +31,17 @@ async def mesh_status(node: Any) -> dict[str, Any]:
         "node_id": node.node_id, "self": True, "endpoint": node.endpoint, "online": True,
         "reason": None}}
     links = getattr(node, "peer_links", {})
+    entries = {(e.model_id, e.weights_sha256): e for e in node.models.entries()}
     for ad in node.store.live():
         d = ad.descriptor
         h = ad.health
         suspect = node.health.is_suspect(d.shard_id)
         state, reason = _state(node, d.shard_id, d.host, links, now)
+        # the router's one definition of a shard a call may use (with this node's default
+        # weights policy where it holds the model): only those count as coverage
+        entry = entries.get((d.model_id, d.weights_sha256))
+        unusable = node.router.why_unusable(
+            ad, node.default_formats(entry) if entry is not None else None)
         shards.append({
             "shard_id": d.shard_id, "model_id": d.model_id, "weights_sha256": d.weights_sha256,
             "layers": list(d.layer_range), "host": d.host, "endpoint": d.endpoint,
@@ -47,9 +53,12 @@ async def mesh_status(node: Any) -> dict[str, Any]:
             "max_concurrent_streams": d.max_concurrent_streams,
             # weight format (DESIGN.md decision 10) and device (DESIGN.md decision 11), when the
             # advertisement has them
-            "format": d.weights_format, "kernel": d.kernel, "memory_mb": d.vram_required_mb,
+            # what the shard's last ACCEPT stated when it differs from the advertisement
+            "format": node.router.held_format(d), "advertised_format": d.weights_format,
+            "kernel": d.kernel, "memory_mb": d.vram_required_mb,
             "device": d.device, "device_name": d.device_name,
             "device_memory_mb": d.device_memory_mb, "vram_required_mb": d.vram_required_mb,
+            "usable": unusable is None, "unusable_reason": unusable,
             "auto": node.placement.auto_shard(d.shard_id),  # automatic placement
             "decode_step": _decode_state(node, d.shard_id)})
         nodes.setdefault(d.host, {"node_id": d.host, "self": False, "endpoint": d.endpoint,
@@ -57,11 +66,11 @@ async def mesh_status(node: Any) -> dict[str, Any]:
         if d.host != node.node_id and state == "offline":  # its listener or link is gone
             nodes[d.host].update(online=False, reason=reason)
     models = []
-    for e in node.models.entries():
+    for e in entries.values():
         covered: dict[int, list[str]] = {i: [] for i in range(e.num_layers)}
-        for s in shards:  # an offline shard covers nothing (its host is gone)
+        for s in shards:  # an offline or unusable shard covers nothing: no call can use it
             if s["model_id"] == e.model_id and s["weights_sha256"] == e.weights_sha256 \
-                    and s["state"] != "offline":
+                    and s["state"] != "offline" and s["usable"]:
                 for i in range(s["layers"][0], min(s["layers"][1], e.num_layers - 1) + 1):
                     covered[i].append(s["host"])
         missing = [i for i, hosts in covered.items() if not hosts]

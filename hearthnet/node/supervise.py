@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hearthnet.background import cancel_and_wait
 from hearthnet.observability import Metrics, get_logger
 
 log = get_logger("node.supervise")
@@ -110,8 +111,12 @@ class Supervisor:
         """False while a task is failing or dead."""
         return all(t["state"] not in ("failing", "dead") for t in self.health().values())
 
-    async def stop(self) -> None:
-        """Cancel every task and wait for them."""
-        for t in self._handles.values():
-            t.cancel()
-        await asyncio.gather(*self._handles.values(), return_exceptions=True)
+    async def stop(self, timeout_s: float = 5.0) -> list[str]:
+        """Cancel every task and wait up to `timeout_s` for them; returns (and logs) the
+        names of those still running — a task that swallowed its cancellation must not keep
+        the node from exiting (shutdown is bounded by the drain timeout)."""
+        stuck = await cancel_and_wait(self._handles.values(), timeout_s)
+        names = [t.get_name() for t in stuck]
+        if names:
+            log.warning("tasks_ignored_stop", tasks=names, waited_s=timeout_s)
+        return names

@@ -50,6 +50,9 @@ class Host:
     opened: int = 0
     refuse_opens: bool = False  # answer every open with shard_unavailable (a busy shard)
     busy_opens: int = 0  # refuse this many opens as busy, then accept (a slot freed up)
+    # the format its ACCEPT states when it differs from the advertisement (a host that
+    # restarted with another format while its advertisement lived on); "": the stack's
+    held_format: str = ""
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Channel:
     session: Any
     wire: torch.dtype
     closed: bool = False
+    accepted: dict[str, Any] = field(default_factory=dict)  # as a shard's ACCEPT states
 
     async def step(self, step: int, start_pos: int, x: torch.Tensor,
                    deadline_s: float | None = None) -> Result:
@@ -123,6 +127,10 @@ class InProcessMesh:
                                    busy=True)  # as a shard's refusal says (issue 16 §2)
         host.opened += 1
         s = host.stack.open_session(params["start"], params["end"], params["max_length"])
-        ch = Channel(host, s, _WIRE[params["wire_dtype"]])
+        ch = Channel(host, s, _WIRE[params["wire_dtype"]], accepted={
+            "shard_id": host.descriptor.shard_id, "weights_sha256": self.entry.weights_sha256,
+            "layers": [params["start"], params["end"]],
+            "weights_format": host.held_format or host.stack.format,
+            "kernel": host.descriptor.kernel})
         self.channels.append(ch)
         return ch

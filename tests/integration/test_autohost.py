@@ -14,7 +14,10 @@ The order of the tests matters (one shared mesh); pytest runs them in file order
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +36,7 @@ pytestmark = pytest.mark.slow
 
 AUTO = {"speed": 100.0, "memory_mb": 450}  # ~31 layers of SmolLM2 fp32: room for 2 ranges
 REHOST_GOAL_S = 30.0
+DRAIN_S = 10.0  # the default [node] drain_timeout_seconds
 ALL = ["node-s", "node-b", "node-c"]
 
 
@@ -161,3 +165,33 @@ def test_status_page_shows_automatic_hosting(mesh, tmp_path):
         assert "initial: layers" in text and "rehost: layers" in text
         assert b.eval("document.querySelector('#placement .last-rehost').textContent"
                       ).startswith("last rehost: node-")
+
+
+def test_sigterm_stops_an_automatic_node_within_the_drain_timeout(mesh):
+    """SIGTERM just as the node sees a range lost (it may be claiming or loading it): it
+    exits within the drain timeout and starts no hosting after ``node_stopping`` (an
+    automatic node once went on to re-host, and needed SIGKILL). Last: it stops two nodes."""
+    mesh.kill("node-e")  # kill -9: its range is lost, node-d may re-host it
+    wait_for(lambda: any(e.get("event") == "host_unreachable" and e.get("host") == "node-e"
+                         for e in _events(mesh, "node-d")),
+             "node-d to see node-e down", timeout=30)
+    proc = mesh.nodes["node-d"].proc
+    assert proc is not None and proc.poll() is None
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=DRAIN_S + 5)
+    took = time.monotonic() - t0
+    assert took < DRAIN_S, f"node-d took {took:.1f} s to stop"
+    events = [e.get("event") for e in _events(mesh, "node-d")]
+    after = events[events.index("node_stopping"):]
+    assert "node_stopped" in after
+    hosting = {"autohost_decision", "shard_load_started", "shard_loaded"}
+    assert not hosting & set(after), after
+
+
+def _events(m: LocalMesh, node_id: str) -> list[dict[str, Any]]:
+    out = []
+    for line in m.log_text(node_id).splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out

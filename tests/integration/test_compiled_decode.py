@@ -152,3 +152,19 @@ def test_sessions_decode_while_the_step_compiles_then_switch(family_models, tmp_
     before = stack.compiled.calls  # (the last eager run may have switched midway)
     assert _greedy(head, stack, PROMPT, DECODE)[0] == want
     assert stack.compiled.calls - before == DECODE
+
+
+def test_a_one_shot_cli_exits_cleanly_while_its_step_still_compiles(smollm2, tmp_path):
+    """`hearthnet chat --local` answers before its decode step has compiled: the process
+    must still end with exit code 0 (an interpreter tearing down the compiling thread
+    aborted with 134 after the answer)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, COMPILE_ENV: "1"}
+    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "chat", "--local",
+                        "--max-tokens", "4", "Hi."], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tok/s" in r.stderr and "terminate called" not in r.stderr

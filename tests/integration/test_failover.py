@@ -70,7 +70,9 @@ def mesh(smollm2):
     # health timeout 10 s: dead shards' advertisements expire after 40 s (4 × timeout)
     m = TestMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 14)]),
                   NodeSpec("node-c", [(15, 29)]), NodeSpec("node-d", [(15, 29)]),
-                  *(NodeSpec(_fault_node(mode), [(0, 29)]) for mode in MODES)],
+                  # a faulty node's session may never end (hang): `_retire` drains it 1 s
+                  *(NodeSpec(_fault_node(mode), [(0, 29)],
+                             extra_node={"drain_timeout_seconds": 1}) for mode in MODES)],
                  faults={_fault_node(mode): _fault(mode) for mode in MODES}, timeout_s=10.0)
     try:
         _start(m, BASE)

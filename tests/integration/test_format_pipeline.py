@@ -85,3 +85,40 @@ async def test_call_weights_param_filters_shards(smollm2, model_store):
         "head": "fp32", "stages": ["fp32"], "wire": [], "lossless": True}
     with pytest.raises(BadRequest, match="weights must be"):
         DistributedChatParams.from_dict({"weights": "q4"}, DistributedChatParams())
+
+
+async def test_the_accept_not_the_advertisement_decides_and_is_reported(smollm2, model_store):
+    """A host restarted with int8 while its fp32 advertisement lived on (its gossip link
+    was down): its ACCEPT says int8, so an exact call never runs on it — another shard
+    serves, or the call fails over — and a call that takes int8 reports int8."""
+    mesh = InProcessMesh(smollm2)
+    stale = mesh.add("node-b", 0, 29, "fp32")
+    stale.held_format = "int8"
+    orch = _orch(mesh, model_store, "fp32")
+    frames = await _run(orch, fallback_to_local=False, weights="exact")
+    assert frames[-1]["type"] == "error" and frames[-1]["code"] == "shard_unavailable"
+    assert "holds int8 weights now (advertised fp32)" in frames[-1]["message"]
+    assert not _tokens(frames)
+    # the router remembers what the shard said until it advertises anew: no second open
+    opened = stale.opened
+    frames = await _run(orch, fallback_to_local=False, weights="exact")
+    assert "holds int8 weights; the call accepts fp32" in frames[-1]["message"]
+    assert stale.opened == opened
+    # an honest fp32 host is picked instead, and named
+    mesh.add("node-c", 0, 29, "fp32")
+    frames = await _run(orch, fallback_to_local=False, weights="exact")
+    assert frames[-1]["type"] == "done"
+    assert [p.rsplit("@")[-1] for p in frames[-1]["pipeline"]] == ["node-c"]
+    # a call that accepts int8 may use the restarted host, and says int8, not fp32
+    frames = await _run(orch, fallback_to_local=False, weights="int8")
+    stages = [f for f in frames if f["type"] == "shard_status"]
+    done = frames[-1]
+    for st, fmt in zip(stages, done["formats"]["stages"], strict=True):
+        want = "int8" if st["shard_id"].endswith("node-b") else "fp32"
+        assert st["weights_format"] == fmt == want
+        assert done["timings"]["per_shard"][st["shard_id"]]["weights_format"] == want
+    # and the metrics count what served the stages, not what was advertised
+    counted = orch.metrics.stage_formats_total
+    assert counted.labels("int8", "false")._value.get() == \
+        sum(st["weights_format"] == "int8" for st in stages)
+    assert counted.labels("fp32", "true")._value.get() >= 1  # node-c's, in the exact call

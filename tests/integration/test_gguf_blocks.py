@@ -123,13 +123,13 @@ def test_bench_quality_gguf_scores_kept_blocks_against_transformers(ggufs, tmp_p
     """`hearthnet bench quality --gguf FILE`: teacher-forced agreement with transformers'
     fp32 de-quantisation of the same file; int4 from Q4 blocks in the exact kernel agrees
     everywhere, and the kernel is named."""
-    from hearthnet.bench import fidelity
+    from hearthnet.bench import quality
 
     monkeypatch.setattr(quant_module, "INT4_BLOCKS_DTYPE", torch.float32)
     args = argparse.Namespace(gguf=str(ggufs / "tiny-qwen2.gguf"), formats=["int4", "fp32"],
                               prompts=2, tokens=8, head="fp32", store=None, threads=2,
-                              results_dir=str(tmp_path))
-    f, text = fidelity.run(args)
+                              results_dir=str(tmp_path), model=["smollm2"])
+    f, text = quality.run(args)  # --gguf hands over to bench/fidelity.py
     for fmt in ("int4", "fp32"):
         row = f["formats"][fmt]
         assert row["top1_agreement"] == 1.0 and row["first_divergence"] == [None, None]
@@ -138,3 +138,41 @@ def test_bench_quality_gguf_scores_kept_blocks_against_transformers(ggufs, tmp_p
     assert f["formats"]["fp32"]["kernel"] == ""
     assert f["ggml_types"] == {"Q4_1": 29} and "int4/fp32 (int4pack-fp32)" in text
     assert (tmp_path / "quality-gguf.json").is_file()
+
+
+def test_the_default_import_and_host_keep_the_q4_blocks_and_serve_losslessly(ggufs, tmp_path):
+    """What a household gets by default: `models import` keeps a GGUF's blocks, a host with
+    no `weights` configured holds its Q4 blocks as they are (int4), and a default
+    (lossless) call is served by them, saying so — the local engine holding the same
+    format gives the same tokens."""
+    import asyncio
+
+    from hearthnet.distributed_inference.engine.local import LocalEngine
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
+    from hearthnet.mesh.bus import bus_call
+    from hearthnet.mesh.launcher import LocalMesh, NodeSpec
+    from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
+
+    store = ModelStore(tmp_path / "store")
+    entry = import_model(store, str(ggufs / "tiny-llama.gguf"), alias="tiny")
+    assert entry.q4_blocks and entry.stored_as == "gguf:Q4_0"
+    messages = [{"role": "user", "content": "Name three colours."}]
+    params = SamplingParams(max_tokens=8)
+    local = LocalEngine(entry, "int4", head_weights="fp32")  # as node-a + node-b hold it
+    want = [e.token_id for e in local.generate(messages, params)]
+    specs = [NodeSpec("node-a"), NodeSpec("node-b", [(0, 3)])]
+    (tmp_path / "mesh").mkdir()
+    with LocalMesh(specs, root=tmp_path / "mesh", model="tiny", models=store.root) as mesh:
+        shard = mesh.status("node-a")["shards"][0]
+        assert (shard["format"], shard["usable"]) == ("int4", True)
+
+        async def chat() -> list[dict]:
+            args = chat_args(messages[0]["content"], "tiny", params)
+            return [f async for f in bus_call(mesh.nodes["node-a"].uri, CHAT_CAPABILITY,
+                                              args)]
+
+        frames = asyncio.run(chat())
+    done = frames[-1]
+    assert done["type"] == "done", done
+    assert done["formats"]["stages"] == ["int4"] and done["formats"]["lossless"] is True
+    assert [f["token_id"] for f in frames if f["type"] == "token_delta"] == want

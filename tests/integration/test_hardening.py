@@ -512,8 +512,10 @@ def test_orchestrator_death_mid_answer_is_connection_lost_with_tokens_so_far(mes
 
 @pytest.fixture(scope="module")
 def solo(tmp_path_factory, smollm2):
-    """One node hosting layer 0 whose forwards sleep 600 s, heartbeating every 2 s."""
-    spec = NodeSpec("node-s", [(0, 0)], extra_di={"shard_health_timeout_seconds": 4})
+    """One node hosting layer 0 whose forwards sleep 600 s, heartbeating every 2 s; its
+    SIGTERM drain gives an open session 1 s."""
+    spec = NodeSpec("node-s", [(0, 0)], extra_di={"shard_health_timeout_seconds": 4},
+                    extra_node={"drain_timeout_seconds": 1})
     m = TestMesh([spec], root=tmp_path_factory.mktemp("solo"), timeout_s=4,
                  faults={"node-s": {"mode": "slow", "delay_s": 600}})
     try:
@@ -573,6 +575,7 @@ async def test_sigterm_stops_a_node_whose_compute_thread_is_busy(solo, smollm2):
     await ch.close()
     log = m.log_text("node-s")
     assert '"node_stopped"' in log and '"exit_with_busy_threads"' in log
+    assert '"drain_timed_out"' in log  # the open session had its drain time, no more
 
 
 # ---- §8 a weights file truncated under a running shard ----

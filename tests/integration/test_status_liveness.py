@@ -34,8 +34,11 @@ HEALTH_TIMEOUT_S = 30.0  # the default; the probe must beat it by far
 
 @pytest.fixture(scope="module")
 def mesh(smollm2, tmp_path_factory):
-    # LocalMesh links every node to the first one: node-b first gives mesh3's chain A-B-C
-    with LocalMesh([NodeSpec("node-b", [(0, 14)]), NodeSpec("node-a"),
+    # LocalMesh links every node to the first one: node-b first gives mesh3's chain A-B-C;
+    # node-a keeps one link (the default, two, would link it to node-c too: mesh.links),
+    # as a node of a larger mesh has no link to most hosts
+    with LocalMesh([NodeSpec("node-b", [(0, 14)]),
+                    NodeSpec("node-a", extra_node={"min_gossip_links": 1}),
                     NodeSpec("node-c", [(15, 29)])], timeout_s=HEALTH_TIMEOUT_S,
                    root=tmp_path_factory.mktemp("chain")) as m:
         yield m
@@ -105,3 +108,16 @@ def test_restarted_host_is_online_again(mesh):
              (c := _shard_of(s, "node-c")) and c["state"] == "online" and
              s["models"][0]["fully_covered"], "node-c online again on node-a's page",
              timeout=60)
+
+
+def test_a_restarted_host_s_old_advertisements_go_at_once(mesh):
+    """Killed, then restarted with another range (same id, same address: liveness probes
+    cannot tell the processes apart): its old process's advertisement of 15-29 is gone
+    from node-a as soon as the new one advertises 10-29, not after the 120 s expiry."""
+    mesh.kill("node-c")
+    cfg = mesh.nodes["node-c"].config
+    cfg.write_text(cfg.read_text().replace("layers = [15, 29]", "layers = [10, 29]"))
+    mesh.start_node("node-c")
+    wait_for(lambda: [s["layers"] for s in _page_status(mesh)["shards"]
+                      if s["host"] == "node-c"] == [[10, 29]],
+             "only node-c's new range on node-a's page", timeout=30)

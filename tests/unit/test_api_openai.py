@@ -172,7 +172,8 @@ async def test_body_and_json_bounds_before_work(served):
     assert e.value.status_code == 413
     async with aiohttp.ClientSession() as s:
         url = str(client.base_url) + "chat/completions"
-        async with s.post(url, data=b"{not json") as r:
+        async with s.post(url, data=b"{not json",
+                          headers={"Content-Type": "application/json"}) as r:
             assert r.status == 400 and (await r.json())["error"]["code"] == "bad_request"
     assert node.calls == []
 

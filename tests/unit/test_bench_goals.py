@@ -95,3 +95,22 @@ def test_bench_local_checks_issue_12s_int8_speedup_only_in_its_scene():
         "decode 3.27× fp32; goals (int8 vs fp32 decode, 1.5B on CPU): decode_speedup 3.27 "
         "(met, goal 2.5)")
     assert _against_line({}) == ""
+
+
+async def test_a_fallback_is_never_reported_as_a_pipeline_figure(monkeypatch):
+    """`bench pipeline` once ended in a KeyError traceback when its calls fell back to the
+    orchestrator's local engine (no `construction_ms`): now a typed error says so."""
+    import hearthnet.mesh.bus as bus
+    from hearthnet.bench.pipeline import chat_frames
+    from hearthnet.errors import HearthNetError
+
+    async def fell_back(uri, capability, args):
+        for f in ({"type": "pipeline_aborted", "reason": "no usable shard", "continuing":
+                   "local", "tokens_so_far": 0},
+                  {"type": "done", "finish_reason": "length", "usage": {}, "timings": {},
+                   "pipeline": ["local"], "fallback": True}):
+            yield f
+
+    monkeypatch.setattr(bus, "bus_call", fell_back)
+    with pytest.raises(HearthNetError, match=r"fell back .*\(no usable shard\)"):
+        await chat_frames("ws://x", "hi", "m", 4)

@@ -51,3 +51,25 @@ def test_an_unknown_policy_is_a_usage_error_before_any_call(sent, capsys):
         cli.main(["chat", "--config", "node.toml", "--weights", "q4", "hi"])
     assert e.value.code == 2 and not sent
     assert "argument --weights: invalid choice: 'q4'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("formats", "note"), [
+    ({"head": "fp32", "stages": ["fp32", "fp32"], "wire": ["fp32", "fp32"],
+      "policy": "lossless", "lossless": True}, "; layers fp32, head fp32, wire fp32: lossless]"),
+    ({"head": "fp32", "stages": ["int8", "fp32"], "wire": ["fp16", "bf16"], "policy": "int8",
+      "lossless": False},
+     "; layers int8/fp32, head fp32, wire fp16/bf16: LOSSY (a compact format was asked for)]"),
+])
+def test_the_summary_line_says_what_served_the_answer(monkeypatch, capsys, formats, note):
+    """A compact format's answer never reads like an exact one: the line a person sees
+    after the answer names the formats and the wire and says whether all were lossless."""
+    done = {**DONE, "formats": formats}
+
+    async def fake_bus_call(uri: str, capability: str, args: dict[str, Any]
+                            ) -> AsyncIterator[dict[str, Any]]:
+        yield done
+
+    monkeypatch.setattr(remote, "node_uri", lambda config: "ws://127.0.0.1:9")
+    monkeypatch.setattr(bus, "bus_call", fake_bus_call)
+    assert cli.main(["chat", "--config", "node.toml", "hi"]) == 0
+    assert capsys.readouterr().err.strip().endswith(note)

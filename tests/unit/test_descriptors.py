@@ -152,6 +152,10 @@ def test_a_quantised_shard_names_its_kernel_and_status_shows_it() -> None:
     text = render({"node_id": "n1", "endpoint": "ws://h:1", "shards": [row, fp32],
                    "models": []})
     assert "int8 (fbgemm)" in text and "fp32 " in text and "fp32 (" not in text
+    # a shard whose ACCEPT said int8 though it advertised fp32: the truth, marked
+    moved = {**row, "host": "n3", "format": "int8", "advertised_format": "fp32"}
+    text = render({"node_id": "n1", "endpoint": "ws://h:1", "shards": [moved], "models": []})
+    assert "int8!" in text
 
 
 def test_a_shard_advertises_the_kernel_this_process_chose() -> None:

@@ -329,6 +329,58 @@ def test_a_corrupt_database_file_is_a_logged_storage_error(tmp_path: Path) -> No
     assert failed["action"] == "open" and "DatabaseError" in str(failed["error"])
 
 
+def _damaged_pages(path: Path) -> None:
+    """A log whose header reads and whose pages do not (a torn write, a bad sector)."""
+    log = EventLog(path, "node-a")
+    for i in range(200):
+        log.append("t", {"i": i, "pad": "x" * 400})
+    log.close()
+    data = bytearray(path.read_bytes())
+    for off in range(3 * 4096, len(data) - 64, 4096):
+        data[off:off + 48] = b"\xff" * 48
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "pages"])
+def test_a_corrupt_file_is_set_aside_and_a_fresh_log_starts(tmp_path: Path, damage: str) -> None:
+    """The daemon's setting: the corrupt file (and its -wal) is renamed, never deleted, a
+    warning says where it went, and the fresh log works (peers refill it by gossip)."""
+    path = tmp_path / "events.sqlite3"
+    if damage == "garbage":
+        path.write_bytes(b"this is not an SQLite database" * 100)
+        (tmp_path / "events.sqlite3-wal").write_bytes(b"half a journal")
+    else:
+        _damaged_pages(path)
+    before = path.read_bytes()
+    with capture_logs() as logs:
+        log = EventLog(path, "node-a", clock=Clock(), set_aside_corrupt=True)
+    (aside,) = tmp_path.glob("events.sqlite3.corrupt-20231114T221320Z")
+    assert aside.read_bytes() == before
+    (warned,) = _logged(logs, "event_log_set_aside")
+    assert warned["log_level"] == "warning" and warned["moved_to"] == str(aside)
+    assert warned["path"] == str(path) and "peers refill it" in str(warned["action"])
+    if damage == "garbage":
+        assert "file is not a database" in str(warned["error"])
+        assert (tmp_path / f"{aside.name}-wal").read_bytes() == b"half a journal"
+    else:
+        assert "integrity check failed" in str(warned["error"])
+    assert log.count() == 0 and log.append("t", {}).seq == 1
+    log.close()
+    with pytest.raises(StorageError, match="cannot open"):  # off (the default): an error
+        path.write_bytes(before)
+        EventLog(path, "node-a")
+
+
+def test_what_setting_aside_cannot_mend_stays_a_storage_error(tmp_path: Path) -> None:
+    """A path that cannot be opened (permissions, a folder in its place) is not corrupt:
+    a `StorageError` naming the file, and nothing is moved."""
+    (tmp_path / "events.sqlite3").mkdir()
+    with capture_logs() as logs, pytest.raises(StorageError, match="cannot open"):
+        EventLog(tmp_path / "events.sqlite3", "node-a", set_aside_corrupt=True)
+    assert not _logged(logs, "event_log_set_aside")
+    assert [p.name for p in tmp_path.iterdir()] == ["events.sqlite3"]
+
+
 def test_an_unusable_data_folder_is_a_storage_error_not_an_oserror(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("a file where the data folder should be")
     with capture_logs() as logs, pytest.raises(StorageError, match="cannot open"):

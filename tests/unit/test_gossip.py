@@ -286,3 +286,89 @@ async def test_a_stop_that_meets_the_peers_hello_still_stops_the_session(tmp_pat
     with pytest.raises(asyncio.CancelledError):
         await session
     log.close()
+
+
+# ---- links a keeper manages: one connection, then report how it ended ----
+
+
+async def _ended(lk: GossipPeerLink, ends: list[tuple[str, bool]]) -> tuple[str, bool]:
+    lk.start()
+    await wait_until(lambda: ends, "the link ended")
+    await lk.stop()
+    assert len(ends) == 1
+    return ends[0]
+
+
+async def test_a_link_answered_by_another_node_ends_refused(tmp_path: Path) -> None:
+    a = EventLog(tmp_path / "a.db", "node-a")
+    b = EventLog(tmp_path / "b.db", "node-b")
+    ends: list[tuple[str, bool]] = []
+    async with node_server(a) as port:  # node-a answers where node-c was expected
+        lk = GossipPeerLink(b, f"ws://127.0.0.1:{port}", expect_peer="node-c", redial=False,
+                            on_end=lambda how, held: ends.append((how, held)))
+        assert await _ended(lk, ends) == ("refused", False)
+        assert lk.peer_id is None and not lk.connected
+
+
+async def test_a_link_to_a_closed_port_ends_unreachable(tmp_path: Path) -> None:
+    b = EventLog(tmp_path / "b.db", "node-b")
+    async with node_server(EventLog(tmp_path / "a.db", "node-a")) as port:
+        pass  # closed again: nothing listens there now
+    ends: list[tuple[str, bool]] = []
+    lk = GossipPeerLink(b, f"ws://127.0.0.1:{port}", redial=False, open_timeout=2,
+                        on_end=lambda how, held: ends.append((how, held)))
+    assert await _ended(lk, ends) == ("unreachable", False)
+
+
+async def test_a_link_that_connected_ends_closed_and_never_redials(tmp_path: Path) -> None:
+    a = EventLog(tmp_path / "a.db", "node-a")
+    b = EventLog(tmp_path / "b.db", "node-b")
+    ends: list[tuple[str, bool]] = []
+    ups: list[bool] = []
+    async with node_server(a) as port:
+        lk = GossipPeerLink(b, f"ws://127.0.0.1:{port}", expect_peer="node-a", redial=False,
+                            on_peer=lambda peer, up: ups.append(up),
+                            on_end=lambda how, held: ends.append((how, held)))
+        lk.start()
+        assert await lk.wait_connected(10)
+    # the server closed its connections on leaving
+    await wait_until(lambda: ends, "the link ended")
+    assert ends == [("closed", False)] and ups == [True, False]
+    await lk.stop()
+
+
+async def test_a_tls_link_pinned_to_one_member_refuses_another(tmp_path: Path) -> None:
+    """The keeper's links pin the one member they mean to reach: node-b dialling node-c at
+    an address where node-a (also a member) answers ends refused, as a stranger would."""
+    from hearthnet.security.keys import NodeKey
+    from hearthnet.security.members import MemberDirectory
+    from hearthnet.security.tls import client_context, server_context
+
+    keys = {n: NodeKey.generate() for n in ("node-a", "node-b", "node-c")}
+    members = MemberDirectory.from_dicts([
+        {"node_id": n, "public_key": k.public_key_b64, "trust": "trusted"}
+        for n, k in keys.items()])
+    a = EventLog(tmp_path / "a.db", "node-a")
+    b = EventLog(tmp_path / "b.db", "node-b")
+
+    async def handler(ws: ServerConnection) -> None:
+        await handle_gossip_connection(a, ws)
+
+    ends: list[tuple[str, bool]] = []
+    async with serve(handler, "127.0.0.1", 0, compression=None,
+                     ssl=server_context(keys["node-a"], "node-a", members)) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        for expect, want in (("node-c", ("refused", False)), ("node-a", ("closed", False))):
+            ends.clear()
+            lk = GossipPeerLink(
+                b, f"wss://127.0.0.1:{port}", expect_peer=expect, redial=False,
+                on_end=lambda how, held: ends.append((how, held)),
+                ssl_factory=lambda e=expect: client_context(  # type: ignore[misc]
+                    keys["node-b"], "node-b", members, expect=e))
+            lk.start()
+            if expect == "node-a":  # the right member: linked, until we close it
+                assert await lk.wait_connected(10) and lk.peer_id == "node-a"
+                lk.drop_connection()
+            await wait_until(lambda: ends, "the link ended")
+            assert ends == [want]
+            await lk.stop()

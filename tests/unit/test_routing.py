@@ -478,3 +478,45 @@ def test_descriptor_carries_its_format():
     assert ShardDescriptor.from_dict(old).weights_format == "fp32"  # older advertisers
     with pytest.raises(BadRequest, match="weights_format"):
         ShardDescriptor.from_dict({**d.to_dict(), "weights_format": "native"})
+
+
+def test_one_definition_of_a_usable_host_for_routing_coverage_and_hosting() -> None:
+    """A host below the routing trust, or one holding a format calls refuse, covers
+    nothing: `usable_host` is what the router picks by, and what automatic hosting, head
+    preparation and `status` count as coverage (`ShardStore.covers(usable=…)`)."""
+    m = Mesh()
+    m.router.host_allowed = lambda host: host != "node-m"  # node-m: a mere member
+    member = m.add(0, 15, "node-m")
+    m.add(0, 7, "node-b", fmt="int8")
+    ads = {a.descriptor.shard_id: a for a in m.store.candidates("m", SHA)}
+    lossless = frozenset({"fp32", "bf16"})
+    assert not m.router.usable_host(ads[member])
+    assert m.router.why_unusable(ads[member]) == "host node-m is below the routing minimum trust"
+    int8 = next(a for a in ads.values() if a.descriptor.host == "node-b")
+    assert m.router.usable_host(int8) and not m.router.usable_host(int8, lossless)
+    assert m.router.why_unusable(int8, lossless) == \
+        "holds int8 weights; calls here accept bf16, fp32"
+    # every layer is advertised, none by a host a default call may use
+    assert m.store.covers("m", SHA, 16)
+    assert not m.store.covers("m", SHA, 16, lambda ad: m.router.usable_host(ad, lossless))
+    m.add(0, 15, "node-c")
+    assert m.store.covers("m", SHA, 16, lambda ad: m.router.usable_host(ad, lossless))
+
+
+async def test_the_format_a_shard_accepted_with_outlives_its_stale_advertisement() -> None:
+    """A host restarted with int8 while its fp32 advertisement lives on: once its ACCEPT
+    said int8, the router routes by that until the host advertises anew."""
+    m = Mesh()
+    sid = m.add(0, 15, "node-b")
+    ad = next(iter(m.store.candidates("m", SHA)))
+    m.router.note_accept(ad.descriptor, "int8")
+    assert m.router.held_format(ad.descriptor) == "int8"
+    with pytest.raises(ShardUnavailable, match="holds int8 weights; the call accepts fp32"):
+        await m.pick(formats=frozenset({"fp32"}))
+    m.add(0, 15, "node-b", fmt="int8", ts=T0 + 1)  # its new advertisement: the news now
+    ad = next(iter(m.store.candidates("m", SHA)))
+    assert ad.descriptor.shard_id == sid and m.router.held_format(ad.descriptor) == "int8"
+    m.add(0, 15, "node-b", ts=T0 + 2)  # and back to fp32, advertised
+    ad = next(iter(m.store.candidates("m", SHA)))
+    assert m.router.held_format(ad.descriptor) == "fp32"
+    assert await m.pick(formats=frozenset({"fp32"})) == ["node-b:0-15"]

@@ -235,3 +235,28 @@ def test_tracker_is_fed_with_heartbeats_and_forgets_withdrawn(tmp_path: Path) ->
     assert tracker.p95(d.shard_id) == 7.0
     store.apply(b.withdraw(d))
     assert tracker.view(d.shard_id) is None
+
+
+def test_a_new_incarnation_supersedes_the_hosts_old_advertisements_at_once(tmp_path):
+    """A restarted node (same id, same address) advertises with a new boot id: every
+    advertisement of its old process goes at once, not after the expiry; one of the old
+    process's arriving late is ignored; peers of an older release (no boot id) and other
+    hosts are untouched."""
+    import dataclasses
+
+    clock = Clock()
+    store = ShardStore(120, clock=clock)
+    b, c = Host(tmp_path, "node-b", clock), Host(tmp_path, "node-c", clock)
+    old = [dataclasses.replace(desc(lo, hi), incarnation="aaaa") for lo, hi in ((0, 9), (10, 19))]
+    late = b.advertise(dataclasses.replace(desc(20, 29), incarnation="aaaa"))
+    for d in old:
+        assert store.apply(b.advertise(d))
+    assert store.apply(c.advertise(desc(0, 29, "node-c")))  # no boot id: an older release
+    new = dataclasses.replace(desc(5, 14), incarnation="bbbb")
+    assert store.apply(b.advertise(new))
+    assert sorted(a.descriptor.shard_id for a in store.live()) == sorted(
+        [new.shard_id, desc(0, 29, "node-c").shard_id])
+    assert not store.apply(late)  # the old process's, gossiped late: ignored
+    assert {a.descriptor.incarnation for a in store.live()} == {"bbbb", ""}
+    # a rebuild from the log folds to the same directory
+    assert store.rebuild(b.log.all_events() + c.log.all_events()) == 2

@@ -89,10 +89,14 @@ function renderShards(st) {
       td("Host", "", s.host),
       td("Layers", "", `${s.layers[0]}–${s.layers[1]}`),
       td("State", "state-" + state, state,
-        s.reason ? el("span", {class: "reason"}, s.reason) : null),
+        s.reason ? el("span", {class: "reason"}, s.reason) : null,
+        s.unusable_reason ? el("span", {class: "reason"}, "not used by calls: " +
+          s.unusable_reason) : null),
       td("p95 ms", "", fmt(s.p95_latency_ms, 1)), td("Queue", "", fmt(s.queue_depth, 0)),
       td("Sessions", "", fmt(s.active_sessions, 0)), td("Format", "",
-        fmt(s.kernel ? `${s.format} (${s.kernel})` : s.format)),
+        s.advertised_format && s.advertised_format !== s.format
+          ? `${s.format} (advertised ${s.advertised_format})`
+          : fmt(s.kernel ? `${s.format} (${s.kernel})` : s.format)),
       td("Memory MB", "", fmt(s.memory_mb, 0)), td("Device", "", fmt(s.device))));
   }
   if (!st.shards.length) body.append(el("tr", {}, el("td", {colspan: "10", class: "muted"},

@@ -44,6 +44,7 @@ DEVICE_KINDS = ("cpu", "cuda", "mps")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _KERNEL_RE = re.compile(r"^[a-z0-9_.-]{0,32}$")  # a name, not only `formats.KERNELS`: a
 # newer release's kernel must not make older peers drop its shard
+_INCARNATION_RE = re.compile(r"^[a-z0-9]{0,32}$")
 
 
 def _shard_subject(payload: Mapping[str, Any]) -> str | None:
@@ -97,14 +98,17 @@ class ShardDescriptor:
     device_name: str = ""  # e.g. "NVIDIA H100 80GB HBM3"
     device_memory_mb: int = 0  # the device's total memory
     kernel: str = ""  # what a quantised format's products run in (formats.KERNELS), or ""
+    # the host process's boot id: an advertisement of a new incarnation supersedes every
+    # advertisement of the host's old one at once (`ShardStore`); "" from older peers
+    incarnation: str = ""
 
     @classmethod
     def create(cls, *, model_id: str, weights_sha256: str, layer_range: tuple[int, int],
                host: NodeID, endpoint: Endpoint, max_concurrent_streams: int,
                vram_required_mb: int = 0, advertised_at: datetime | None = None,
                hop_weight: float = 1.0, weights_format: str = "fp32", device: str = "cpu",
-               device_name: str = "", device_memory_mb: int = 0, kernel: str = ""
-               ) -> ShardDescriptor:
+               device_name: str = "", device_memory_mb: int = 0, kernel: str = "",
+               incarnation: str = "") -> ShardDescriptor:
         """Build a descriptor with its canonical shard id; validates like `from_dict`."""
         lo, hi = layer_range
         d = cls(shard_id=make_shard_id(model_id, lo, hi, host), model_id=model_id,
@@ -113,7 +117,7 @@ class ShardDescriptor:
                 max_concurrent_streams=max_concurrent_streams, host=host, endpoint=endpoint,
                 advertised_at=advertised_at or datetime.now(UTC), hop_weight=hop_weight,
                 weights_format=weights_format, device=device, device_name=device_name,
-                device_memory_mb=device_memory_mb, kernel=kernel)
+                device_memory_mb=device_memory_mb, kernel=kernel, incarnation=incarnation)
         d.validate()
         return d
 
@@ -165,6 +169,8 @@ class ShardDescriptor:
         _check(isinstance(self.kernel, str) and bool(_KERNEL_RE.match(self.kernel)), "kernel",
                f"must be a kernel name of at most 32 characters [a-z0-9_.-] (e.g. "
                f"{', '.join(KERNELS)}), or empty")
+        _check(isinstance(self.incarnation, str) and bool(_INCARNATION_RE.match(
+            self.incarnation)), "incarnation", "must be at most 32 characters [a-z0-9]")
 
     def to_dict(self) -> dict[str, Any]:
         """A msgpack/JSON-safe dict (the `descriptor` of an advertisement payload)."""
@@ -184,6 +190,7 @@ class ShardDescriptor:
             "device_name": self.device_name,
             "device_memory_mb": self.device_memory_mb,
             "kernel": self.kernel,
+            "incarnation": self.incarnation,
         }
 
     @classmethod
@@ -206,7 +213,7 @@ class ShardDescriptor:
                    weights_format=d.get("weights_format", "fp32"), device=d.get("device", "cpu"),
                    device_name=d.get("device_name", ""),
                    device_memory_mb=d.get("device_memory_mb", 0),
-                   kernel=d.get("kernel", ""))
+                   kernel=d.get("kernel", ""), incarnation=d.get("incarnation", ""))
         desc.validate()
         return desc
 

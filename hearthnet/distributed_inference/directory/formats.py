@@ -139,6 +139,13 @@ def policy_for(weights: str) -> str:
     return weights if weights in HELD_FORMATS else LOSSLESS
 
 
+def default_held(compute: str, q4_blocks: bool) -> str:
+    """How a host holds a model's layers when no `weights` is configured: a GGUF's Q4
+    blocks as they are (`int4`: lossless, the GGUF's own size in memory and the fastest CPU
+    kernel — DESIGN.md decision 15), else the host's compute dtype."""
+    return "int4" if q4_blocks else compute
+
+
 def head_format(weights: str) -> str:
     """The head's format that goes with a layers format: the same, int8 for int4 (a head
     holds no int4)."""

@@ -140,6 +140,31 @@ class ShardRouter:
         self._ended: dict[ShardID, list[float]] = {}  # when our sessions there were released
         self._released = asyncio.Event()
         self.releases = 0  # pipelines released so far (`wait_for_release`)
+        # what a shard's ACCEPT said it holds, against the advertisement it was picked by:
+        # the truth until that shard advertises anew (a host restarted with another format
+        # while its gossip was down still has its old advertisement here)
+        self._accepted: dict[ShardID, tuple[ShardDescriptor, str]] = {}
+
+    # ---- what a shard really holds ----
+
+    def note_accept(self, shard: ShardDescriptor, weights_format: str) -> None:
+        """Record the format `shard`'s ACCEPT stated (the orchestrator calls this for every
+        session it opens); a new advertisement of that shard replaces it."""
+        if weights_format == shard.weights_format:
+            self._accepted.pop(shard.shard_id, None)
+        else:
+            self._accepted[shard.shard_id] = (shard, weights_format)
+
+    def held_format(self, d: ShardDescriptor) -> str:
+        """The format `d`'s shard holds as far as this node knows now: its last ACCEPT's
+        when that came after this advertisement, else the advertised one."""
+        seen = self._accepted.get(d.shard_id)
+        if seen is None:
+            return d.weights_format
+        if seen[0] != d:  # advertised anew since: the new advertisement is the news
+            del self._accepted[d.shard_id]
+            return d.weights_format
+        return seen[1]
 
     # ---- reservations (M26 §5.6) ----
 
@@ -293,8 +318,35 @@ class ShardRouter:
                 formats: Collection[str] | None) -> bool:
         """Eligible but for its load (see the module docstring)."""
         d = ad.descriptor
-        return d.shard_id not in excl and d.hi < total and not self._down(d.host) \
-            and self._trusted(d.host) and _format_ok(d, formats)
+        return d.shard_id not in excl and d.hi < total and self.usable_host(ad, formats)
+
+    def usable_host(self, ad: Advertisement, formats: Collection[str] | None = None) -> bool:
+        """The one definition of a shard a call may use, but for its load and the call's
+        own exclusions (M26 §5.3, §5.9): its host is trusted at `route_min_trust`, not
+        probed down, and its format as last stated is one of `formats` (when given).
+        Automatic hosting and every coverage display count only these, so a layer shown
+        covered is one a call can be routed to."""
+        d = ad.descriptor
+        return not self._down(d.host) and self._trusted(d.host) \
+            and self._format_ok(d, formats)
+
+    def why_unusable(self, ad: Advertisement, formats: Collection[str] | None = None
+                     ) -> str | None:
+        """Why `usable_host` is false, for a person (None when it is true)."""
+        d = ad.descriptor
+        if self._down(d.host):
+            return f"host {d.host} refuses connections (probed down)"
+        if not self._trusted(d.host):
+            return f"host {d.host} is below the routing minimum trust"
+        if not self._format_ok(d, formats):
+            return (f"holds {self.held_format(d)} weights; calls here accept "
+                    f"{', '.join(sorted(formats or ()))}")
+        return None
+
+    def _format_ok(self, d: ShardDescriptor, formats: Collection[str] | None) -> bool:
+        """Whether the call accepts the shard's weight format (DESIGN.md decision 10), as
+        its last ACCEPT stated it when that differs from the advertisement."""
+        return formats is None or self.held_format(d) in formats
 
     def _trusted(self, host: str) -> bool:
         return self.host_allowed is None or self.host_allowed(host)
@@ -421,8 +473,8 @@ class ShardRouter:
                 out.append(f"{d.shard_id} excluded")
             elif self._down(d.host):
                 out.append(f"{d.shard_id}: host {d.host} refuses connections (probed down)")
-            elif not _format_ok(d, formats):
-                out.append(f"{d.shard_id} holds {d.weights_format} weights; the call accepts "
+            elif not self._format_ok(d, formats):
+                out.append(f"{d.shard_id} holds {self.held_format(d)} weights; the call accepts "
                            f"{', '.join(sorted(formats or ()))} (params.weights)")
             elif not self._trusted(d.host):
                 out.append(f"{d.shard_id}: host {d.host} is below the routing minimum trust")
@@ -437,11 +489,6 @@ class ShardRouter:
 
     def _now(self) -> datetime:
         return to_datetime(self.store.clock())
-
-
-def _format_ok(d: ShardDescriptor, formats: Collection[str] | None) -> bool:
-    """Whether the call accepts the shard's weight format (DESIGN.md decision 10)."""
-    return formats is None or d.weights_format in formats
 
 
 def _ranges(layers: list[int]) -> list[list[int]]:

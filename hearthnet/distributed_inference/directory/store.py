@@ -105,6 +105,10 @@ class ShardStore:
         # newest (origin, seq) applied per shard, kept after withdrawal so that an older
         # advertisement arriving late cannot resurrect a withdrawn shard
         self._latest: dict[ShardID, tuple[str, int]] = {}
+        # each host's newest incarnation (boot id) and the seq it was first seen at: a
+        # restarted host's first advertisement drops every one of its old process's at
+        # once (they would otherwise mislead routing and placement until they expire)
+        self._boot: dict[str, tuple[str, int]] = {}
 
     # ---- folding ----
 
@@ -121,6 +125,7 @@ class ShardStore:
         self._ads.clear()
         self._by_key.clear()
         self._latest.clear()
+        self._boot.clear()
         for ev in events:
             self.apply(ev)
         return len(self.live())
@@ -139,6 +144,8 @@ class ShardStore:
             _log.warning("foreign_advertisement", origin=ev.origin, seq=ev.seq,
                          shard_id=desc.shard_id)
             return False
+        if not self._current_incarnation(desc.host, desc.incarnation, ev.seq):
+            return False
         if not self._newer(desc.shard_id, ev):
             return False
         self._latest[desc.shard_id] = (ev.origin, ev.seq)
@@ -151,6 +158,28 @@ class ShardStore:
         if self.tracker is not None:
             self.tracker.heartbeat(desc.shard_id, health, at=seen)
         self._update_gauge()
+        return True
+
+    def _current_incarnation(self, host: str, incarnation: str, seq: int) -> bool:
+        """False for an advertisement of a host's superseded incarnation; an advertisement
+        of a newer one removes the host's older incarnations' advertisements."""
+        if not incarnation:  # a peer of an older release: no boot id, nothing to compare
+            return True
+        known = self._boot.get(host)
+        if known is None or known[0] == incarnation:
+            if known is None:
+                self._boot[host] = (incarnation, seq)
+            return True
+        if seq < known[1]:  # the old process's, arriving late (the same origin's seq grows)
+            return False
+        self._boot[host] = (incarnation, seq)
+        stale = [sid for sid, ad in self._ads.items() if ad.descriptor.host == host
+                 and ad.descriptor.incarnation != incarnation]
+        for sid in stale:
+            self._remove(sid)
+        if stale:
+            _log.info("incarnation_superseded", host=host, dropped=len(stale))
+            self._update_gauge()
         return True
 
     def _apply_withdrawn(self, ev: Event) -> bool:
@@ -216,11 +245,15 @@ class ShardStore:
         return [a for a in self.live() if a.descriptor.model_id == model_id
                 and (weights_sha256 is None or a.descriptor.weights_sha256 == weights_sha256)]
 
-    def covers(self, model_id: str, weights_sha256: str, num_layers: int) -> bool:
+    def covers(self, model_id: str, weights_sha256: str, num_layers: int,
+               usable: Callable[[Advertisement], bool] | None = None) -> bool:
         """Whether live advertisements of this model and hash hold every one of its
-        `num_layers` layers: a pipeline of it can be built (M26 §4.3)."""
+        `num_layers` layers: a pipeline of it can be built (M26 §4.3). `usable`: only
+        those a call may use count (`ShardRouter.usable_host`)."""
         held: set[int] = set()
         for a in self.candidates(model_id, weights_sha256):
+            if usable is not None and not usable(a):
+                continue
             lo, hi = a.descriptor.layer_range
             held.update(range(max(lo, 0), min(hi, num_layers - 1) + 1))
         return num_layers > 0 and len(held) == num_layers

@@ -39,6 +39,7 @@ import platform
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,15 @@ def _trace_length(stack: LayeredStack) -> int:
     return min(n, window - 1, CAPACITY_QUANTUM - 1)
 
 
+_BUILDERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def compiling() -> bool:
+    """Whether a background compilation is running in this process (`hearthnet.cli.run`:
+    such a thread cannot be stopped, and an interpreter that tears it down aborts)."""
+    return any(t.is_alive() for t in list(_BUILDERS))
+
+
 class CompiledDecode:
     """The compiled decode steps of one stack, one per sub-range, built in the background.
 
@@ -195,6 +205,7 @@ class CompiledDecode:
             t = threading.Thread(target=self._build, args=(key,), daemon=True,
                                  name=f"compile-{start}-{end}")
             self._threads[key] = t
+            _BUILDERS.add(t)
         t.start()
 
     def _cannot(self) -> str:

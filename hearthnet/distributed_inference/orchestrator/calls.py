@@ -9,6 +9,7 @@ failover replay (`failover.py`); neither ever reaches a caller.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from prometheus_client import Histogram
@@ -39,6 +40,7 @@ class ClosedChannel:
 
     def __init__(self, wire_dtype: torch.dtype) -> None:
         self._wire_dtype = wire_dtype
+        self.accepted: dict[str, Any] = {}
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -74,6 +76,9 @@ class StageSession:
     # the last steps' round trips and overheads (bounded: a long chat is many steps)
     rtt_ms: LatencyWindow = field(default_factory=LatencyWindow)
     overhead_ms: LatencyWindow = field(default_factory=LatencyWindow)
+    # what the shard's ACCEPT stated it holds (not the advertisement: what served the call)
+    weights_format: str = ""
+    kernel: str = ""
 
     @property
     def shard_id(self) -> str:

@@ -168,8 +168,10 @@ class PipelineOrchestrator:
             construct_ms = (time.perf_counter() - t0) * 1000
             self.metrics.pipeline_construct_ms.observe(construct_ms)
             for st in call.stages:
+                self.metrics.stage_formats_total.labels(
+                    st.weights_format, str(st.weights_format in call.lossless).lower()).inc()
                 yield ShardStatus.ok(st.shard_id, (st.stage.start, st.stage.end), st.wire,
-                                     st.stage.shard.weights_format, st.stage.shard.kernel)
+                                     st.weights_format, st.kernel)
             try:
                 async for f in self.decoder.run(call, head, checker, t0):
                     yield f
@@ -259,8 +261,7 @@ class PipelineOrchestrator:
         exclude: set[str] = set()
         busy: set[str] = set()
         reasons: list[str] = []
-        own = resolve_format(self.local_weights, entry.dtype)
-        formats = frozenset(accepted_formats(params.weights, own, lossless_of(entry)))
+        formats = self._formats(entry, params)
         slot = self.router.busy_wait(params.timeout_s)
         failures = 0
         while failures < _OPEN_ATTEMPTS:
@@ -271,6 +272,9 @@ class PipelineOrchestrator:
                                                   formats=formats)
             except ShardUnavailable as e:
                 if not (busy or e.details.get("busy")) or not await slot.wait(releases):
+                    if reasons:  # why the shards it excluded were refused, not only "excluded"
+                        raise ShardUnavailable(f"{e.message}; refused on open: "
+                                               + "; ".join(reasons[-3:]), **e.details) from e
                     raise
                 busy.clear()  # busy a moment ago: worth another try
                 continue
@@ -320,8 +324,53 @@ class PipelineOrchestrator:
                                    f"{e.message}", shard_id=stage.shard.shard_id,
                                    busy=bool(e.details.get("busy"))) from e
         sid = stage.shard.shard_id
+        try:
+            fmt, kernel = self._check_accept(stage, entry, params, ch.accepted)
+        except HearthNetError:
+            with contextlib.suppress(Exception):
+                await ch.close()
+            raise
         return StageSession(stage, ch, wire, self.metrics.shard_latency_ms.labels(sid),
-                            self.metrics.hop_overhead_ms.labels(sid))
+                            self.metrics.hop_overhead_ms.labels(sid), weights_format=fmt,
+                            kernel=kernel)
+
+    def _check_accept(self, stage: PipelineStage, entry: ModelEntry,
+                      params: DistributedChatParams, accepted: dict[str, Any]
+                      ) -> tuple[str, str]:
+        """The shard's ACCEPT against the call: (its held format, kernel), or a typed error.
+
+        The router picked the shard by its advertisement, which may be stale (a host
+        restarted with another format while its gossip link was down); the ACCEPT is what
+        the shard holds now, so a call is never served by a format it does not accept and
+        never reports the advertised one. A format the call refuses is `shard_unavailable`
+        (the router remembers it and picks another); other weights or another range than
+        asked for is `weights_mismatch`.
+        """
+        sid = stage.shard.shard_id
+        fmt = accepted.get("weights_format")
+        if not isinstance(fmt, str):
+            raise ShardUnavailable(f"{sid} did not state its weight format on accept",
+                                   shard_id=sid)
+        self.router.note_accept(stage.shard, fmt)
+        sha = accepted.get("weights_sha256", entry.weights_sha256)
+        rng = accepted.get("layers", [stage.start, stage.end])
+        if sha != entry.weights_sha256 or list(rng) != [stage.start, stage.end]:
+            raise WeightsMismatch(f"{sid} accepted a session of weights {str(sha)[:16]}… "
+                                  f"layers {rng}; the call asked for "
+                                  f"{entry.weights_sha256[:16]}… layers "
+                                  f"[{stage.start}, {stage.end}]", shard_id=sid)
+        allowed = self._formats(entry, params)
+        if fmt not in allowed:
+            raise ShardUnavailable(
+                f"{sid} holds {fmt} weights now (advertised {stage.shard.weights_format}); "
+                f"the call accepts {', '.join(sorted(allowed))} (params.weights)",
+                shard_id=sid)
+        return fmt, str(accepted.get("kernel") or "")
+
+    def _formats(self, entry: ModelEntry, params: DistributedChatParams) -> frozenset[str]:
+        """The held formats a call of `entry` with `params` accepts."""
+        own = resolve_format(self.local_weights, entry.dtype)
+        return frozenset(accepted_formats(params.weights, own, lossless_of(entry)))
 
     # ---- giving up (M26 §5.4) ----
 
@@ -391,8 +440,7 @@ class PipelineOrchestrator:
             if xs.count:
                 per_shard[st.shard_id] = {
                     "layers": [st.stage.start, st.stage.end], "steps": xs.count,
-                    "weights_format": st.stage.shard.weights_format,
-                    "kernel": st.stage.shard.kernel,
+                    "weights_format": st.weights_format, "kernel": st.kernel,
                     "p50_ms": round(xs.percentile(50), 3),
                     "p95_ms": round(xs.percentile(95), 3),
                     "overhead_p50_ms": round(ov.percentile(50), 3),
@@ -402,7 +450,7 @@ class PipelineOrchestrator:
                           pipeline=[s.shard_id for s in call.stages],
                           formats=call_formats(
                               self._own_format(call),
-                              [s.stage.shard.weights_format for s in call.stages],
+                              [s.weights_format for s in call.stages],
                               [s.wire for s in call.stages], call.params.weights,
                               call.lossless),
                           timings={"construction_ms": round(construct_ms, 1),

@@ -7,12 +7,18 @@ work starts.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from hearthnet.constants import DEFAULT_TIMEOUT_S
 from hearthnet.distributed_inference.directory.formats import DEFAULT_POLICY, check_policy
 from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.orchestrator.params import (
+    CALL_PARAMS,
+    check_params,
+    unknown_keys,
+)
 from hearthnet.distributed_inference.orchestrator.wire import check_wire_names
 from hearthnet.errors import BadRequest
 
@@ -52,32 +58,37 @@ class DistributedChatParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], defaults: DistributedChatParams) -> DistributedChatParams:
-        """Build from a request map; unknown keys or wrong types are `bad_request`."""
+        """Build from a request map over `defaults` (the node's); a parameter that is
+        unknown, of the wrong JSON type or out of range is a `bad_request` naming it (M26 §6).
+        """
         if not isinstance(d, dict):
-            raise BadRequest("params must be a map")
-        s = d.get("sampling", {})
-        if not isinstance(s, dict):
-            raise BadRequest("params.sampling must be a map")
-        known = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop"}
-        if set(s) - known:
-            raise BadRequest(f"unknown sampling keys {sorted(set(s) - known)}")
-        if not isinstance(s.get("stop", []), list):
-            raise BadRequest("params.sampling.stop must be a list of strings")
-        try:
-            sampling = SamplingParams(**{**s, "stop": tuple(s.get("stop", ()))})
-            out = cls(sampling=sampling,
-                      fallback_to_local=bool(d.get("fallback_to_local",
-                                                   defaults.fallback_to_local)),
-                      wire_dtype=str(d.get("wire_dtype", defaults.wire_dtype)),
-                      wire_wide_dtype=str(d.get("wire_wide_dtype", defaults.wire_wide_dtype)),
-                      max_shards=int(d.get("max_shards", defaults.max_shards)),
-                      timeout_s=float(d.get("timeout_s", defaults.timeout_s)),
-                      fallback_after_failures=int(d.get("fallback_after_failures",
-                                                        defaults.fallback_after_failures)),
-                      weights=check_policy(d.get("weights", defaults.weights)))
-        except (TypeError, ValueError) as e:
-            raise BadRequest(f"bad params: {e}") from e
+            raise BadRequest("params must be a map", param="params")
+        unknown = unknown_keys(d, CALL_PARAMS.keys() | {"sampling"})
+        if unknown:
+            raise BadRequest(f"unknown params {unknown[:8]}; known: sampling, "
+                             f"{', '.join(CALL_PARAMS)}", param="params")
+        given = check_params({k: v for k, v in d.items() if k != "sampling"},
+                             prefix="params.")
+        out = dataclasses.replace(defaults, sampling=_sampling(d.get("sampling")), **given)
         check_wire_names(out.wire_dtype, out.wire_wide_dtype)
-        if not 0.1 <= out.timeout_s <= 600:
-            raise BadRequest("timeout_s must be in 0.1..600")
+        check_policy(out.weights)
         return out
+
+
+def _sampling(s: Any) -> SamplingParams:
+    """``params.sampling``; `SamplingParams` checks each value's type and range."""
+    if s is None:
+        return SamplingParams()
+    if not isinstance(s, dict):
+        raise BadRequest("params.sampling must be a map", param="params.sampling")
+    known = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop"}
+    unknown = unknown_keys(s, known)
+    if unknown:
+        raise BadRequest(f"unknown sampling keys {unknown[:8]}", param="params.sampling")
+    if not isinstance(s.get("stop", []), list):
+        raise BadRequest("params.sampling.stop must be a list of strings",
+                         param="params.sampling.stop")
+    try:
+        return SamplingParams(**{**s, "stop": tuple(s.get("stop", ()))})
+    except TypeError as e:
+        raise BadRequest(f"bad params.sampling: {e}", param="params.sampling") from e

@@ -23,6 +23,10 @@ A host is **down** for placement when the node's `HostLiveness` says so (its lis
 refused ``host_probe_failures`` TCP probes in a row): a ``kill -9``ed host is noticed in
 seconds, long before its advertisements expire (4 × the health timeout). The same probe
 makes the router skip its shards and the status show them offline, on every node.
+
+Stopping (`stop`, the node's SIGTERM): from that moment no claim or load begins — checked
+before every claim and load, also in a step whose cancellation an inner await swallowed —
+and the loop ends within `STOP_GRACE_S`; a stopping node hosts nothing new.
 """
 
 from __future__ import annotations
@@ -32,15 +36,16 @@ import contextlib
 import math
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from hearthnet.background import cancel_and_wait
 from hearthnet.config import NodeConfig
-from hearthnet.distributed_inference.directory.formats import resolve_format
+from hearthnet.distributed_inference.directory.formats import default_held, resolve_format
 from hearthnet.distributed_inference.directory.liveness import HostLiveness
-from hearthnet.distributed_inference.directory.store import ShardStore
+from hearthnet.distributed_inference.directory.store import Advertisement, ShardStore
 from hearthnet.distributed_inference.engine.memory import (
     _layer_tensor_shapes,
     layer_weight_bytes,
@@ -73,6 +78,7 @@ from hearthnet.models.store import ModelEntry, ModelStore
 from hearthnet.observability import get_logger
 
 log = get_logger("distributed_inference.autohost")
+STOP_GRACE_S = 2.0  # how long `AutoHost.stop` waits for its tasks to end
 
 
 class HostedShard(Protocol):
@@ -138,9 +144,13 @@ class AutoHost:
     def __init__(self, cfg: NodeConfig, *, log_: EventLog, store: ShardStore,
                  models: ModelStore, host: ShardHost, view: PlacementView,
                  liveness: HostLiveness, rng: random.Random | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None,
+                 usable: Callable[[Advertisement, ModelEntry], bool] | None = None) -> None:
         """`executor`: where the speed probe computes — the node's compute thread, so the
-        process keeps one OpenMP team (node/threads.py); None: asyncio's default."""
+        process keeps one OpenMP team (node/threads.py); None: asyncio's default.
+        `usable`: whether a call may use an advertised shard (the node's
+        `shard_usable`: trust, liveness, format); a shard no call may use covers nothing.
+        None: every advertisement whose host is not probed down."""
         self.cfg, self.auto = cfg, cfg.di.auto
         self.executor = executor
         self.node_id = cfg.node.id
@@ -150,12 +160,15 @@ class AutoHost:
         self.format = cfg.di.host.weights or cfg.di.host.compute_dtype  # as the shards hold
         self.budget_mb = self.auto.memory_mb or cfg.di.host.shard_max_vram_mb
         self.liveness = liveness
+        self.usable = usable or (lambda ad, _e: not liveness.is_down(ad.descriptor.host))
         self.decisions: list[Decision] = []
         self._costs: dict[str, ModelCost] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._next_rebalance = 0.0
+        self.clock = time.monotonic  # the rebalance schedule's; tests replace it
         self.started = False
+        self.stopping = False  # set by `stop`: no claim or load begins after it
 
     # ---- lifecycle ----
 
@@ -164,12 +177,27 @@ class AutoHost:
         self.liveness.on_change(self._wake.set)  # a host went down or came back
         self._tasks = [asyncio.create_task(self._run(), name="autohost")]
 
-    async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop placing: once this is called no claim or load begins (a stopping node
+        hosts nothing new, DESIGN.md decision 14), even in a step whose cancellation an
+        inner await swallowed; cancel the loop and the drops, wait up to `grace_s`."""
+        self.stopping = True
+        self._wake.set()
+        stuck = await cancel_and_wait(self._tasks, grace_s)
+        if stuck:
+            log.warning("autohost_stop_stuck", tasks=[t.get_name() for t in stuck])
+
+    def _check_running(self) -> None:
+        """Raise `CancelledError` once stopping began or this task was asked to cancel.
+
+        Python 3.11's ``asyncio.wait_for`` (here or in a library) returns a result that
+        completes as the cancel arrives and drops the cancel; the task's ``cancelling()``
+        still counts it. Checked before each round and before every claim and load, so
+        such a step cannot go on to host after ``node_stopping``.
+        """
+        task = asyncio.current_task()
+        if self.stopping or (task is not None and task.cancelling()):
+            raise asyncio.CancelledError("automatic hosting is stopping")
 
     def _on_event(self, ev: Any) -> None:
         self._wake.set()
@@ -180,23 +208,25 @@ class AutoHost:
         self.started = True
         self._schedule_rebalance()
         while True:
+            self._check_running()
             self._wake.clear()
-            due = time.monotonic() >= self._next_rebalance
+            due = self.clock() >= self._next_rebalance
             try:
                 await self.step(rebalance=due)
             except HearthNetError as e:
                 log.warning("autohost_step_failed", code=e.code, error=e.message)
             except Exception:  # the loop must outlive a bug in one step
                 log.exception("autohost_step_crashed")
+            self._check_running()  # a cancel the step swallowed or turned into an error
             if due:
                 self._schedule_rebalance()
-            wait = max(0.05, self._next_rebalance - time.monotonic())
+            wait = max(0.05, self._next_rebalance - self.clock())
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
                     await self._wake.wait()
 
     def _schedule_rebalance(self) -> None:
-        self._next_rebalance = time.monotonic() + self.auto.rebalance_interval_s * \
+        self._next_rebalance = self.clock() + self.auto.rebalance_interval_s * \
             self.rng.uniform(0.5, 1.5)
 
     # ---- costs ----
@@ -212,7 +242,9 @@ class AutoHost:
         """Bytes per layer in the held format and this host's speed (measured once)."""
         got = self._costs.get(entry.model_id)
         if got is None:
-            fmt = resolve_format(self.format, entry.dtype)  # `native`: the stored dtype
+            # as `_host_shard` will hold it (`native`: the stored dtype)
+            fmt = resolve_format(self.cfg.di.host.weights or default_held(
+                self.cfg.di.host.compute_dtype, entry.q4_blocks), entry.dtype)
             params = layer_params(entry)
             speed = self.auto.speed or await asyncio.get_running_loop().run_in_executor(
                 self.executor, lambda: measure_speed(params, entry.hidden_size,
@@ -256,10 +288,12 @@ class AutoHost:
         return out
 
     def _hosted_ranges(self, entry: ModelEntry) -> set[tuple[str, int, int]]:
-        """(host, lo, hi) of every live, reachable host of `entry`, ours included."""
+        """(host, lo, hi) of every live host of `entry` a call may use, ours included: a
+        host below the routing trust, probed down or holding a format calls refuse covers
+        nothing (M26 §5.3)."""
         out = {(ad.descriptor.host, ad.descriptor.lo, ad.descriptor.hi)
                for ad in self.store.candidates(entry.model_id, entry.weights_sha256)
-               if not self.liveness.is_down(ad.descriptor.host)}
+               if self.usable(ad, entry)}
         # ours count at once, before our advertisement comes back
         return out | {(self.node_id, s.lo, s.hi) for s in self._mine(entry)}
 
@@ -322,6 +356,7 @@ class AutoHost:
         for attempt in range(3):
             if reason != "initial" or attempt:  # hosts woken by the same news: spread out
                 await asyncio.sleep(self.rng.uniform(0, self.auto.start_jitter_s))
+            self._check_running()
             cov = coverage(entry.num_layers, self.spans(entry))
             lo = best_start(cov, length)
             hi = lo + length - 1
@@ -337,6 +372,7 @@ class AutoHost:
                              reason: str, detail: str) -> bool:
         """Claim ``lo..hi``, wait ``settle_s``, keep it unless an earlier claim wins."""
         max_layers = self._max_layers(entry, cost)
+        self._check_running()
         ev = self.events.append(CLAIM, claim_payload(
             model_id=entry.model_id, weights_sha256=entry.weights_sha256, lo=lo, hi=hi,
             speed=cost.speed, max_layers=max_layers, reason=reason, detail=detail))
@@ -363,6 +399,7 @@ class AutoHost:
 
     async def _load(self, entry: ModelEntry, cost: ModelCost, lo: int, hi: int, reason: str,
                     detail: str) -> HostedShard:
+        self._check_running()  # the claim's settle time may have seen the stop begin
         info = placement_info(model_id=entry.model_id, speed=cost.speed,
                               max_layers=self._max_layers(entry, cost), reason=reason,
                               detail=detail)
@@ -391,6 +428,7 @@ class AutoHost:
             # the next round (a lost range elsewhere), so it runs on its own
             note = (f"{reason}: withdrawn after {move.new_lo}-{move.new_hi} was up, freed "
                     "once its open sessions ended")
+            self._tasks = [t for t in self._tasks if not t.done()]
             self._tasks.append(asyncio.create_task(self._drop(entry, s, reason, note),
                                                    name="autohost-drop"))
             return

@@ -70,6 +70,8 @@ from hearthnet.stats import LatencyWindow
 from hearthnet.transport.codec import WireDtype, cast_to_wire
 
 log = get_logger("shard")
+FAIR_SHARE_WINDOW_S = 300.0  # another member's open in this window makes shares fair
+
 
 @dataclass(frozen=True)
 class ShardSettings:
@@ -88,6 +90,7 @@ class ShardSettings:
     cuda_graphs: bool = True
     compile_decode: bool = False  # CPU decode steps compiled (engine/compiled.py)
     compile_dir: Path | None = None  # where compiled steps are saved and loaded from
+    incarnation: str = ""  # the host process's boot id (ShardDescriptor.incarnation)
     batch_window_ms: float = 2.0  # DESIGN.md decision 12: wait this long for other sessions' steps
     mixed_prefill_tokens: int = 32  # mixed rounds: prefill positions a decode round packs
 
@@ -169,6 +172,7 @@ class ShardServer:
         self.last_used = clock()
         self._latencies = LatencyWindow(256)
         self._streams: dict[ShardStream, str] = {}  # open session streams -> their caller
+        self._callers_seen: dict[str, float] = {}  # member -> its last open (fair shares)
         self._good_stats = entry.manifest_stats()  # weights files as last verified
         self.batcher: RoundBatcher[StepJob, torch.Tensor] = RoundBatcher(
             self._run_steps, executor, window_s=settings.batch_window_ms / 1000,
@@ -228,7 +232,8 @@ class ShardServer:
             device=self.device.type,
             device_name=str(info.get("name", ""))[:128],
             device_memory_mb=int(info.get("total_mb", 0)),
-            kernel=kernel_of(self.weights_format, bool(self.entry.ggml_types)))
+            kernel=kernel_of(self.weights_format, bool(self.entry.ggml_types)),
+            incarnation=self.settings.incarnation)
 
     def decode_state(self) -> str | None:
         """What this shard's decode steps run as (compiled, compiling, eager and why);
@@ -283,6 +288,20 @@ class ShardServer:
                            p95_latency_ms=self.p95_ms(), queue_depth=self.queue_depth,
                            active_sessions=self.active)
 
+    def caller_share(self, caller: str) -> int:
+        """How many of this shard's streams `caller` may hold (M26 §5.6, §5.9): all of them
+        while no other member asked for one lately, else all but a quarter (at least one),
+        so one member's burst of chats cannot starve the others — a member refused busy
+        counts as asking, and gets a slot as soon as one of the burst's sessions ends."""
+        total = self.settings.max_concurrent_streams
+        since = self.clock() - FAIR_SHARE_WINDOW_S
+        for c, t in list(self._callers_seen.items()):
+            if t < since:
+                del self._callers_seen[c]
+        if total < 2 or not any(c != caller for c in self._callers_seen):
+            return total
+        return total - max(1, total // 4)
+
     def p95_ms(self) -> float:
         """The p95 of this shard's last 256 forward times (0.0 before any)."""
         return self._latencies.percentile(95)
@@ -312,10 +331,17 @@ class ShardServer:
         wire = params.get("wire_dtype", "fp16")
         if wire not in WIRE_DTYPES:
             raise BadRequest(f"wire_dtype must be one of {list(WIRE_DTYPES)}")
+        self._callers_seen[caller] = self.clock()
         if self.active >= self.settings.max_concurrent_streams:
             raise ShardUnavailable(f"shard {self.shard_id} is at max_concurrent_streams "
                                    f"({self.settings.max_concurrent_streams}); pick another "
                                    f"or wait", busy=True)  # busy, not gone
+        share = self.caller_share(caller)
+        if sum(c == caller for c in self._streams.values()) >= share:
+            raise ShardUnavailable(f"shard {self.shard_id}: {caller} holds its fair share "
+                                   f"({share} of {self.settings.max_concurrent_streams} "
+                                   f"streams) while other members use it; pick another or "
+                                   f"wait", busy=True)
         return OpenRequest(self.shard_id, start, end, max_len, str(wire), caller)
 
     async def serve_session(self, stream: ShardStream, req: OpenRequest) -> None:
@@ -328,7 +354,11 @@ class ShardServer:
             stack = await self._ensure_loaded()
             session = stack.open_session(req.start, req.end, req.max_length)  # budget: M26 §5.6
             stream.limit_tensor_bytes(self.session_tensor_bytes(req))
+            # what this session really runs on (M26 §5.9): the orchestrator checks it
+            # against the call, not the advertisement it picked us by
             await stream.accept({"shard_id": self.shard_id, "hidden_size": stack.hidden_size,
+                                 "weights_sha256": self.entry.weights_sha256,
+                                 "layers": [req.start, req.end],
                                  "weights_format": self.weights_format,
                                  "kernel": self.descriptor.kernel,
                                  "compute_dtype": str(stack.dtype).removeprefix("torch."),
