@@ -73,9 +73,11 @@ POLL_S = 0.1  # status polls while waiting on state
 FLOOD_STREAMS = 2  # every host's max_concurrent_streams in `flood`: the flood fills them
 FLOOD_STEP_TIMEOUT_S = 30.0  # `flood` calls wait for busy slots this long (the default)
 
-# hosts hold fp32 (the default, lossless) and compile no decode step: a compile takes 30-70 s
-# of both cores, and the chaos figures are about faults, not speed
-_HOST = {"compile_decode": False}
+# hosts hold fp32 whatever the store keeps (a GGUF's Q4 blocks would be held as int4 by
+# default, whose kernel rounds activations): the reference answer and node-a's local
+# fallback are fp32, so any difference is a fault's doing. No decode step is compiled: a
+# compile takes 30-70 s of both cores, and the chaos figures are about faults, not speed
+_HOST = {"weights": "fp32", "compile_decode": False}
 # a pure host orchestrates nothing here: no head loaded at start (less memory, faster start)
 _HOST_DI = {"prepare_heads_at_start": False}
 
@@ -663,12 +665,15 @@ async def _int8(r: Run) -> None:
 
 
 def set_host_weights(config: Path, fmt: str) -> None:
-    """Make the node of `config` hold its layers as `fmt` from its next start."""
+    """Make the node of `config` hold its layers as `fmt` from its next start (its
+    ``[research.distributed_inference.host] weights``)."""
     header = "[research.distributed_inference.host]"
-    text = config.read_text()
-    if header not in text:
+    head, sep, rest = config.read_text().partition(header + "\n")
+    if not sep:
         raise Skip(f"{config.name} has no {header} table to set the weights in")
-    config.write_text(text.replace(header, f'{header}\nweights = "{fmt}"', 1))
+    table_, nxt, tail = rest.partition("\n[")  # the host table ends at the next table
+    lines = [ln for ln in table_.split("\n") if not ln.startswith("weights =")]
+    config.write_text(head + sep + f'weights = "{fmt}"\n' + "\n".join(lines) + nxt + tail)
 
 
 async def _partition(r: Run) -> None:

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "nodes": {s.node_id: [list(r) for r in s.shards] for s in specs},
         "settings": {"node_torch_threads": args.node_threads, "wire_dtype": args.wire,
                      "sampling": "greedy", "prompt": args.prompt, "signal": "SIGKILL",
-                     "victim": "the node serving the last stage in the unfaulted run"}}
+                     "victim": "the node serving the faulted call's last stage when it is killed"}}
     root = Path(tempfile.mkdtemp(prefix="hearthnet-bench-"))
     try:
         with LocalMesh(specs, root=root, model=args.model, threads=args.node_threads) as mesh:
@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 async def _stream(uri: str, a: argparse.Namespace, on_token: Any = None
                   ) -> tuple[list[tuple[float, dict[str, Any]]], float]:
-    """One chat; (frames with their arrival times, start time). `on_token(n)` after each."""
+    """One chat; (frames with their arrival times, start time). `on_token(n, frames)` after
+    each token, with the frames so far."""
     from hearthnet.distributed_inference.engine.sampling import SamplingParams
     from hearthnet.mesh.bus import bus_call
     from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
@@ -98,7 +99,7 @@ async def _stream(uri: str, a: argparse.Namespace, on_token: Any = None
         if f.get("type") == "token_delta":
             n += 1
             if on_token is not None:
-                on_token(n)
+                on_token(n, out)
     return out, t0
 
 
@@ -125,21 +126,26 @@ async def _one(mesh: Any, uri: str, a: argparse.Namespace) -> dict[str, Any]:
     done = base[-1][1]
     if done.get("type") != "done":
         raise HearthNetError(f"the unfaulted chat did not finish: {done}")
-    last_sid = str(done["pipeline"][-1])
-    victim = last_sid.rsplit("@", 1)[-1]
-    if victim not in mesh.nodes:
-        raise HearthNetError(f"cannot tell which node serves {last_sid}")
-    kill = {"t": 0.0, "pid": 0}
+    kill: dict[str, Any] = {"t": 0.0, "pid": 0, "sid": ""}
 
-    def on_token(n: int) -> None:
+    def on_token(n: int, frames: list[tuple[float, dict[str, Any]]]) -> None:
+        # the faulted call's own last stage: with a spare of the same range the router
+        # may pick another host than in the unfaulted call
         if n == a.kill_after:
-            kill["pid"] = mesh.nodes[victim].proc.pid
-            kill["t"] = time.perf_counter()
-            mesh.kill(victim)
+            stages = [f for _, f in frames if f.get("type") == "shard_status"
+                      and f.get("status") == "ok"]
+            sid = str(max(stages, key=lambda f: f["layers"][0])["shard_id"])
+            node = sid.rsplit("@", 1)[-1]
+            if node not in mesh.nodes:
+                raise HearthNetError(f"cannot tell which node serves {sid}")
+            kill.update(pid=mesh.nodes[node].proc.pid, t=time.perf_counter(), sid=sid)
+            mesh.kill(node)
 
     faulted, f0 = await _stream(uri, a, on_token)
     if not kill["t"]:
         raise HearthNetError("the chat ended before the kill")
+    last_sid = str(kill["sid"])
+    victim = last_sid.rsplit("@", 1)[-1]
     gaps = [t2 - t1 for (t1, f1), (t2, f2) in itertools.pairwise(base)
             if f1.get("type") == f2.get("type") == "token_delta"]
     kinds = [f.get("type") for _, f in faulted]

@@ -32,8 +32,9 @@ def test_gguf_imports_to_bf16_tensor_by_tensor_as_transformers_converts(tmp_path
 
     monkeypatch.setattr(gguf_mod.GgufPlan, "__init__", counted)
     importer._gguf_plan.cache_clear()
-    total = importer.gguf_plan_bytes(gguf)  # what `models import` shows as the bar's total
-    e = import_gguf(store, gguf, alias="s", progress=seen.append)
+    # what `models import --dtype bf16` shows as the bar's total (the default keeps blocks)
+    total = importer.gguf_plan_bytes(gguf, "bf16")
+    e = import_gguf(store, gguf, alias="s", dtype="bf16", progress=seen.append)
     assert builds == [gguf]  # the GGUF's metadata was read and mapped once, not per step
     assert e.dtype == "bfloat16" and e.num_layers == 30 and not e.synthetic
     f = e.path / "model.safetensors"

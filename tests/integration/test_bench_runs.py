@@ -1,0 +1,117 @@
+"""`hearthnet bench local|pipeline|reach|failover` as a user runs them.
+
+Each test runs the real command as a subprocess: real node processes on 127.0.0.1, the
+real model. No timing is asserted — only that the figures exist, are consistent, and that
+no process is left behind. (The demo's own tests are in test_demo_bench.py; two files, so
+that two pytest workers run them side by side.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from hearthnet.distributed_inference.engine.quant import INT8_KERNEL
+from tests.helpers.processes import alive
+
+CLI = [sys.executable, "-m", "hearthnet.cli"]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+
+# ---- benchmarks --------------------------------------------------------------------------
+
+
+def _bench(args: list[str], out_dir: Path) -> dict:
+    r = subprocess.run([*CLI, "bench", *args, "--json", "--results-dir", str(out_dir)],
+                       capture_output=True, text=True, timeout=900, env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    figures = json.loads(r.stdout)
+    saved = json.loads(Path(figures["results_file"]).read_text())
+    assert saved == {k: v for k, v in figures.items() if k != "results_file"}
+    return figures
+
+
+def test_bench_local_refuses_an_unknown_model_in_one_line(smollm2, tmp_path):
+    r = subprocess.run([*CLI, "bench", "local", "--model", "nosuch", "--results-dir",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0 and "unknown model 'nosuch'" in r.stderr
+
+
+def test_bench_local_measures_each_part_in_its_own_process(smollm2, tmp_path):
+    f = _bench(["local", "--model", "smollm2", "--tokens", "8", "--runs", "2",
+                "--against", "int8"], tmp_path)
+    assert f["prefill_ms"] > 0 and f["decode_tokens_per_s"] > 0
+    assert len(f["runs_detail"]["decode_tokens_per_s"]) == 2
+    mem = f["memory_mb"]
+    assert set(mem) == {"full", "layers_0_14", "layers_15_29", "head", "runtime"}
+    pids = {p["pid"] for p in f["parts"].values()}
+    assert len(pids) == 5 and os.getpid() not in pids  # five fresh processes
+    # --against: the whole model once more, int8, in a sixth process (issue 12's ratio)
+    a = f["against"]
+    assert a["weights"] == "int8" and len(a["runs_detail"]) == 2
+    assert a["param_mb"] < f["parts"]["full"]["param_mb"] / 3  # int8 against fp32 weights
+    assert f["decode_speedup"] == round(f["decode_tokens_per_s"] / a["decode_tokens_per_s"], 2)
+    assert f["goals"] == {} and f["goals_source"] == ""  # no issue set one for SmolLM2
+    peak = {k: v["peak_rss_mb"] for k, v in mem.items()}
+    # a half holds half the layers and no head: less than the whole; all more than bare
+    assert peak["runtime"] < peak["layers_0_14"] < peak["full"]
+    assert peak["runtime"] < peak["layers_15_29"] < peak["full"]
+    assert peak["runtime"] < peak["head"] < peak["full"]
+    assert f["parts"]["lower"]["param_mb"] == f["parts"]["upper"]["param_mb"]
+
+
+def test_bench_pipeline_three_shards(smollm2, tmp_path):
+    f = _bench(["pipeline", "--shards", "3", "--tokens", "12", "--runs", "1",
+                "--concurrency", "1", "2"], tmp_path)
+    assert f["layer_split"] == [[0, 9], [10, 19], [20, 29]]
+    assert f["settings"]["node_torch_threads"] == 1
+    d = f["distributed"]
+    assert [s.rsplit("@", 1)[1] for s in d["pipeline"]] == ["node-b", "node-c", "node-d"]
+    assert d["tokens_per_second"] > 0 and d["ratio_to_local"] > 0
+    assert len(d["hops"]["stages"]) == 3 and d["construction_ms"] > 0
+    assert f["tokens_match_local"]["fp32"]  # fp32 wire is exact (test_mesh_chat)
+    assert [c["concurrency"] for c in f["concurrency"]] == [1, 2]
+    assert all(c["aggregate_tokens_per_second"] > 0 for c in f["concurrency"])
+    two = f["concurrency"][1]  # issue 16: latency, batch sizes and agreement per level
+    assert two["inter_token_ms_p95"] >= two["inter_token_ms_p50"] > 0
+    assert two["agreement"]["chats"] == 2 and len(two["shard_batches"]) == 3
+    assert two["local_fallbacks"] == 0  # issue 16 §2: every chat through the shards
+    assert all(s["batches"] > 0 for s in two["shard_batches"].values())
+    assert set(f["goals"]) == {"ratio_to_best_local", "first_token_ms", "construction_ms",
+                               "overhead_p95_ms"}
+
+
+def test_bench_reach_splits_the_model_and_matches_the_local_engine(smollm2, tmp_path):
+    f = _bench(["reach", "--model", "smollm2", "--weights", "int8", "--tokens", "6"], tmp_path)
+    assert f["layer_split"] == [[0, 14], [15, 29]] and f["whole_model_mb"] > 0
+    assert {n: v["layers"] for n, v in f["nodes"].items()} == {
+        "node-a": [], "node-b": [[0, 14]], "node-c": [[15, 29]]}
+    assert all(v["peak_rss_mb"] > 0 for v in f["nodes"].values())
+    assert f["distributed"]["formats"] == {
+        "head": "int8", "stages": ["int8", "int8"], "wire": ["fp32", "fp32"],
+        "policy": "int8", "lossless": False}
+    # each node names the int8 kernel it chose (the same probe as this process's)
+    assert list(f["distributed"]["kernels"].values()) == [INT8_KERNEL] * 2
+    assert len(f["distributed"]["token_ids"]) == 6 and f["distributed"]["tokens_per_second"] > 0
+    assert f["local"]["peak_rss_mb"] > 0 and f["tokens_identical_to_local"]
+    assert f["every_shard_under_half_one_process"] == (
+        f["max_shard_peak_rss_mb"] < f["local"]["peak_rss_mb"] / 2)
+
+
+def test_bench_failover_kills_the_last_stage_and_keeps_the_answer(smollm2, tmp_path):
+    f = _bench(["failover", "--tokens", "24", "--kill-after", "6"], tmp_path)
+    (r,) = f["runs_detail"]
+    assert r["victim"] in ("node-c", "node-d") and r["victim_exit"] == -signal.SIGKILL
+    assert not alive(r["victim_pid"])
+    assert r["frames"].get("shard_failover") == 1 and not r["fallback_to_local"]
+    assert r["pipeline_after"][-1] != r["victim_shard"]
+    assert r["kill_to_next_token_ms"] is not None and r["completion_tokens"] == 24
+    assert f["tokens_identical"]
