@@ -57,13 +57,15 @@ TINY_QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hid
 """A tiny Qwen2 config.json for `write_synthetic` (models written in bf16, as `synth` does)."""
 
 def tiny_config(family: str, *, layers: int = 6, vocab_size: int = 49152,
-                head_dim: int = 16, max_positions: int = 256) -> Any:
+                head_dim: int = 16, max_positions: int = 2048) -> Any:
     """The scaled-down transformers config of `family`."""
     from transformers import AutoConfig
 
     kw = dict(FAMILIES[family])
     model_type = kw.pop("model_type")
     kw.setdefault("tie_word_embeddings", family != "qwen3")
+    # 2,048 positions: room for prompts past 1,000 tokens (the wire was found wanting
+    # on a real Gemma-3 at token 7 of a 1,006-token prompt)
     kw.setdefault("max_position_embeddings", max_positions)
     if "layer_types" in kw:
         kw["layer_types"] = (kw["layer_types"] * layers)[:layers]
@@ -79,7 +81,7 @@ OVERFLOW_GAIN = 40000.0
 
 def make_tiny_model(family: str, out: Path, tokenizer_from: Path, *, layers: int = 6,
                     seed: int = 0, overflow_from: int | None = None, head_dim: int = 16,
-                    vocab_size: int = 49152, max_positions: int = 256) -> Path:
+                    vocab_size: int = 49152, max_positions: int = 2048) -> Path:
     """A `family` model with random weights and SmolLM2's tokenizer, written to `out`.
 
     `overflow_from` (Gemma families): layer whose post-feed-forward norm gets a gain of
@@ -114,13 +116,12 @@ OVERFLOW_ALIAS = "gemma-overflow"
 
 def overflow_model(store: Any, root: Path, tokenizer_from: Path) -> Any:
     """The Gemma-3-like model whose residual stream passes 65,504 from layer 2 on, in
-    `store` (imported once per store); 2,048 positions, for prompts past 1,000 tokens as
-    a real Gemma-3's wire was found wanting on."""
+    `store` (imported once per store)."""
     from hearthnet.models.importer import import_folder
 
     found = store.find(OVERFLOW_ALIAS)
     if found is not None:
         return found
     src = make_tiny_model("gemma3", root / OVERFLOW_ALIAS, tokenizer_from, seed=2,
-                          overflow_from=2, max_positions=2048)
+                          overflow_from=2)
     return import_folder(store, src, alias=OVERFLOW_ALIAS)
