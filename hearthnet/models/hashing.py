@@ -37,6 +37,11 @@ GGML_METADATA = "hearthnet.ggml"
 {"type": GGML type name, "shape": logical shape}}, for each tensor stored as U8 blocks."""
 
 
+Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+"""The GGML block types held exactly as int4 groups of 32 (engine/blocks.py): torch-free
+here, for the store's `ModelEntry.q4_blocks`."""
+
+
 def ggml_tensors(metadata: dict[str, str] | None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (GGML type, logical shape)} from a safetensors file's `__metadata__`."""
     raw = (metadata or {}).get(GGML_METADATA)

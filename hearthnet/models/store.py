@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from hearthnet.errors import ModelNotFound, WeightsMismatch
 from hearthnet.models.hashing import (
+    Q4_TYPES,
     file_sha256,
     ggml_tensors,
     read_safetensors_header,
@@ -59,7 +60,6 @@ IMPORTING = ".importing"  # suffix of a folder being written (renamed when compl
 def _q4_layers(folder: Path, weights_sha256: str) -> bool:
     """Whether every 2-D layer tensor of the store is a GGUF Q4_0/Q4_1/Q4_K block tensor
     (headers only; once per weights hash: a store's tensors never change under it)."""
-    q4 = ("Q4_0", "Q4_1", "Q4_K")  # engine/blocks.Q4_TYPES, without importing torch
     seen = False
     for f in sorted(folder.glob("*.safetensors")):
         header, _, meta = read_safetensors_header_and_metadata(f)
@@ -69,7 +69,7 @@ def _q4_layers(folder: Path, weights_sha256: str) -> bool:
                 continue
             if name in blocks:
                 seen = True
-                if blocks[name][0] not in q4:
+                if blocks[name][0] not in Q4_TYPES:
                     return False
             elif len(rec.get("shape", ())) == 2:  # type: ignore[arg-type]
                 return False  # a float matrix: int4 would quantise it

@@ -54,10 +54,8 @@ from hearthnet.distributed_inference.directory.descriptors import (
     withdrawal_payload,
 )
 from hearthnet.distributed_inference.directory.formats import (
-    accepted_formats,
     default_held,
-    lossless_of,
-    resolve_format,
+    formats_for,
 )
 from hearthnet.distributed_inference.directory.health import ShardHealthTracker
 from hearthnet.distributed_inference.directory.liveness import HostLiveness
@@ -588,8 +586,7 @@ class Node:
     def default_formats(self, e: ModelEntry) -> frozenset[str]:
         """The shard formats a call of `e` accepts under this node's default policy
         (`[research.distributed_inference] weights`)."""
-        own = resolve_format(self.cfg.di.head_weights, e.dtype)
-        return frozenset(accepted_formats(self.cfg.di.weights, own, lossless_of(e)))
+        return formats_for(self.cfg.di.weights, self.cfg.di.head_weights, e)
 
     def shard_usable(self, ad: Advertisement, e: ModelEntry) -> bool:
         """Whether a default call of `e` from this node may use `ad`'s shard: the router's

@@ -118,6 +118,13 @@ def accepted_formats(policy: str, own: str,
     return [f for f in HELD_FORMATS if accepts(policy, f, own, lossless)]
 
 
+def formats_for(policy: str, own_weights: str, entry: Any) -> frozenset[str]:
+    """The held formats a call of `entry` (a `ModelEntry`) with `policy` accepts, from an
+    orchestrator holding `own_weights` (`native`: the entry's stored dtype, for `exact`)."""
+    own = resolve_format(own_weights, entry.dtype)
+    return frozenset(accepted_formats(policy, own, lossless_of(entry)))
+
+
 def call_formats(head: str, stages: list[str], wires: list[str], policy: str | None,
                  lossless: frozenset[str]) -> dict[str, object]:
     """The `formats` of a call's `done` frame: what served it and whether anything in it

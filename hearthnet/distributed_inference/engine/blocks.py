@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 import torch
 
-Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # held exactly as int4 groups of 32
 GROUP = 32  # inputs per int4 group: a Q4_0/Q4_1 block, a Q4_K sub-block
 
 

@@ -247,8 +247,7 @@ class CompiledDecode:
                                  f"{error:.2e} (relative; allowed {limit:.0e})")
                 return
         except Exception as e:  # any compile failure: the range runs eagerly, said why
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            self._eager(key, f"compilation failed: {type(e).__name__}: {first}")
+            self._eager(key, f"compilation failed: {_named(e)}")
             return
         seconds = time.perf_counter() - t0
         self.seconds[key] = seconds
@@ -279,8 +278,7 @@ class CompiledDecode:
                     fn = torch.compiler.load_compiled_function(f, f_globals=globals())
                 return fn, "loaded"
             except Exception as e:  # a stale or torn file: compile afresh, and say so
-                first = (str(e).strip().splitlines() or [""])[0][:200]
-                note = f" (the saved step did not load: {type(e).__name__}: {first})"
+                note = f" (the saved step did not load: {_named(e)})"
                 log.info("decode_step_reload_failed", path=str(path), error=note[2:-1])
                 path.unlink(missing_ok=True)
         session = self.stack.open_session(start, end, CAPACITY_QUANTUM)
@@ -293,6 +291,11 @@ class CompiledDecode:
             fn.save_compiled_function(str(path))  # torch writes a temporary, then renames
         compiled: Callable[..., torch.Tensor] = fn
         return compiled, "compiled" + note
+
+
+def _named(e: BaseException) -> str:
+    """`Type: first line of its message` (≤ 200 characters): one line for status and logs."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
 def _aot_compile(session: LayeredSession, kv_len: int) -> Any:

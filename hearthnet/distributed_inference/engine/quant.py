@@ -69,9 +69,10 @@ import torch
 from torch import nn
 
 from hearthnet.distributed_inference.directory.formats import STORED
-from hearthnet.distributed_inference.engine.blocks import GROUP, Q4_TYPES, GgmlBlocks, int4_groups
+from hearthnet.distributed_inference.engine.blocks import GROUP, GgmlBlocks, int4_groups
 from hearthnet.dtypes import FLOAT_DTYPES
 from hearthnet.errors import BadRequest, ConfigError, WeightsMismatch
+from hearthnet.models.hashing import Q4_TYPES  # held exactly as int4 groups of 32
 
 INT4_GROUPS = (64, 32)  # the largest that divides a matrix's input size: finer groups
 # than gpt-fast's default 128 round less (llama.cpp's Q4 blocks are 32) for ~6 % more bytes

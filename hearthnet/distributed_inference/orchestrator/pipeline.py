@@ -25,10 +25,9 @@ from typing import Any
 
 from hearthnet.distributed_inference.directory.descriptors import PipelineStage
 from hearthnet.distributed_inference.directory.formats import (
-    accepted_formats,
     call_formats,
+    formats_for,
     lossless_of,
-    resolve_format,
 )
 from hearthnet.distributed_inference.directory.health import ShardHealthTracker
 from hearthnet.distributed_inference.directory.routing import ShardRouter
@@ -369,8 +368,7 @@ class PipelineOrchestrator:
 
     def _formats(self, entry: ModelEntry, params: DistributedChatParams) -> frozenset[str]:
         """The held formats a call of `entry` with `params` accepts."""
-        own = resolve_format(self.local_weights, entry.dtype)
-        return frozenset(accepted_formats(params.weights, own, lossless_of(entry)))
+        return formats_for(params.weights, self.local_weights, entry)
 
     # ---- giving up (M26 §5.4) ----
 
