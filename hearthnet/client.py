@@ -102,7 +102,8 @@ class HearthNetClient:
 
         `messages` is a list of ``{"role", "content"}`` or one user prompt. `params` are
         the spec's call parameters (``fallback_to_local``, ``wire_dtype``, ``timeout_s``,
-        ``max_shards``, ``weights``: which shard formats the call accepts, DESIGN.md decision 10).
+        ``max_shards``, ``weights``: which shard formats the call accepts, DESIGN.md decision 10;
+        ``speculate``: ``lookup``, ``draft`` or ``off``, DESIGN.md decision 16).
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]

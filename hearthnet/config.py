@@ -242,6 +242,13 @@ class DistributedInferenceSection(_Section):
     mixed_prefill_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 32
     # DESIGN.md decision 11: the orchestrator's head (embeddings, norm, lm_head) and local fallback
     head_device: DeviceSpec = "auto"
+    # DESIGN.md decision 16: the default proposer of a call (its `speculate` param): lookup
+    # (prompt lookup, no model), draft (the model's draft model below) or off; at most
+    # speculate_max_tokens proposals per pass
+    speculate: Literal["lookup", "draft", "off"] = "lookup"
+    speculate_max_tokens: Annotated[int, Field(ge=1, le=32)] = 8
+    # a model's draft model, by alias: `"qwen2.5-7b" = "qwen2.5-0.5b"` (same tokenizer)
+    draft_models: dict[str, str] = Field(default_factory=dict)
     host: HostSection = Field(default_factory=HostSection)
     auto: AutoSection = Field(default_factory=AutoSection)
 

@@ -232,7 +232,8 @@ class Done(_Wire):
     ``first_token_ms``, ``tokens_per_second`` and ``total_ms`` (plus construction, failover
     and per-shard figures after a pipeline); `pipeline` the shard ids that served the end
     of the call (``["local"]`` after a fallback). `failovers` is counted by the pipeline
-    path; `fallback` is true when the local engine finished the answer.
+    path; `fallback` is true when the local engine finished the answer; `speculative` says
+    how many proposed tokens the answer's passes verified and accepted.
     """
 
     TYPE: ClassVar[str] = "done"
@@ -243,6 +244,9 @@ class Done(_Wire):
     formats: dict[str, Any] | None = field(default=None, metadata=_wire(_map))
     failovers: int | None = field(default=None, metadata=_wire(_int))
     fallback: bool = field(default=False, metadata=_wire(_bool))
+    # proposals verified (DESIGN.md decision 16): mode, passes, proposed, accepted,
+    # tokens_per_pass; None when the call did not speculate
+    speculative: dict[str, Any] | None = field(default=None, metadata=_wire(_map))
 
     @property
     def text_tokens(self) -> int:

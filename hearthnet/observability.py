@@ -85,6 +85,17 @@ class Metrics:
             "shard accepted with", ["weights_format", "lossless"], registry=r)
         self.tokens_generated_total = Counter(
             p + "tokens_generated_total", "Tokens streamed to callers", registry=r)
+        # speculative passes (DESIGN.md decision 16): per model and proposer; a model's
+        # acceptance is accepted / proposed
+        self.speculative_proposed_total = Counter(
+            "hearthnet_speculative_proposed_total", "Tokens proposed for verification",
+            ["model", "mode"], registry=r)
+        self.speculative_accepted_total = Counter(
+            "hearthnet_speculative_accepted_total", "Proposed tokens the model agreed with",
+            ["model", "mode"], registry=r)
+        self.speculative_passes_total = Counter(
+            "hearthnet_speculative_passes_total", "Decode passes of speculating calls "
+            "(tokens streamed per pass = 1 + accepted / passes)", ["model", "mode"], registry=r)
         # shard host side (M26 §5.10)
         self.shard_forward_ms = Histogram(
             p + "shard_forward_ms", "Compute time of one forward on a hosted shard (ms)",

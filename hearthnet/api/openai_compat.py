@@ -216,11 +216,13 @@ def _flag(body: dict[str, Any], key: str, name: str | None = None) -> bool:
 
 def _extension(v: Any) -> dict[str, Any]:
     """The request's own ``hearthnet`` field: wire_dtype, fallback_to_local, timeout_s,
-    max_shards, weights (the shard formats the call accepts, DESIGN.md decision 10), each
-    of the spec's JSON type and range (`params.CALL_PARAMS`)."""
+    max_shards, weights (the shard formats the call accepts, DESIGN.md decision 10),
+    speculate (lookup | draft | off, DESIGN.md decision 16), each of the spec's JSON type and
+    range (`params.CALL_PARAMS`)."""
     if v is None:
         return {}
-    allowed = {"wire_dtype", "fallback_to_local", "timeout_s", "max_shards", "weights"}
+    allowed = {"wire_dtype", "fallback_to_local", "timeout_s", "max_shards", "weights",
+               "speculate"}
     if not isinstance(v, dict) or unknown_keys(v, allowed):
         raise BadRequest(f"hearthnet must be an object with keys from {sorted(allowed)}",
                          param="hearthnet")
@@ -304,12 +306,12 @@ class CompletionBuilder:
         d = self.done
         if d is None:
             return {"pipeline": [], "failovers": 0, "fallback": False, "timings": {},
-                    "formats": {}, "events": self.events}
+                    "formats": {}, "speculative": None, "events": self.events}
         # the formats that served the call, and whether all were lossless: a compact
         # format's answer must never read as an exact one (DESIGN.md decision 10)
         return {"pipeline": list(d.pipeline), "failovers": d.failovers or 0,
                 "fallback": d.fallback, "timings": d.timings, "formats": d.formats or {},
-                "events": self.events}
+                "speculative": d.speculative, "events": self.events}
 
     def last_chunk(self) -> Json:
         chunk = self._chunk({}, self.finish_reason)

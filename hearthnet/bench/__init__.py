@@ -123,9 +123,12 @@ def pid_memory(pid: int | str) -> dict[str, float]:
 
 
 def single_model_dir(entry: Any, root: Path) -> Path:
-    """A models folder under `root` holding only `entry` (a symlink): the mesh's nodes then
-    prepare only the benchmarked model, not every model of the store."""
+    """A models folder under `root` holding only `entry` (a symlink; or each of a list of
+    entries: a model and its draft): the mesh's nodes then prepare only the benchmarked
+    model, not every model of the store."""
     d = root / "models"
     d.mkdir(parents=True, exist_ok=True)
-    (d / entry.alias).symlink_to(entry.path, target_is_directory=True)
+    for e in entry if isinstance(entry, list) else [entry]:
+        if not (d / e.alias).exists():
+            (d / e.alias).symlink_to(e.path, target_is_directory=True)
     return d

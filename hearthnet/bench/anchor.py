@@ -385,7 +385,7 @@ def mesh_decode(entry: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _chats(uri: str, alias: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from hearthnet.bench.pipeline import chat_frames
+    from hearthnet.bench.chats import chat_frames
 
     # a call's `weights` is a minimum precision: the shards' own format admits them
     policy = args.weights if args.weights in HELD_FORMATS else None

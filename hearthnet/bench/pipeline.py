@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ from hearthnet.bench import (
     table,
     write_results,
 )
+from hearthnet.bench.chats import chat_frames, token_ids
 from hearthnet.bench.local import weights_of
 from hearthnet.constants import WIRE_DTYPES
 from hearthnet.distributed_inference.directory.formats import FORMATS, head_format, policy_for
@@ -107,6 +109,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype of shards, head and local baseline (default fp32)")
     p.add_argument("--goals", choices=["cpu", "gpu"], default=None,
                    help="which goals to check (default: gpu unless --device cpu)")
+    p.add_argument("--speculate", nargs="+", choices=["off", "lookup", "draft"], default=None,
+                   help="measure speculative passes instead (DESIGN.md decision 16): these "
+                        "modes beside off, on an edit prompt and a plain one")
+    p.add_argument("--draft", default=None,
+                   help="the draft model (an alias in the store) for --speculate draft")
+    p.add_argument("--flow", type=positive, default=None, metavar="TOKENS",
+                   help="measure instead the first token of a prompt of about TOKENS tokens "
+                        "whose chunks flow through the stages, against the prompt sent whole")
+    p.add_argument("--netem", default=None, metavar="DELAY",
+                   help='run the mesh behind a delayed loopback (tc netem delay arguments, '
+                        'e.g. "2ms 0.5ms": a household Wi-Fi) in a network namespace of its '
+                        'own (root); without one it says why and runs on the plain loopback')
     p.add_argument("--results-dir", default="bench-results",
                    help="folder for pipeline-<N>.json (default bench-results)")
 
@@ -126,7 +140,33 @@ def split_layers(num_layers: int, n: int) -> list[tuple[int, int]]:
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """Start the mesh, measure, stop it; returns (figures, report)."""
+    """Start the mesh, measure, stop it; returns (figures, report). With ``--netem``, the
+    same benchmark in a namespace whose loopback delays every packet (`bench.netem`)."""
+    from hearthnet.bench import netem
+
+    if args.netem and not netem.inside(args.netem):
+        why = netem.unavailable()
+        if why is None:
+            figures = netem.run_inside(args.netem, sys.argv[1:])
+            return figures, _report_any(figures)
+        print(f"--netem {args.netem}: {why}; measuring on the plain loopback",
+              file=sys.stderr)
+        args.netem_unavailable = why
+    figures, text = _run(args)
+    return figures, text
+
+
+def _report_any(figures: dict[str, Any]) -> str:
+    if "speculative" in figures:
+        return _speculative_report(figures)
+    if "flow" in figures:
+        from hearthnet.bench import flow
+
+        return f"bench pipeline --flow under netem\n{flow.report(figures['flow'])}"
+    return report(figures)
+
+
+def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import torch
 
     from hearthnet.distributed_inference.engine.local import LocalEngine
@@ -147,9 +187,17 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                      "wire_dtype": args.wire, "weights": args.weights,
                      "device": args.device, "batch_window_ms": args.batch_window_ms,
                      "mixed_prefill_tokens": args.mixed_prefill_tokens,
-                     "sampling": "greedy", "prompt": args.prompt, "warmup_calls": 1}}
+                     "sampling": "greedy", "prompt": args.prompt, "warmup_calls": 1,
+                     "netem": {"delay": args.netem,
+                               "applied": bool(args.netem) and not getattr(
+                                   args, "netem_unavailable", None),
+                               "why_not": getattr(args, "netem_unavailable", None)}}}
     torch.set_num_threads(args.local_threads)
     head = head_format(args.weights)
+    if args.speculate:
+        return _run_speculative(args, entry, ranges, figures)
+    if args.flow:
+        return _run_flow(args, entry, ranges, figures)
     engine = None if args.concurrency_only else LocalEngine(
         entry, args.weights, head_weights=head, device=args.device)
     figures["local_memory"] = proc_memory()  # this process: the local baseline's model
@@ -191,6 +239,94 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return figures, report(figures)
 
 
+def _run_speculative(args: argparse.Namespace, entry: Any, ranges: list[tuple[int, int]],
+                     figures: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """`bench pipeline --speculate`: `hearthnet.bench.speculative` on this mesh."""
+    from hearthnet.bench import speculative
+    from hearthnet.models import ModelStore
+
+    if "draft" in args.speculate and not args.draft:
+        raise BadRequest("--speculate draft needs --draft MODEL (a model of the same "
+                         "tokenizer in the store)")
+    entries = [entry] + ([ModelStore().get(args.draft)] if args.draft else [])
+    figures["settings"].update(speculate=args.speculate, draft=args.draft)
+    figures["speculative"] = _on_mesh(
+        args, ranges, figures, entries, [],
+        lambda mesh: speculative.run_in(mesh.nodes["node-a"].uri, args))
+    name = f"pipeline-speculative-{args.model}-{args.shards}" + \
+        ("-netem" if figures["settings"]["netem"]["applied"] else "")
+    figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
+    return figures, _speculative_report(figures)
+
+
+def _run_flow(args: argparse.Namespace, entry: Any, ranges: list[tuple[int, int]],
+              figures: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """`bench pipeline --flow N`: `hearthnet.bench.flow` on this mesh, with a second
+    orchestrator that sends the prompt whole."""
+    from hearthnet.bench import flow
+    from hearthnet.distributed_inference.engine.head import LayeredHead
+    from hearthnet.mesh.launcher import NodeSpec
+
+    prompt = flow.long_prompt(LayeredHead(entry, lm_head=False).tokenizer, args.flow)
+    whole = NodeSpec(flow.UNCHUNKED, extra_di={
+        "head_device": args.device, "head_weights": head_format(args.weights),
+        "speculate": "off", "weights": policy_for(args.weights),
+        "prefill_chunk_tokens": 4 * args.flow, "max_prompt_tokens": 4 * args.flow})
+    figures["settings"].update(flow_prompt_tokens=args.flow)
+
+    def measure(mesh: Any) -> dict[str, Any]:
+        mesh.wait_covered(flow.UNCHUNKED)
+        return flow.run_in({"flow": mesh.nodes["node-a"].uri,
+                            "whole": mesh.nodes[flow.UNCHUNKED].uri}, prompt, args)
+
+    figures["flow"] = _on_mesh(args, ranges, figures, [entry], [whole], measure)
+    name = f"pipeline-flow-{args.model}-{args.shards}"
+    figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
+    f = figures
+    return figures, (f"bench pipeline --flow: {f['model_id']}, {f['shards']} shards "
+                     f"{f['layer_split']}, weights {f['settings']['weights']}, a prompt of "
+                     f"about {args.flow} tokens in chunks of the node's prefill_chunk_tokens "
+                     f"(flowing) or whole, median of {args.runs} runs\n"
+                     f"{flow.report(f['flow'])}\nwritten to {f['results_file']}")
+
+
+def _on_mesh(args: argparse.Namespace, ranges: list[tuple[int, int]],
+             figures: dict[str, Any], entries: list[Any], extra: list[Any],
+             measure: Any) -> Any:
+    """`measure(mesh)` on a fresh mesh of `_specs` (plus the `extra` node specs) holding
+    `entries`; the node logs' ends on a start failure."""
+    from hearthnet.mesh.launcher import LocalMesh
+
+    root = Path(tempfile.mkdtemp(prefix="hearthnet-bench-"))
+    try:
+        mesh = LocalMesh(_specs(args, ranges, head_format(args.weights)) + extra, root=root,
+                         model=args.model, threads=args.node_threads,
+                         models=single_model_dir(entries, root))
+        try:
+            mesh.start(timeout=1800.0)
+            figures["decode_steps"] = {"mesh": mesh.wait_decode_steps()}
+            return measure(mesh)
+        finally:
+            mesh.stop()
+    except HearthNetError as e:
+        raise HearthNetError(f"{e.message}\n{_log_tails(root)}") from e
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _speculative_report(f: dict[str, Any]) -> str:
+    from hearthnet.bench import speculative
+
+    st = f["settings"]
+    net = st["netem"]
+    link = f"loopback delayed by netem {net['delay']}" if net["applied"] else \
+        "loopback" + (f" (netem not applied: {net['why_not']})" if net["delay"] else "")
+    return (f"bench pipeline --speculate: {f['model_id']}, {f['shards']} shards "
+            f"{f['layer_split']}, weights {st['weights']}, wire {st['wire_dtype']}, {link}, "
+            f"{f['tokens']} tokens, median of {f['runs']} runs\n"
+            f"{speculative.report(f['speculative'])}\nwritten to {f['results_file']}")
+
+
 def _specs(args: argparse.Namespace, ranges: list[tuple[int, int]], head: str
            ) -> list[Any]:
     """Node A (orchestrator, as many concurrent pipelines as the largest level) and one
@@ -198,7 +334,11 @@ def _specs(args: argparse.Namespace, ranges: list[tuple[int, int]], head: str
     from hearthnet.mesh.launcher import NodeSpec
 
     most = max(args.concurrency)
-    di: dict[str, Any] = {"head_device": args.device, "head_weights": head}
+    # plain passes unless a call asks (the engine and hop figures); the draft, if any
+    di: dict[str, Any] = {"head_device": args.device, "head_weights": head,
+                          "speculate": "off"}
+    if getattr(args, "draft", None):
+        di["draft_models"] = {args.model: args.draft}
     if args.batch_window_ms is not None:
         di["batch_window_ms"] = args.batch_window_ms
     if args.mixed_prefill_tokens is not None:
@@ -216,31 +356,6 @@ def _log_tails(root: Path, chars: int = 2000) -> str:
     """The end of every node's log under `root` (no tensor contents are ever logged)."""
     return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-chars:]}"
                      for f in sorted(root.glob("*.log")))
-
-
-async def chat_frames(uri: str, prompt: str, model: str, tokens: int,
-                      **params: Any) -> tuple[list[dict[str, Any]], float]:
-    """One greedy chat through the node at `uri`: (its frames, wall seconds)."""
-    from hearthnet.distributed_inference.engine.sampling import SamplingParams
-    from hearthnet.mesh.bus import bus_call
-    from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
-
-    args = chat_args(prompt, model, SamplingParams(max_tokens=tokens), **params)
-    t0 = time.perf_counter()
-    frames = [f async for f in bus_call(uri, CHAT_CAPABILITY, args)]
-    wall = time.perf_counter() - t0
-    if not frames or frames[-1].get("type") != "done":
-        raise HearthNetError(f"the chat did not finish: {frames[-1:]}")
-    if frames[-1].get("fallback"):  # the local engine's figure is not the pipeline's
-        why = next((f.get("reason") for f in frames if f.get("type") == "pipeline_aborted"),
-                   "?")
-        raise HearthNetError(f"the chat fell back to the orchestrator's local engine "
-                             f"({why}): no distributed figure to report")
-    return frames, wall
-
-
-def token_ids(frames: list[dict[str, Any]]) -> list[int]:
-    return [int(f["token_id"]) for f in frames if f.get("type") == "token_delta"]
 
 
 def _local_run(engine: Any, prompt: str, tokens: int) -> tuple[list[int], dict[str, float]]:

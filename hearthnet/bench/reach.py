@@ -68,8 +68,9 @@ def model_bytes(entry: Any, weights: str) -> int:
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Start the mesh, stream one answer, measure, stop; then the local reference."""
+    from hearthnet.bench.chats import chat_frames, token_ids
     from hearthnet.bench.local import _child
-    from hearthnet.bench.pipeline import chat_frames, split_layers, token_ids
+    from hearthnet.bench.pipeline import split_layers
     from hearthnet.mesh.launcher import LocalMesh, NodeSpec
     from hearthnet.models import ModelStore
 

@@ -12,7 +12,7 @@ from hearthnet.argtypes import positive
 from hearthnet.commands.remote import chat_via_node
 from hearthnet.constants import CALL_WIRE_DTYPES
 from hearthnet.distributed_inference.directory.formats import POLICIES
-from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.sampling import SPECULATE_MODES, SamplingParams
 from hearthnet.frames import (
     Done,
     ErrorFrame,
@@ -47,6 +47,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="which shard formats the call accepts: lossless (formats that keep "
                         "the stored weights; the node's default), a minimum format (int8 and "
                         "int4 are lossy), or exact (only the node's own head format)")
+    p.add_argument("--speculate", choices=list(SPECULATE_MODES), default=None,
+                   help="proposals each pass verifies (greedy answers are unchanged): lookup "
+                        "(prompt lookup, the default), draft (the model's draft model: the "
+                        "node's draft_models, or --draft-model with --local) or off")
+    p.add_argument("--draft-model", default=None,
+                   help="with --local and --speculate draft: the draft model (same tokenizer)")
     p.add_argument("--json", action="store_true", help="one JSON object per frame")
     p.add_argument("--threads", type=positive, default=2, help="torch threads in this process")
     p.set_defaults(func=_run)
@@ -71,10 +77,18 @@ def emit(frame: StreamFrame | OtherFrame, as_json: bool) -> None:
         sys.stdout.write("\n")
         t, n = frame.timings, frame.text_tokens
         print(f"[{n} tokens, first token {t.get('first_token_ms', 0):.0f} ms, "
-              f"{t.get('tokens_per_second', 0):.1f} tok/s{formats_note(frame.formats)}]",
+              f"{t.get('tokens_per_second', 0):.1f} tok/s{speculative_note(frame.speculative)}"
+              f"{formats_note(frame.formats)}]",
               file=sys.stderr)
     elif is_incident(frame) or isinstance(frame, ErrorFrame):
         print("\n" + describe(frame), file=sys.stderr)
+
+
+def speculative_note(spec: dict[str, Any] | None) -> str:
+    """", 3.1 tokens/pass (lookup)" when proposals were verified (DESIGN.md decision 16)."""
+    if not spec or not spec.get("proposed"):
+        return ""
+    return f", {spec.get('tokens_per_pass', 0):.1f} tokens/pass ({spec.get('mode')})"
 
 
 def formats_note(formats: dict[str, Any] | None) -> str:
@@ -142,20 +156,55 @@ def _run_local(args: argparse.Namespace, messages: list[dict[str, str]],
     )
     from hearthnet.distributed_inference.engine.local import LocalEngine, LocalTimings
     from hearthnet.distributed_inference.orchestrator.frames import done_frame, token_frame
+    from hearthnet.errors import BadRequest
     from hearthnet.models import ModelStore
 
-    entry = ModelStore().get(args.model)
+    store = ModelStore()
+    entry = store.get(args.model)
+    mode = args.speculate or "lookup"
+    if mode == "draft" and not args.draft_model:
+        raise BadRequest("--speculate draft with --local needs --draft-model MODEL")
+    draft_entry = store.get(args.draft_model) if mode == "draft" else None
     # held as a host would by default: a GGUF's Q4 blocks as they are, else fp32
     engine = LocalEngine(entry, default_held("fp32", entry.q4_blocks), head_weights="fp32")
     timings = LocalTimings()
     t0 = time.perf_counter()
     gen = engine.new_generation(messages, params)
-    for ev in engine.run(gen, timings):
-        emit(token_frame(ev), args.json)
+    spec = _local_speculator(mode, engine, draft_entry, gen)
+    try:
+        for ev in engine.run(gen, timings, spec):
+            emit(token_frame(ev), args.json)
+    finally:
+        if spec is not None:
+            spec.close()
     # the node's fallback `done` (one builder): every path's done frame has the same keys
     emit(done_frame(gen, t0=t0, first_ms=timings.first_token_ms,
                     tokens_per_s=timings.decode_tokens_per_s, pipeline=["local"],
                     formats=call_formats(engine.head.format, [engine.stack.format], [], None,
-                                         lossless_of(engine.entry))),
+                                         lossless_of(engine.entry)),
+                    speculative=spec.stats if spec is not None else None),
          args.json)
     return 0
+
+
+def _local_speculator(mode: str, engine: Any, draft_entry: Any, gen: Any) -> Any:
+    """`--local`'s proposer (DESIGN.md decision 16): None for off."""
+    from hearthnet.distributed_inference.directory.formats import default_held
+    from hearthnet.distributed_inference.engine.local import LocalEngine
+    from hearthnet.distributed_inference.engine.speculation import (
+        DraftProposer,
+        LookupProposer,
+        Speculator,
+        check_draft_tokenizer,
+    )
+
+    if mode == "off":
+        return None
+    if draft_entry is None:
+        return Speculator("lookup", LookupProposer())
+    draft = LocalEngine(draft_entry, default_held("fp32", draft_entry.q4_blocks),
+                        head_weights="fp32")
+    check_draft_tokenizer(engine.head.tokenizer, draft.head.tokenizer, engine.entry.alias,
+                          draft_entry.alias)
+    max_len = len(gen.prompt_ids) + gen.params.max_tokens + 1
+    return Speculator("draft", DraftProposer(draft, max_len), heavy=True)

@@ -39,7 +39,7 @@ def chat_via_node(args: argparse.Namespace, messages: list[dict[str, str]],
 
     uri = node_uri(args.config)
     call = chat_args(messages[-1]["content"], args.model, params, wire_dtype=args.wire_dtype,
-                     weights=args.weights)
+                     weights=args.weights, speculate=getattr(args, "speculate", None))
 
     async def go() -> int:
         ended: str | None = None

@@ -123,6 +123,9 @@ def _toml_value(v: Any) -> str:
         return json.dumps(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}"
+                               for k, x in v.items()) + "}"
     return str(v)
 
 

@@ -282,7 +282,7 @@ class Node:
                 max_shards=cfg.di.max_shards_per_request,
                 timeout_s=cfg.di.shard_health_timeout_seconds,
                 fallback_after_failures=cfg.di.fallback_after_failures,
-                weights=cfg.di.weights),
+                weights=cfg.di.weights, speculate=cfg.di.speculate),
             enabled=cfg.distributed_enabled, sign_open=self.guard.sign_open,
             max_concurrent_pipelines=cfg.di.max_concurrent_pipelines,
             limits=PromptLimits(max_prompt_bytes=cfg.di.max_prompt_bytes,
@@ -291,7 +291,8 @@ class Node:
             prefill_chunk_tokens=cfg.di.prefill_chunk_tokens,
             batch_window_ms=cfg.di.batch_window_ms,
             local_weights=cfg.di.head_weights,
-            head_device=str(resolve_device(cfg.di.head_device)))  # absent: start-up error
+            head_device=str(resolve_device(cfg.di.head_device)),  # absent: start-up error
+            draft_models=cfg.di.draft_models, speculate_max_tokens=cfg.di.speculate_max_tokens)
 
     async def _join_mesh(self) -> None:
         """The bus capabilities, the links to configured peers, mDNS discovery, and the

@@ -66,6 +66,7 @@ async def mesh_status(node: Any) -> dict[str, Any]:
         if d.host != node.node_id and state == "offline":  # its listener or link is gone
             nodes[d.host].update(online=False, reason=reason)
     models = []
+    speculation = getattr(getattr(node, "orchestrator", None), "speculation", {})
     for e in entries.values():
         covered: dict[int, list[str]] = {i: [] for i in range(e.num_layers)}
         for s in shards:  # an offline or unusable shard covers nothing: no call can use it
@@ -77,7 +78,10 @@ async def mesh_status(node: Any) -> dict[str, Any]:
         models.append({"model_id": e.model_id, "alias": e.alias,
                        "weights_sha256": e.weights_sha256, "num_layers": e.num_layers,
                        "fully_covered": not missing, "uncovered": _ranges(missing),
-                       "coverage": _coverage_rows(covered)})
+                       "coverage": _coverage_rows(covered),
+                       # this orchestrator's speculative passes of the model's calls so far
+                       # (DESIGN.md decision 16): {mode: {passes, proposed, accepted}}
+                       "speculative": speculation.get(e.alias, {})})
     api = getattr(node, "api", None)
     return {"node_id": node.node_id, "endpoint": node.endpoint, "time": now,
             "api": api.url if api is not None else None,

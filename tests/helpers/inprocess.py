@@ -6,6 +6,7 @@ channels that call the sessions directly. A host can be made to fail on cue.
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class Host:
     # the format its ACCEPT states when it differs from the advertisement (a host that
     # restarted with another format while its advertisement lived on); "": the stack's
     held_format: str = ""
+    trace: list[tuple[str, int]] | None = None  # (node id, start_pos) of every step, in order
 
 
 @dataclass
@@ -71,6 +73,9 @@ class Channel:
         if h.dead or self.closed:
             raise ConnectionLost(f"{h.node_id} went away")
         h.steps += 1
+        if h.trace is not None:
+            h.trace.append((h.node_id, start_pos))
+        await asyncio.sleep(0)  # a real channel yields while the shard computes
         t = time.perf_counter()
         out = self.session.forward(x.to(self.wire), start_pos)
         if h.transform is not None:

@@ -28,12 +28,27 @@ def interrupt(p: subprocess.Popen[str], timeout: float = 120.0) -> tuple[str, st
     """SIGINT `p` (Ctrl-C) and return its (stdout, stderr); killed if it outlives
     `timeout`, so no test leaves it behind."""
     try:
+        state = _signal_state(p.pid)
         p.send_signal(signal.SIGINT)
-        return p.communicate(timeout=timeout)
+        try:
+            return p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"{p.args} outlived SIGINT by {timeout} s; its signal "
+                                 f"state when sent: {state}") from e
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _signal_state(pid: int) -> str:
+    """The ignored, blocked and caught signal masks of `pid` (what a Ctrl-C meets)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "gone"
+    return ", ".join(ln.replace("\t", " ") for ln in lines
+                     if ln.startswith(("SigBlk", "SigIgn", "SigCgt", "State")))
 
 
 def wait_all_gone(pids: Iterable[int], what: str, timeout: float = 30.0) -> None:

@@ -62,7 +62,7 @@ def _generate(ref, ids, n):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", PROMPTS[1:])  # the other prompt is the logits test's
 def test_greedy_matches_transformers_generate(parts, prompt):
     head, a, b, ref = parts
     ids = head.chat_prompt_ids([{"role": "user", "content": prompt}])

@@ -49,7 +49,9 @@ def mesh(smollm2: Any) -> Any:
 
 async def _chat(uri: str, prompt: str, stop_after: int | None = None) -> list[int]:
     """A greedy fp32-wire chat's token ids; with `stop_after`, the caller leaves then."""
-    args = chat_args(prompt, "smollm2", SamplingParams(max_tokens=N), wire_dtype="fp32")
+    # one decode row per token (speculative passes are several rows, never batched)
+    args = chat_args(prompt, "smollm2", SamplingParams(max_tokens=N), wire_dtype="fp32",
+                     speculate="off")
     ids: list[int] = []
     calls = bus_call(uri, CHAT_CAPABILITY, args)
     async for f in calls:

@@ -415,7 +415,9 @@ def test_spec_metrics_observed_after_one_chat(scraped):
     per_shard = done["timings"]["per_shard"]
     assert set(per_shard) == set(done["pipeline"])
     for sid, row in per_shard.items():
-        assert row["steps"] >= 8  # the prompt, then one step per generated token but the last
+        # the prompt, then one pass per run of tokens the pass gave (DESIGN.md decision 16)
+        spec = done.get("speculative") or {"passes": done["usage"]["completion_tokens"] - 1}
+        assert row["steps"] == 1 + spec["passes"]
         assert _count(samples, P + "shard_latency_ms", shard_id=sid) == row["steps"], sid
         assert _count(samples, P + "hop_overhead_ms", shard_id=sid) == row["steps"], sid
         buckets = [(lab["le"], v) for lab, v in samples[P + "shard_latency_ms_bucket"]

@@ -110,7 +110,7 @@ def test_demo_ctrl_c_stops_every_node(smollm2):
         assert line, p.stderr.read() if p.stderr else ""
     finally:
         out, err = interrupt(p)
-    assert p.returncode == 130, err[-2000:]
+    assert p.returncode == 130, (out[-2000:], err[-2000:])
     assert _frames(out)[-1]["type"] == "demo_stopped"
     wait_all_gone([n["pid"] for n in mesh["nodes"].values()], "the demo's nodes to exit")
     assert not _procs_mentioning(mesh["root"])

@@ -131,6 +131,10 @@ async def test_family_through_three_node_processes(family_mesh, family, family_r
     assert len(ids) > 7  # longer than every family's sliding window
     answer = _tokens(frames)
     assert answer and _greedy_by_transformers(family_reference(entry), ids, answer) == answer
+    # speculative passes (prompt lookup, the default) give the answer of one token a pass
+    assert done["speculative"]["mode"] == "lookup"
+    plain = await _chat(mesh, family, wire_dtype="fp32", speculate="off")
+    assert _tokens(plain) == answer and plain[-1].get("speculative") is None
     compact = await _chat(mesh, family, wire_dtype="compact")  # fp16 fits these models
     assert compact[-1]["type"] == "done" and _wires(compact[-1]) == ["fp16"] * 3
 

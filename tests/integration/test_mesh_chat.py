@@ -17,7 +17,7 @@ from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 PROMPTS = ["What is the capital of France?",
            "Write a short poem about a lighthouse keeper.",
            "Explain in three sentences why the sky is blue."]
-N = 64
+N = 40
 
 
 @pytest.fixture(scope="module")

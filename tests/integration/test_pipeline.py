@@ -29,17 +29,17 @@ async def _chosen(mesh: InProcessMesh, smollm2, layer: int):
     return next(h for h in mesh.hosts.values() if h.descriptor.shard_id == sid)
 
 
-def _orch(mesh: InProcessMesh, model_store) -> tuple[PipelineOrchestrator, Metrics]:
+def _orch(mesh: InProcessMesh, model_store, **kw) -> tuple[PipelineOrchestrator, Metrics]:
     m = Metrics()
     return PipelineOrchestrator(models=model_store, router=mesh.router(), health=mesh.health,
                                 metrics=m, connect=mesh.connect,
-                                executor=ThreadPoolExecutor(1)), m
+                                executor=ThreadPoolExecutor(1), **kw), m
 
 
-async def _run(orch, **kw) -> list[dict]:
+async def _run(orch, prompt=PROMPT, **kw) -> list[dict]:
     params = DistributedChatParams(sampling=SamplingParams(max_tokens=24), wire_dtype="fp32",
                                    **kw)
-    return [f.to_wire() async for f in orch.chat(ChatRequest("smollm2", PROMPT), params)]
+    return [f.to_wire() async for f in orch.chat(ChatRequest("smollm2", prompt), params)]
 
 
 def _tokens(frames):
@@ -255,3 +255,61 @@ async def test_a_replacement_full_of_our_own_calls_is_waited_for(smollm2, model_
     failover = next(f for f in frames if f["type"] == "shard_failover")
     assert failover["ms"] < 30_000  # woken by the release, far inside timeout_s
     assert m.fallback_to_local_total._value.get() == 0
+
+
+# ---- a long prompt flows through the stages (M26 §5.3) ----
+
+LONG = ("The keeper climbed the stairs at dusk, trimmed the wick and wrote the weather in "
+        "the log, as every keeper had for a hundred years. " * 12) + "What happened next?"
+
+
+async def test_a_long_prompt_flows_through_the_stages(smollm2, model_store, local_answer):
+    """Chunk i+1 enters stage 0 before stage 1 is done with chunk i: both stages work at
+    once on one prompt, and the answer is the local engine's."""
+    mesh = InProcessMesh(smollm2)
+    trace: list[tuple[str, int]] = []
+    for node, lo, hi in (("node-b", 0, 14), ("node-c", 15, 29)):
+        mesh.add(node, lo, hi).trace = trace
+    orch, _ = _orch(mesh, model_store, prefill_chunk_tokens=32)
+    frames = await _run(orch, [{"role": "user", "content": LONG}], speculate="off")
+    assert _tokens(frames) == local_answer(LONG, 24)
+    n_prompt = frames[-1]["usage"]["prompt_tokens"]
+    prefill = [(n, p) for n, p in trace if p < n_prompt]  # decode steps start at n_prompt
+    last_b = max(i for i, (n, _) in enumerate(prefill) if n == "node-b")
+    assert sum(n == "node-b" for n, _ in prefill) > 6
+    assert prefill.index(("node-c", 0)) < last_b
+
+
+async def test_a_stage_failing_mid_prefill_fails_over(smollm2, model_store, local_answer):
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    mesh.add("node-c", 15, 29)
+    mesh.add("node-d", 10, 29)
+    c = await _chosen(mesh, smollm2, 29)
+    c.fail_after_steps = 3  # three chunks of the prompt, then gone
+    orch, m = _orch(mesh, model_store, prefill_chunk_tokens=32)
+    frames = await _run(orch, [{"role": "user", "content": LONG}])
+    assert [f["type"] for f in frames].count("shard_failover") == 1
+    assert _tokens(frames) == local_answer(LONG, 24)
+    assert m.failovers_total._value.get() == 1
+
+
+EDIT = ("Repeat this sentence exactly: the cat sat on the mat and the dog lay by the door, "
+        "and the bird sang in the tree.")
+
+
+async def test_failover_mid_speculative_answer_keeps_every_token(smollm2, model_store,
+                                                                 local_answer):
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    mesh.add("node-c", 15, 29)
+    mesh.add("node-d", 10, 29)
+    c = await _chosen(mesh, smollm2, 29)
+    c.fail_after_steps = 4  # the prompt and three speculative passes
+    orch, m = _orch(mesh, model_store)
+    frames = await _run(orch, [{"role": "user", "content": EDIT}], speculate="lookup")
+    assert [f["type"] for f in frames].count("shard_failover") == 1
+    assert m.failovers_total._value.get() == 1
+    done = frames[-1]
+    assert done["type"] == "done" and done["speculative"]["accepted"] > 0, done
+    assert _tokens(frames) == local_answer(EDIT, 24)

@@ -101,7 +101,7 @@ async def test_a_fallback_is_never_reported_as_a_pipeline_figure(monkeypatch):
     """`bench pipeline` once ended in a KeyError traceback when its calls fell back to the
     orchestrator's local engine (no `construction_ms`): now a typed error says so."""
     import hearthnet.mesh.bus as bus
-    from hearthnet.bench.pipeline import chat_frames
+    from hearthnet.bench.chats import chat_frames
     from hearthnet.errors import HearthNetError
 
     async def fell_back(uri, capability, args):

@@ -64,7 +64,8 @@ function renderModels(st) {
     box.append(el("div", {class: "model", "data-model": m.alias,
         "data-covered": String(m.fully_covered)},
       el("div", {class: "model-title"}, `${m.alias} `,
-        el("span", {class: "muted"}, `${m.num_layers} layers`), badge),
+        el("span", {class: "muted"}, `${m.num_layers} layers`), badge,
+        el("span", {class: "muted spec"}, speculationNote(m.speculative))),
       coverageBar(m), lanes(m, st.shards),
       el("div", {class: "axis"}, el("span", {}, "layer 0"),
         el("span", {}, `layer ${m.num_layers - 1}`))));
@@ -127,6 +128,14 @@ function renderPeers(st) {
   ul.replaceChildren(...(st.peers.length ? st.peers.map((p) => el("li", {},
     `${p.node_id || p.uri} — ${p.connected ? "connected" : "down"}` +
     (p.direction === "in" ? " (incoming)" : ""))) : [el("li", {class: "muted"}, "none")]));
+}
+
+function speculationNote(byMode) {
+  // proposals this node's calls verified (DESIGN.md decision 16), per proposer
+  const parts = Object.entries(byMode || {}).filter(([, s]) => s.proposed > 0).map(
+    ([mode, s]) => `${mode}: ${s.accepted}/${s.proposed} proposals accepted, ` +
+      `${fmt(1 + s.accepted / Math.max(1, s.passes), 2)} tokens/pass`);
+  return parts.length ? " · " + parts.join("; ") : "";
 }
 
 function formatsNote(f) {
@@ -207,7 +216,9 @@ async function chat(ev) {
           facts.textContent = `via ${h.fallback ? "local fallback" :
             h.pipeline.map(shortShard).join(" → ")} · first token ${fmt(t.first_token_ms, 0)} ms` +
             ` · ${fmt(t.tokens_per_second, 1)} tok/s · ${h.failovers} failover(s)` +
-            formatsNote(h.formats);
+            (h.speculative && h.speculative.proposed ? ` · ${fmt(h.speculative.tokens_per_pass, 1)}` +
+              ` tokens/pass (${h.speculative.mode}, ${h.speculative.accepted}/` +
+              `${h.speculative.proposed} accepted)` : "") + formatsNote(h.formats);
         }
       }
     }

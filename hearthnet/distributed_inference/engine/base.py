@@ -123,3 +123,9 @@ class ClientHead(Protocol):
         """`logits` of several chats' final hidden states as one norm + lm_head product
         (DESIGN.md decision 12), one (vocab,) tensor per chat."""
         ...
+
+    def logits_rows(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The logits of every position of each `(1, T_i, H)` hidden state, as one
+        product: one `(T_i, vocab)` tensor each (a speculative step's rows, DESIGN.md
+        decision 16)."""
+        ...

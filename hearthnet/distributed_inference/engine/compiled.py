@@ -24,6 +24,12 @@ How:
 - Before use, the compiled step's output is compared with the eager layers' (the
   family's transformers modules, the reference) on one step; a difference beyond the
   compute dtype's rounding keeps the range eager and says why.
+- A speculative pass (DESIGN.md decision 16: the last token and a few proposals, 2..33
+  rows under the causal mask) has its own compiled step, `verify_step`, traced with the
+  rows as a symbol too and built the same way (saved as ``verify-<key>.bin``) — on the
+  first such pass of a sub-range whose decode step is ready, so nodes that never
+  speculate never compile it. Without it a pass of 5 rows costs about two eager decode
+  steps on SmolLM2.
 - A range that cannot be compiled (no C++ compiler, a rope whose frequencies depend on
   the step, an eager-attention family, a compile error) runs eagerly; `state` says why and
   the log records it once. ``HEARTHNET_COMPILE=0`` (or a node's ``compile_decode =
@@ -78,6 +84,18 @@ def decode_step(session: LayeredSession, h: torch.Tensor, positions: torch.Tenso
     """What is compiled: one decode position of `session` (h (1, 1, H) at `positions`
     (1,), attending over `kv_len` cached positions, no mask)."""
     return session.step(h, positions, kv_len, plain=True)
+
+
+def verify_step(session: LayeredSession, h: torch.Tensor, positions: torch.Tensor,
+                kv_len: int) -> torch.Tensor:
+    """What is compiled for a speculative pass (DESIGN.md decision 16): a few positions of
+    `session` (h (1, T, H) at `positions` (T,)), attending over `kv_len` cached positions
+    under the causal mask."""
+    return session.step(h, positions, kv_len, plain=False)
+
+
+MAX_VERIFY_ROWS = 33  # the last token and up to speculate_max_tokens (≤ 32) proposals
+_STEPS = {"decode": decode_step, "verify": verify_step}
 
 
 def _cpu_flags() -> str:
@@ -153,6 +171,11 @@ class CompiledDecode:
         self._steps: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
         self._states: dict[tuple[int, int], str] = {}
         self._threads: dict[tuple[int, int], threading.Thread] = {}
+        # the speculative passes' step of a sub-range (built on the first pass once the
+        # decode step is ready; eager until then)
+        self._verify: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
+        self._verify_states: dict[tuple[int, int], str] = {}
+        self._verify_threads: dict[tuple[int, int], threading.Thread] = {}
         self.seconds: dict[tuple[int, int], float] = {}
         self.calls = 0  # decode steps given a compiled step (tests, benchmarks)
 
@@ -174,6 +197,29 @@ class CompiledDecode:
             return None
         self.calls += 1
         return fn
+
+    def rows_step_for(self, session: LayeredSession, rows: int, kv_len: int
+                      ) -> Callable[..., torch.Tensor] | None:
+        """The compiled step for a speculative pass of `rows` positions of `session` with
+        `kv_len` cached positions after it, or None (eager). The first such pass of a
+        sub-range whose decode step is ready starts its compilation."""
+        if not 2 <= rows <= MAX_VERIFY_ROWS:  # a prefill chunk: eager
+            return None
+        key = (session.start, session.end)
+        fn = self._verify.get(key)
+        if fn is None:
+            if key in self._steps and key not in self._verify_states:
+                self._start_verify(key)
+            return None
+        window = self.stack.sliding_window
+        if kv_len < rows + 2 or (window is not None and kv_len > window):
+            return None
+        self.calls += 1
+        return fn
+
+    def verify_state(self) -> dict[str, str]:
+        """``"lo-hi"`` → what the sub-range's speculative passes run as (once asked for)."""
+        return {f"{a}-{b}": s for (a, b), s in sorted(self._verify_states.items())}
 
     def state(self) -> dict[str, str]:
         """``"lo-hi"`` → what the sub-range's decode steps run as."""
@@ -208,6 +254,27 @@ class CompiledDecode:
             _BUILDERS.add(t)
         t.start()
 
+    def _start_verify(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            if key in self._verify_states:
+                return
+            self._verify_states[key] = "compiling"
+            if not self.background:
+                self._build(key, "verify")
+                return
+            t = threading.Thread(target=self._build, args=(key, "verify"), daemon=True,
+                                 name=f"compile-verify-{key[0]}-{key[1]}")
+            self._verify_threads[key] = t
+            _BUILDERS.add(t)
+        t.start()
+
+    def wait_verify(self, start: int, end: int, timeout: float | None = None) -> str:
+        """Wait for a sub-range's speculative step (tests, benchmarks); its state."""
+        t = self._verify_threads.get((start, end))
+        if t is not None:
+            t.join(timeout)
+        return self._verify_states.get((start, end), "")
+
     def _cannot(self) -> str:
         """Why this stack's steps cannot be compiled ("" if they can)."""
         s = self.stack
@@ -226,50 +293,56 @@ class CompiledDecode:
             return "no C++ compiler on this machine (torch.compile's CPU backend needs one)"
         return ""
 
-    def _eager(self, key: tuple[int, int], reason: str) -> None:
-        self._states[key] = f"eager: {reason}"
-        log.info("decode_step_eager", model=self.stack.entry.alias,
+    def _eager(self, key: tuple[int, int], reason: str, kind: str = "decode") -> None:
+        (self._states if kind == "decode" else self._verify_states)[key] = f"eager: {reason}"
+        log.info(f"{kind}_step_eager", model=self.stack.entry.alias,
                  layers=list(key), reason=reason)
 
-    def _build(self, key: tuple[int, int]) -> None:
+    def _build(self, key: tuple[int, int], kind: str = "decode") -> None:
         t0 = time.perf_counter()
         try:
-            fn, how = self._load_or_compile(*key)
+            fn, how = self._load_or_compile(*key, kind)
             session = self.stack.open_session(*key, CAPACITY_QUANTUM)
             try:
-                error = _compare(fn, session, _trace_length(self.stack))
+                error = _compare(fn, session, _trace_length(self.stack),
+                                 _trace_rows(self.stack) if kind == "verify" else 1)
             finally:
                 session.close()
             limit = TOLERANCE.get(self.stack.dtype, 1e-3)
             if error > limit:
-                self._discard(*key)
+                self._discard(*key, kind)
                 self._eager(key, f"the compiled step differs from the eager layers by "
-                                 f"{error:.2e} (relative; allowed {limit:.0e})")
+                                 f"{error:.2e} (relative; allowed {limit:.0e})", kind)
                 return
         except Exception as e:  # any compile failure: the range runs eagerly, said why
-            self._eager(key, f"compilation failed: {_named(e)}")
+            self._eager(key, f"compilation failed: {_named(e)}", kind)
             return
         seconds = time.perf_counter() - t0
-        self.seconds[key] = seconds
         how, _, note = how.partition(" ")
-        self._states[key] = f"{how} in {seconds:.1f} s{' ' + note if note else ''}"
-        self._steps[key] = fn  # after the state: status never says compiling while in use
-        log.info("decode_step_compiled", model=self.stack.entry.alias, layers=list(key),
+        state = f"{how} in {seconds:.1f} s{' ' + note if note else ''}"
+        if kind == "decode":
+            self.seconds[key] = seconds
+            self._states[key] = state
+            self._steps[key] = fn  # after the state: status never says compiling while in use
+        else:
+            self._verify_states[key] = state
+            self._verify[key] = fn
+        log.info(f"{kind}_step_compiled", model=self.stack.entry.alias, layers=list(key),
                  how=how, seconds=round(seconds, 1), max_relative_error=f"{error:.1e}")
 
-    def _path(self, start: int, end: int) -> Path | None:
+    def _path(self, start: int, end: int, kind: str = "decode") -> Path | None:
         if self.cache_dir is None:
             return None
-        return self.cache_dir / f"decode-{artefact_key(self.stack, start, end)}.bin"
+        return self.cache_dir / f"{kind}-{artefact_key(self.stack, start, end)}.bin"
 
-    def _discard(self, start: int, end: int) -> None:
-        path = self._path(start, end)
+    def _discard(self, start: int, end: int, kind: str = "decode") -> None:
+        path = self._path(start, end, kind)
         if path is not None:
             path.unlink(missing_ok=True)
 
-    def _load_or_compile(self, start: int, end: int
+    def _load_or_compile(self, start: int, end: int, kind: str = "decode"
                          ) -> tuple[Callable[..., torch.Tensor], str]:
-        path = self._path(start, end)
+        path = self._path(start, end, kind)
         _use_inductor_cache(self.cache_dir)
         note = ""
         if path is not None and path.exists():
@@ -283,7 +356,7 @@ class CompiledDecode:
                 path.unlink(missing_ok=True)
         session = self.stack.open_session(start, end, CAPACITY_QUANTUM)
         try:
-            fn = _aot_compile(session, _trace_length(self.stack))
+            fn = _aot_compile(session, _trace_length(self.stack), kind)
         finally:
             session.close()
         if path is not None:
@@ -298,30 +371,46 @@ def _named(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
-def _aot_compile(session: LayeredSession, kv_len: int) -> Any:
-    """`decode_step` compiled ahead of time for `session`'s sub-range (any session of it)."""
+def _trace_rows(stack: LayeredStack) -> int:
+    """A number of rows to trace a speculative pass with that equals no size of the model
+    nor the traced cached length (dynamic shapes would take it for that size)."""
+    c = stack.config
+    sizes = {int(v) for v in vars(c).values() if isinstance(v, int) and not isinstance(v, bool)}
+    sizes.add(_trace_length(stack))
+    n = 5
+    while n in sizes:
+        n += 1
+    return n
+
+
+def _aot_compile(session: LayeredSession, kv_len: int, kind: str = "decode") -> Any:
+    """`decode_step` (or `verify_step`) compiled ahead of time for `session`'s sub-range
+    (any session of it)."""
     stack = session.stack
-    h = torch.zeros(1, 1, stack.hidden_size, dtype=stack.dtype, device=stack.device)
-    pos = torch.tensor([kv_len - 1], device=stack.device)
+    rows = _trace_rows(stack) if kind == "verify" else 1
+    h = torch.zeros(1, rows, stack.hidden_size, dtype=stack.dtype, device=stack.device)
+    pos = torch.arange(kv_len - rows, kv_len, device=stack.device)
     # guards are replaced by `artefact_key` and `step_for`'s checks (they would pickle
     # the stack); floats are constants of the model (norm eps, scaling), not inputs
-    compiled: Any = torch.compile(decode_step, fullgraph=True, dynamic=True,
+    compiled: Any = torch.compile(_STEPS[kind], fullgraph=True, dynamic=True,
                              options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
     with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode():
         return compiled.aot_compile(((session, h, pos, kv_len), {}))
 
 
-def _compare(fn: Callable[..., torch.Tensor], session: LayeredSession, kv_len: int) -> float:
-    """Max |compiled − eager| / max |eager| of one decode step at `kv_len`, after an eager
-    prefill of random hidden states (both steps write the same cache position)."""
+def _compare(fn: Callable[..., torch.Tensor], session: LayeredSession, kv_len: int,
+             rows: int = 1) -> float:
+    """Max |compiled − eager| / max |eager| of one step of `rows` positions ending at
+    `kv_len`, after an eager prefill of random hidden states (both steps write the same
+    cache positions)."""
     stack = session.stack
     g = torch.Generator(device="cpu").manual_seed(0)
-    prefix = torch.randn(1, kv_len - 1, stack.hidden_size, generator=g).to(stack.dtype)
-    x = torch.randn(1, 1, stack.hidden_size, generator=g).to(stack.dtype)
-    pos = torch.tensor([kv_len - 1], device=stack.device)
+    prefix = torch.randn(1, kv_len - rows, stack.hidden_size, generator=g).to(stack.dtype)
+    x = torch.randn(1, rows, stack.hidden_size, generator=g).to(stack.dtype)
+    pos = torch.arange(kv_len - rows, kv_len, device=stack.device)
     with torch.inference_mode():
         session.forward(prefix, 0)
-        ref = session.step(x, pos, kv_len, plain=True).float()
+        ref = session.step(x, pos, kv_len, plain=rows == 1).float()
         out = fn(session, x, pos, kv_len).float()
     return float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
 

@@ -30,9 +30,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """`logits`: (vocab,) fp32."""
-        p = self.params
-        if p.greedy:
+        if self.params.greedy:
             return int(torch.argmax(logits))
+        return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution this sampler draws from: `logits` (vocab,) after temperature,
+        top-k and top-p."""
+        p = self.params
         x = logits / p.temperature
         if p.top_k > 0 and p.top_k < x.numel():
             kth = torch.topk(x, p.top_k).values[-1]
@@ -43,8 +48,26 @@ class Sampler:
             drop = cum - torch.softmax(sorted_x, dim=-1) >= p.top_p  # keep the first over p
             x = x.clone()
             x[order[drop]] = float("-inf")
-        probs = torch.softmax(x, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.softmax(x, dim=-1)
+
+    def verify(self, logits: torch.Tensor, proposed: int) -> int:
+        """The token to take at a position where `proposed` was proposed (DESIGN.md decision
+        16): greedy takes the argmax (the proposal when they agree); sampling keeps the
+        proposal with probability p(proposed) and otherwise draws from p without it — the
+        rejection rule of speculative sampling (Leviathan et al. 2023, Chen et al. 2023) for
+        a proposer that names one token, so every token is distributed exactly as `__call__`
+        would draw it."""
+        if self.params.greedy:
+            return int(torch.argmax(logits))
+        probs = self.probs(logits)
+        u = float(torch.rand((), generator=self.generator))
+        if u < float(probs[proposed]):
+            return proposed
+        rest = probs.clone()
+        rest[proposed] = 0.0
+        if float(rest.sum()) <= 0.0:  # p(proposed) rounds to 1: nothing else can be drawn
+            return proposed
+        return int(torch.multinomial(rest, 1, generator=self.generator))
 
 
 class IncrementalDetokenizer:

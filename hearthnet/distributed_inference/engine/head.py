@@ -179,18 +179,25 @@ class LayeredHead:
         (from any device): the sampler and its seeded generator stay on the host."""
         return self.logits_batch([hidden_last])[0]
 
-    @torch.inference_mode()
     def logits_batch(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """`logits` of several chats' final hidden states as one norm + lm_head product
         (DESIGN.md decision 12): the lm_head's weights are read once for all rows."""
-        h = torch.cat([x[:, -1:, :].to(self.device, self.dtype) for x in hidden])  # (B, 1, H)
-        h = self.norm(h)
+        return [r[-1] for r in self.logits_rows([x[:, -1:, :] for x in hidden])]
+
+    @torch.inference_mode()
+    def logits_rows(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """(T_i, vocab) fp32 host logits of every position of each (1, T_i, H) hidden state,
+        as one norm + lm_head product: a speculative step's rows (DESIGN.md decision 16)
+        beside other chats' last positions."""
+        sizes = [int(x.shape[1]) for x in hidden]
+        h = torch.cat([x[0].to(self.device, self.dtype) for x in hidden])  # (sum T_i, H)
+        h = self.norm(h.unsqueeze(0))
         if self.lm_head_q is not None:
-            logits = self.lm_head_q(h)[:, -1]
+            logits = self.lm_head_q(h)[0]
         else:
-            logits = torch.nn.functional.linear(h, self.lm_head_weight)[:, -1]
+            logits = torch.nn.functional.linear(h, self.lm_head_weight)[0]
         assert isinstance(logits, torch.Tensor)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        return list(logits.float().cpu().unbind(0))
+        return list(torch.split(logits.float().cpu(), sizes))

@@ -185,13 +185,15 @@ class LayeredSession:
         t = self.check(hidden, start_pos)
         self._len = min(self._len, start_pos)  # redo: the cache is cut back (rewound)
         h = hidden.to(self.stack.device, self.stack.dtype)  # (1, T, H)
-        compiled = self.stack.compiled.step_for(self, start_pos + 1) \
-            if t == 1 and self.stack.compiled is not None else None
+        compiled = None
+        if self.stack.compiled is not None and (t == 1 or start_pos > 0):
+            compiled = self.stack.compiled.step_for(self, start_pos + 1) if t == 1 \
+                else self.stack.compiled.rows_step_for(self, t, start_pos + t)
         if t == 1 and self.stack.graphs:
             out = self._graph()(h, start_pos)
-        elif compiled is not None:
-            positions = torch.tensor([start_pos], device=self.stack.device)
-            out = compiled(self, h, positions, start_pos + 1)
+        elif compiled is not None:  # a decode step, or a speculative pass's few rows
+            positions = torch.arange(start_pos, start_pos + t, device=self.stack.device)
+            out = compiled(self, h, positions, start_pos + t)
         else:
             positions = torch.arange(start_pos, start_pos + t, device=self.stack.device)
             out = self.step(h, positions, start_pos + t, plain=t == 1 or start_pos == 0)

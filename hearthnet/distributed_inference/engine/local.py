@@ -25,6 +25,7 @@ from hearthnet.distributed_inference.engine.generation import (
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.speculation import Speculator
 from hearthnet.errors import BadRequest
 from hearthnet.models.store import ModelEntry
 
@@ -90,18 +91,20 @@ class LocalEngine:
         """Stream the answer to a chat; fills `timings` when given."""
         yield from self.run(self.new_generation(messages, params), timings)
 
-    def run(self, gen: Generation, timings: LocalTimings | None = None
-            ) -> Generator[TokenEvent, None, None]:
+    def run(self, gen: Generation, timings: LocalTimings | None = None,
+            speculator: Speculator | None = None) -> Generator[TokenEvent, None, None]:
         """Drive `gen` to its end; continues from its tokens if it has some already.
 
         `timings` is the caller's own (per call: the engine is shared by concurrent
-        fallbacks); it is filled as the generation runs.
+        fallbacks); it is filled as the generation runs. `speculator`: verify its proposals
+        in each pass (DESIGN.md decision 16).
         """
-        for ev in self.steps(gen, timings):
+        for ev in self.steps(gen, timings, speculator):
             if ev is not None:
                 yield ev
 
-    def steps(self, gen: Generation, timings: LocalTimings | None = None
+    def steps(self, gen: Generation, timings: LocalTimings | None = None,
+              speculator: Speculator | None = None
               ) -> Generator[TokenEvent | None, None, None]:
         """As `run`, but the prefill runs in chunks of `prefill_chunk_tokens` positions and
         yields None after each chunk but the last, so a caller driving this from a shared
@@ -127,11 +130,17 @@ class LocalEngine:
             yield ev
             while not gen.done:
                 t1 = time.perf_counter()
-                pos = len(gen.all_ids) - 1
-                h = session.forward(self.head.embed([gen.tokens[-1]]), pos)
-                ev = gen.step(self.head.logits(h))
-                t.decode_ms.append((time.perf_counter() - t1) * 1000)
-                yield ev
+                pos = len(gen.all_ids) - 1  # a step below the cache's length cuts it back
+                proposed = speculator.propose(gen) if speculator is not None else []
+                h = session.forward(self.head.embed([gen.tokens[-1], *proposed]), pos)
+                if speculator is None:
+                    events = [gen.step(self.head.logits(h))]
+                else:
+                    events = speculator.accept(gen, self.head.logits_rows([h])[0], proposed)
+                ms = (time.perf_counter() - t1) * 1000 / len(events)
+                for ev in events:
+                    t.decode_ms.append(ms)
+                    yield ev
         finally:
             session.close()
 

@@ -40,6 +40,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+SPECULATE_MODES = ("lookup", "draft", "off")  # DESIGN.md decision 16
+
+
+def check_speculate(mode: object) -> str:
+    """A call's ``speculate`` (`SPECULATE_MODES`), or `BadRequest` naming them."""
+    if mode not in SPECULATE_MODES:
+        raise BadRequest(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got "
+                         f"{mode!r}"[:200], param="speculate")
+    return str(mode)
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -16,6 +16,7 @@ from prometheus_client import Histogram
 
 from hearthnet.distributed_inference.directory.descriptors import Pipeline, PipelineStage
 from hearthnet.distributed_inference.engine.generation import Generation
+from hearthnet.distributed_inference.engine.speculation import Speculator
 from hearthnet.distributed_inference.orchestrator.request import DistributedChatParams
 from hearthnet.distributed_inference.orchestrator.wire import WirePlan
 from hearthnet.distributed_inference.seams import Channel, Connector, StepOutput
@@ -120,6 +121,8 @@ class CallState:
     failover_ms: list[float] = field(default_factory=list)
     frames: list[StreamFrame] = field(default_factory=list)  # diagnostics raised mid-step
     first_ms: float | None = None  # time to the first token, once there is one
+    # the call's proposer and its statistics (DESIGN.md decision 16); None: one token a pass
+    speculator: Speculator | None = None
     decode_t0: float = 0.0  # perf_counter() at the first token
 
     def tokens_per_s(self, now: float) -> float:

@@ -53,11 +53,12 @@ class DecodeLoop:
             ClientHead, RoundBatcher[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
 
     def head_batcher(self, head: ClientHead) -> RoundBatcher[torch.Tensor, torch.Tensor]:
-        """The batcher of `head`'s norm + lm_head (one per loaded head)."""
+        """The batcher of `head`'s norm + lm_head (one per loaded head): each call submits
+        the rows it needs logits of, (1, T, H), and gets (T, vocab) back."""
         batcher = self._heads.get(head)
         if batcher is None:
             def run(hs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-                return head.logits_batch(hs)
+                return head.logits_rows(hs)
 
             batcher = RoundBatcher(run, self.executor, window_s=self.batch_window_s,
                                    expected=lambda: self.running, on_batch=self._observe)
@@ -94,34 +95,106 @@ class DecodeLoop:
         # the loop: a long prompt is thousands of rows
         x = await loop.run_in_executor(self.executor, embed_for_wire, head, gen.prompt_ids,
                                        call.stages[0].channel.wire_dtype)
-        pos = 0
+        pos, proposed = 0, list[int]()
+        spec = call.speculator
         while not gen.done:
             h = await self.relay_chunked(call, x, pos, checker)
             for f in call.take_frames():
                 yield f
             # norm + lm_head (~7 ms for SmolLM2) run off the loop, batched with the other
-            # calls' heads of this round (DESIGN.md decision 12)
-            ev = gen.step(await heads.submit(h, key=id(call)))
+            # calls' heads of this round (DESIGN.md decision 12): the last row, or every row
+            # of a speculative pass (DESIGN.md decision 16)
+            rows = await heads.submit(h[:, -(len(proposed) + 1):], key=id(call))
+            events = spec.accept(gen, rows, proposed) if spec is not None and pos > 0 \
+                else [gen.step(rows[-1])]
             if call.first_ms is None:
                 call.first_ms = (time.perf_counter() - t0) * 1000
                 self.metrics.first_token_ms.observe(call.first_ms)
                 call.decode_t0 = time.perf_counter()
-            self.metrics.tokens_generated_total.inc()
-            yield token_frame(ev)
-            pos += x.shape[1]
-            # one row, looked up and cast once here: cheaper than an executor hop
-            x = embed_for_wire(head, [ev.token_id], call.stages[0].channel.wire_dtype)
+            self.metrics.tokens_generated_total.inc(len(events))
+            for ev in events:
+                yield token_frame(ev)
+            # the next pass starts after the tokens taken; the stages cut their caches back
+            # there (rejected proposals), and a replay never sees a rejected proposal
+            pos = len(gen.all_ids) - 1
+            if proposed:
+                for st in call.stages:
+                    st.truncate(pos)
+            if spec is None or gen.done:
+                proposed = []
+            elif spec.heavy:  # a draft model's steps: off the loop
+                proposed = await loop.run_in_executor(self.executor, spec.propose, gen)
+            else:
+                proposed = spec.propose(gen)
+            # a few rows, looked up and cast once here: cheaper than an executor hop
+            x = embed_for_wire(head, [gen.tokens[-1], *proposed],
+                               call.stages[0].channel.wire_dtype)
 
     async def relay_chunked(self, call: CallState, x: torch.Tensor, pos: int,
                             checker: SanityChecker) -> torch.Tensor:
         """`relay` a long prefill in chunks of `prefill_chunk_tokens` positions: each chunk
-        is its own step, so other calls' steps interleave."""
+        is its own step, so other calls' steps interleave. Through several stages the
+        chunks flow (M26 §5.3): stage 0 starts on chunk i+1 as soon as it has passed chunk i
+        on, so the stages compute at once (`_flow`). When a stage fails meanwhile, the
+        prefill goes on one chunk at a time from the last position every stage holds, where
+        failover works as for any step."""
         n = self.prefill_chunk_tokens
         t = int(x.shape[1])
+        if t > n and len(call.stages) > 1:
+            done = await self._flow(call, x, pos, checker)
+            if isinstance(done, torch.Tensor):
+                return done
+            for st in call.stages:  # rejoin at a position every stage holds
+                st.truncate(done)
+            x, t, pos = x[:, done - pos:], t - (done - pos), done
         for at in range(0, t - n, n):  # every chunk but the last
             await self.relay(call, x[:, at:at + n], pos + at, checker)
         last = ((t - 1) // n) * n
         return await self.relay(call, x[:, last:], pos + last, checker)
+
+    async def _flow(self, call: CallState, x: torch.Tensor, pos: int,
+                    checker: SanityChecker) -> torch.Tensor | int:
+        """The chunks of `x` through every stage, each stage a task taking its chunks in
+        order from the one before. The last stage's output of the last chunk, or — when a
+        stage failed — the position up to which every stage has taken every chunk."""
+        n = self.prefill_chunk_tokens
+        chunks = [(pos + at, x[:, at:at + n]) for at in range(0, int(x.shape[1]), n)]
+        step0 = call.step
+        call.step += len(chunks)
+        stages = list(call.stages)
+        queues: list[asyncio.Queue[torch.Tensor | None]] = [asyncio.Queue() for _ in stages]
+        for _, c in chunks:
+            queues[0].put_nowait(c)
+        taken = [0] * len(stages)
+        out: list[torch.Tensor] = []
+        failed = False
+
+        async def run(k: int) -> None:
+            nonlocal failed
+            for i, (at, _) in enumerate(chunks):
+                inp = await queues[k].get()
+                if inp is None or failed:
+                    return
+                try:
+                    h = await self.one(call, k, inp, at, checker, step0 + i + 1)
+                except StageFailed:
+                    # the others finish the step they are in (a step abandoned mid-flight
+                    # would leave its answer in the stream) and take no more
+                    failed = True
+                    for q in queues:
+                        q.put_nowait(None)
+                    raise
+                taken[k] += 1
+                (queues[k + 1].put_nowait if k + 1 < len(stages) else out.append)(h)
+
+        results = await asyncio.gather(*(run(k) for k in range(len(stages))),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, StageFailed):
+                raise r
+        if failed:
+            return min(pos + sum(int(c.shape[1]) for _, c in chunks[:k]) for k in taken)
+        return out[-1]
 
     async def relay(self, call: CallState, x: torch.Tensor, pos: int,
                     checker: SanityChecker) -> torch.Tensor:
@@ -141,27 +214,33 @@ class DecodeLoop:
                       checker: SanityChecker) -> torch.Tensor:
         """Stages `k0..` in order; raises `StageFailed` for the first that fails."""
         for k in range(k0, len(call.stages)):
-            st = call.stages[k]
-            t = time.perf_counter()
-            try:
-                res = await st.channel.step(call.step, pos, x, call.params.timeout_s)
-                # a wrong shape or dtype is corruption too (M26 §5.8): failover
-                checker.check(st.shard_id, st.stage.end, res.tensor, shape=x.shape,
-                              dtype=st.channel.wire_dtype)
-            except StreamStalled as e:  # the transport's stall is the pipeline's (M26 §6)
-                raise StageFailed(k, PipelineStalled(f"{st.shard_id}: {e.message}"), x) from e
-            except HearthNetError as e:
-                raise StageFailed(k, e, x) from e
-            rtt = (time.perf_counter() - t) * 1000
-            st.history.append(x)
-            overhead = rtt - res.compute_us / 1000
-            st.rtt_ms.add(rtt)
-            st.overhead_ms.add(overhead)
-            st.latency.observe(rtt)
-            st.overhead.observe(overhead)
-            self.health.observe_latency(st.shard_id, rtt)
-            x = res.tensor
+            x = await self.one(call, k, x, pos, checker, call.step)
         return x
+
+    async def one(self, call: CallState, k: int, x: torch.Tensor, pos: int,
+                  checker: SanityChecker, step: int) -> torch.Tensor:
+        """Stage `k`'s step on `x` at `pos`: checked, recorded for replay and measured;
+        raises `StageFailed`."""
+        st = call.stages[k]
+        t = time.perf_counter()
+        try:
+            res = await st.channel.step(step, pos, x, call.params.timeout_s)
+            # a wrong shape or dtype is corruption too (M26 §5.8): failover
+            checker.check(st.shard_id, st.stage.end, res.tensor, shape=x.shape,
+                          dtype=st.channel.wire_dtype)
+        except StreamStalled as e:  # the transport's stall is the pipeline's (M26 §6)
+            raise StageFailed(k, PipelineStalled(f"{st.shard_id}: {e.message}"), x) from e
+        except HearthNetError as e:
+            raise StageFailed(k, e, x) from e
+        rtt = (time.perf_counter() - t) * 1000
+        st.history.append(x)
+        overhead = rtt - res.compute_us / 1000
+        st.rtt_ms.add(rtt)
+        st.overhead_ms.add(overhead)
+        st.latency.observe(rtt)
+        st.overhead.observe(overhead)
+        self.health.observe_latency(st.shard_id, rtt)
+        return res.tensor
 
 
 def embed_for_wire(head: ClientHead, token_ids: list[int], wire: torch.dtype) -> torch.Tensor:

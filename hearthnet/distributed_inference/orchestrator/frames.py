@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from hearthnet.distributed_inference.engine.generation import Generation, TokenEvent
+from hearthnet.distributed_inference.engine.speculation import SpecStats
 from hearthnet.frames import Done, TokenDelta
 
 
@@ -23,7 +24,7 @@ def token_frame(ev: TokenEvent) -> TokenDelta:
 def done_frame(gen: Generation, *, t0: float, first_ms: float, tokens_per_s: float,
                pipeline: list[str], timings: dict[str, Any] | None = None,
                formats: dict[str, Any] | None = None, failovers: int | None = None,
-               fallback: bool = False) -> Done:
+               fallback: bool = False, speculative: SpecStats | None = None) -> Done:
     """The final frame of a successful call.
 
     Args:
@@ -35,10 +36,12 @@ def done_frame(gen: Generation, *, t0: float, first_ms: float, tokens_per_s: flo
         timings: more entries of ``timings`` (construction, failover, per shard).
         formats: the head's and the stages' weight formats; failovers: the pipeline's
             count; fallback: the local engine finished the answer.
+        speculative: the call's speculation statistics (DESIGN.md decision 16).
     """
     return Done(gen.finish_reason,
                 {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.tokens)},
                 {"first_token_ms": round(first_ms, 1),
                  "tokens_per_second": round(tokens_per_s, 2),
                  "total_ms": round((time.perf_counter() - t0) * 1000, 1), **(timings or {})},
-                tuple(pipeline), formats=formats, failovers=failovers, fallback=fallback)
+                tuple(pipeline), formats=formats, failovers=failovers, fallback=fallback,
+                speculative=speculative.as_dict() if speculative is not None else None)

@@ -46,6 +46,7 @@ CALL_PARAMS: dict[str, Rule] = {
     "timeout_s": Rule(float, 0.1, 600),
     "fallback_after_failures": Rule(int, 1, 256),
     "weights": Rule(str),
+    "speculate": Rule(str),
 }
 
 

@@ -35,6 +35,13 @@ from hearthnet.distributed_inference.engine.base import ClientHead
 from hearthnet.distributed_inference.engine.generation import Generation, PromptLimits, TokenEvent
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.local import LocalEngine, LocalTimings
+from hearthnet.distributed_inference.engine.speculation import (
+    DEFAULT_MAX_PROPOSED,
+    DraftProposer,
+    LookupProposer,
+    Speculator,
+    check_draft_tokenizer,
+)
 from hearthnet.distributed_inference.orchestrator.calls import (
     CallState,
     Connector,
@@ -52,6 +59,7 @@ from hearthnet.distributed_inference.orchestrator.sanity import (
 )
 from hearthnet.distributed_inference.orchestrator.wire import WirePlan
 from hearthnet.errors import (
+    BadRequest,
     ExperimentalDisabled,
     HearthNetError,
     InternalError,
@@ -90,7 +98,8 @@ class PipelineOrchestrator:
                  sign_open: OpenSigner | None = None, max_concurrent_pipelines: int = 4,
                  local_weights: str = "fp32", limits: PromptLimits | None = None,
                  prefill_chunk_tokens: int = 256, head_device: str = "cpu",
-                 batch_window_ms: float = 2.0) -> None:
+                 batch_window_ms: float = 2.0, draft_models: dict[str, str] | None = None,
+                 speculate_max_tokens: int = DEFAULT_MAX_PROPOSED) -> None:
         self.models, self.router, self.health, self.metrics = models, router, health, metrics
         self.connect, self.executor = connect, executor
         self.defaults = defaults or DistributedChatParams()
@@ -104,6 +113,13 @@ class PipelineOrchestrator:
         self._locals: dict[HeadKey, LocalEngine] = {}
         self._local_locks: dict[HeadKey, asyncio.Lock] = {}
         self._head_lock = asyncio.Lock()
+        # DESIGN.md decision 16: a model's draft model (by alias), loaded on first use
+        self.draft_models = dict(draft_models or {})
+        self.speculate_max_tokens = max(1, speculate_max_tokens)
+        self._drafts: dict[HeadKey, LocalEngine] = {}
+        self._draft_lock = asyncio.Lock()
+        # per model alias and mode: passes, proposed and accepted so far (the status page)
+        self.speculation: dict[str, dict[str, dict[str, int]]] = {}
         self._slots = asyncio.Semaphore(max_concurrent_pipelines)
         self.local_weights = local_weights  # the head's and local engine's format
         self.head_device = head_device  # where the head (and fallback) run (DESIGN.md decision 11)
@@ -151,19 +167,22 @@ class PipelineOrchestrator:
         # None until the prompt is tokenised: the handlers below also end a call that fails
         # before that (a chat template refusing the messages)
         gen: Generation | None = None
+        spec: Speculator | None = None
         outcome = "error"
         try:
             ids = head.chat_prompt_ids(request.messages)
             self.limits.check_prompt_ids(ids)  # the same limit as the local path
             gen = Generation(head.tokenizer, ids, params.sampling, head.eos_token_ids)
+            spec = await self._speculator(entry, head, gen, params)
             try:
                 call = await self._construct(entry, gen, params, wire)
             except (ShardUnavailable, WeightsMismatch) as e:
                 async for f in self._give_up(entry, gen, params, e.message, t0, None,
-                                             code=e.code):
+                                             code=e.code, spec=spec):
                     yield f
                 outcome = "fallback" if params.fallback_to_local else "aborted"
                 return
+            call.speculator = spec
             construct_ms = (time.perf_counter() - t0) * 1000
             self.metrics.pipeline_construct_ms.observe(construct_ms)
             for st in call.stages:
@@ -178,7 +197,7 @@ class PipelineOrchestrator:
                 for f in call.take_frames():
                     yield f
                 async for f in self._give_up(entry, gen, params, fb.reason, t0,
-                                             call.first_ms):
+                                             call.first_ms, spec=spec):
                     yield f
                 outcome = "fallback" if params.fallback_to_local else "aborted"
                 return
@@ -198,6 +217,9 @@ class PipelineOrchestrator:
             self.metrics.chats_total.labels(outcome).inc()
             if call is not None:
                 await self._close(call)
+            if spec is not None:
+                self._count(entry, spec)
+                spec.close()
 
     async def _head(self, entry: ModelEntry) -> _Prepared:
         """The model's head, sanity checker and calibration — all three, or a typed error.
@@ -224,7 +246,8 @@ class PipelineOrchestrator:
         """Drop what was kept for an earlier version of `key`'s alias (re-imported, or its
         template fixed in place): no call asks for it again, and a 7B head is GBs. Calls
         under way keep their own reference."""
-        for kept in (self._prepared, self._unusable, self._locals, self._local_locks):
+        for kept in (self._prepared, self._unusable, self._locals, self._local_locks,
+                     self._drafts):
             for k in [k for k in kept if k[0] == key[0] and k != key]:
                 del kept[k]
 
@@ -244,6 +267,59 @@ class PipelineOrchestrator:
                                 f"its {what} failed: {type(e).__name__}: {e}",
                                 model=entry.alias, stage=what) from e
         return _Prepared(head, SanityChecker(cal.bounds), cal)
+
+    async def _speculator(self, entry: ModelEntry, head: ClientHead, gen: Generation,
+                          params: DistributedChatParams) -> Speculator | None:
+        """The call's proposer (DESIGN.md decision 16), or None for ``speculate = "off"``.
+
+        Raises:
+            BadRequest: ``draft`` for a model with no draft model configured, or whose draft's
+                tokenizer differs — before any work.
+        """
+        max_k = self.speculate_max_tokens
+        if params.speculate == "off":
+            return None
+        if params.speculate == "lookup":
+            return Speculator("lookup", LookupProposer(), max_k)
+        draft = await self._draft(entry, head)
+        max_len = len(gen.prompt_ids) + params.sampling.max_tokens + 1
+        loop = asyncio.get_running_loop()
+        proposer = await loop.run_in_executor(self.executor, DraftProposer, draft, max_len)
+        return Speculator("draft", proposer, max_k, heavy=True)
+
+    def _count(self, entry: ModelEntry, spec: Speculator) -> None:
+        st = spec.stats
+        per = self.speculation.setdefault(entry.alias, {}).setdefault(
+            st.mode, {"passes": 0, "proposed": 0, "accepted": 0})
+        per["passes"] += st.passes
+        per["proposed"] += st.proposed
+        per["accepted"] += st.accepted
+        m = self.metrics
+        m.speculative_proposed_total.labels(entry.alias, st.mode).inc(st.proposed)
+        m.speculative_accepted_total.labels(entry.alias, st.mode).inc(st.accepted)
+        m.speculative_passes_total.labels(entry.alias, st.mode).inc(st.passes)
+
+    async def _draft(self, entry: ModelEntry, head: ClientHead) -> LocalEngine:
+        """The draft model's engine of `entry` (its `draft_models` alias), loaded once."""
+        name = self.draft_models.get(entry.alias) or self.draft_models.get(entry.model_id)
+        if name is None:
+            raise BadRequest(f"speculate = draft: no draft model is configured for "
+                             f"{entry.alias} on this node ([research.distributed_inference."
+                             f"draft_models]); use lookup or off", model=entry.alias,
+                             param="speculate")
+        draft_entry = self.models.get(name)  # ModelNotFound names it
+        key = draft_entry.head_key()
+        async with self._draft_lock:
+            if key not in self._drafts:
+                loop = asyncio.get_running_loop()
+                self._drafts[key] = await loop.run_in_executor(
+                    self.executor, lambda: LocalEngine(
+                        draft_entry, self.local_weights, head_weights=self.local_weights,
+                        device=self.head_device, limits=self.limits))
+        engine = self._drafts[key]
+        check_draft_tokenizer(head.tokenizer, engine.head.tokenizer, entry.alias,
+                              draft_entry.alias)
+        return engine
 
     async def _construct(self, entry: ModelEntry, gen: Generation,
                          params: DistributedChatParams, wire: WirePlan) -> CallState:
@@ -374,24 +450,26 @@ class PipelineOrchestrator:
 
     async def _give_up(self, entry: ModelEntry, gen: Generation, params: DistributedChatParams,
                        reason: str, t0: float, first_ms: float | None,
-                       code: str = "shard_unavailable") -> AsyncIterator[StreamFrame]:
+                       code: str = "shard_unavailable", spec: Speculator | None = None
+                       ) -> AsyncIterator[StreamFrame]:
         """The pipeline cannot go on: continue locally, or abort (M26 §5.4)."""
         if params.fallback_to_local and code != "weights_mismatch":
-            async for f in self._continue_locally(entry, gen, reason, t0, first_ms):
+            async for f in self._continue_locally(entry, gen, reason, t0, first_ms, spec):
                 yield f
             return
         yield PipelineAborted(reason, None, len(gen.tokens))
         yield ErrorFrame(code, reason)
 
     async def _continue_locally(self, entry: ModelEntry, gen: Generation, reason: str,
-                                t0: float, first_ms: float | None) -> AsyncIterator[StreamFrame]:
+                                t0: float, first_ms: float | None,
+                                spec: Speculator | None = None) -> AsyncIterator[StreamFrame]:
         """Continue `gen` on the local engine (M26 §5.4 fallback), not restarted."""
         yield PipelineAborted(reason, "local", len(gen.tokens))
         self.metrics.fallback_to_local_total.inc()
         engine = await self._local(entry)
         loop = asyncio.get_running_loop()
         timings = LocalTimings()  # this call's own: concurrent fallbacks share the engine
-        it = engine.steps(gen, timings)
+        it = engine.steps(gen, timings, spec)
         end = object()
         try:
             while True:  # one executor job per prefill chunk or token: others interleave
@@ -412,7 +490,7 @@ class PipelineOrchestrator:
                          tokens_per_s=timings.decode_tokens_per_s, pipeline=["local"],
                          formats=call_formats(engine.head.format, [engine.stack.format], [],
                                               None, lossless_of(entry)),
-                         fallback=True)
+                         fallback=True, speculative=spec.stats if spec else None)
 
     async def _local(self, entry: ModelEntry) -> LocalEngine:
         """The one local engine of `entry`, built by the first caller: calls falling back
@@ -454,7 +532,8 @@ class PipelineOrchestrator:
                           timings={"construction_ms": round(construct_ms, 1),
                                    "failover_ms": [round(x, 1) for x in call.failover_ms],
                                    "per_shard": per_shard},
-                          failovers=len(call.failover_ms))
+                          failovers=len(call.failover_ms),
+                          speculative=call.speculator.stats if call.speculator else None)
 
     def _own_format(self, call: CallState) -> str:
         # a head's format follows from its weights' dtype alone: any head of them says it

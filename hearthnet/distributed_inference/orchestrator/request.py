@@ -13,7 +13,7 @@ from typing import Any
 
 from hearthnet.constants import DEFAULT_TIMEOUT_S
 from hearthnet.distributed_inference.directory.formats import DEFAULT_POLICY, check_policy
-from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.sampling import SamplingParams, check_speculate
 from hearthnet.distributed_inference.orchestrator.params import (
     CALL_PARAMS,
     check_params,
@@ -55,6 +55,9 @@ class DistributedChatParams:
     # formats that keep the stored weights), a minimum format, or "exact" (only the
     # orchestrator's own); see formats.check_policy
     weights: str = DEFAULT_POLICY
+    # how the orchestrator proposes tokens for each pass to verify (DESIGN.md decision 16):
+    # lookup (prompt lookup, no model), draft (the model's configured draft model) or off
+    speculate: str = "lookup"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], defaults: DistributedChatParams) -> DistributedChatParams:
@@ -72,6 +75,7 @@ class DistributedChatParams:
         out = dataclasses.replace(defaults, sampling=_sampling(d.get("sampling")), **given)
         check_wire_names(out.wire_dtype, out.wire_wide_dtype)
         check_policy(out.weights)
+        check_speculate(out.speculate)
         return out
 
 
