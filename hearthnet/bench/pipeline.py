@@ -252,7 +252,8 @@ def _run_speculative(args: argparse.Namespace, entry: Any, ranges: list[tuple[in
     figures["settings"].update(speculate=args.speculate, draft=args.draft)
     figures["speculative"] = _on_mesh(
         args, ranges, figures, entries, [],
-        lambda mesh: speculative.run_in(mesh.nodes["node-a"].uri, args))
+        lambda mesh: speculative.run_in(mesh.nodes["node-a"].uri, args,
+                                        mesh.wait_decode_steps))
     name = f"pipeline-speculative-{args.model}-{args.shards}" + \
         ("-netem" if figures["settings"]["netem"]["applied"] else "")
     figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from hearthnet.bench import PROMPTS, median, table
@@ -34,8 +35,11 @@ GOALS = {"edit": {"tokens_per_pass_min": 2.5, "ratio_to_off_min": 2.0},
          "plain": {"ratio_to_off_min": 0.95}}
 
 
-async def measure(uri: str, a: argparse.Namespace) -> dict[str, Any]:
-    """Every prompt × mode, `a.runs` times: figures per prompt and mode, and the goals."""
+async def measure(uri: str, a: argparse.Namespace,
+                  settle: Callable[[], Any] = lambda: None) -> dict[str, Any]:
+    """Every prompt × mode, `a.runs` times: figures per prompt and mode, and the goals.
+    `settle()` runs after the warm-ups (waits for the shards' compiled steps of passes,
+    which the first pass starts)."""
     from hearthnet.bench.chats import chat_frames, token_ids
 
     modes = ["off", *[m for m in a.speculate if m != "off"]]
@@ -43,6 +47,7 @@ async def measure(uri: str, a: argparse.Namespace) -> dict[str, Any]:
     for name, prompt in SPEC_PROMPTS.items():
         for m in modes:  # warm-up: compiled steps, the draft model loaded
             await chat_frames(uri, prompt, a.model, 8, speculate=m, wire_dtype=a.wire)
+        await asyncio.get_running_loop().run_in_executor(None, settle)
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for _ in range(a.runs):
             for m in modes:
@@ -106,6 +111,7 @@ def report(f: dict[str, Any]) -> str:
     return f"{t}\ngoals: {goals or 'none (lookup not measured)'}"
 
 
-def run_in(uri: str, a: argparse.Namespace) -> dict[str, Any]:
+def run_in(uri: str, a: argparse.Namespace,
+           settle: Callable[[], Any] = lambda: None) -> dict[str, Any]:
     """`measure` on a running mesh (blocking)."""
-    return asyncio.run(measure(uri, a))
+    return asyncio.run(measure(uri, a, settle))

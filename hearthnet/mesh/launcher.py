@@ -308,7 +308,7 @@ class LocalMesh:
         deadline = time.monotonic() + timeout
         while True:
             states = self.decode_steps()
-            if not any(v == "compiling" for v in states.values()):
+            if not any(v == "compiling" or ": compiling" in v for v in states.values()):
                 return states
             if time.monotonic() > deadline:
                 raise HearthNetError(f"decode steps still compiling after {timeout:.0f} s: "

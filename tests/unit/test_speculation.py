@@ -52,16 +52,16 @@ def _rows(*tokens: int) -> torch.Tensor:
 def test_lookup_proposes_the_continuation_of_the_latest_earlier_match():
     g = _gen([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8])
     g.tokens = [1, 2]  # ... 7 8 1 2: "1 2" last seen before "3 7 8"
-    assert LookupProposer().propose(g, 3) == [3, 7, 8]
+    assert LookupProposer(min_ngram=2).propose(g, 3) == [3, 7, 8]
     g.tokens = [1, 2, 3]  # the trigram "1 2 3" wins over the bigram "2 3"
-    assert LookupProposer().propose(g, 2) == [7, 8]
+    assert LookupProposer(min_ngram=2).propose(g, 2) == [7, 8]
     g.tokens = [30, 29]  # nothing like it before: no proposal
-    assert LookupProposer().propose(g, 4) == []
-    assert LookupProposer().propose(g, 0) == []
+    assert LookupProposer(min_ngram=2).propose(g, 4) == []
+    assert LookupProposer(min_ngram=2).propose(g, 0) == []
 
 
 def test_lookup_indexes_incrementally_and_never_matches_itself():
-    p = LookupProposer()
+    p = LookupProposer(min_ngram=2)
     g = _gen([5, 6, 7])
     g.tokens = [5, 6]
     assert p.propose(g, 4) == [7, 5, 6]  # the earlier "5 6", not the suffix itself
@@ -101,7 +101,7 @@ def test_acceptance_stops_at_eos_and_at_max_tokens():
 
 def test_proposals_never_outrun_the_answer():
     s = Speculator("lookup", LookupProposer(), max_k=8)
-    g = _gen([1, 2, 3, 4, 5, 6, 7, 8, 1, 2], max_tokens=4)
+    g = _gen([1, 2, 3, 4, 5, 6, 7, 8, 1, 2], max_tokens=4)  # "1 2 3" seen before
     g.tokens = [3]
     assert s.propose(g) == [4, 5]  # 3 left: 2 proposals and the pass's own token
 

@@ -17,7 +17,7 @@ Proposers:
 
 - `LookupProposer` — prompt lookup (Saxena 2023; transformers' ``prompt_lookup_num_tokens``,
   vLLM's n-gram proposer): the continuation of the latest earlier occurrence of the answer's
-  last n tokens in the prompt and the answer so far. No model; strong on summaries, edits,
+  last 3 tokens in the prompt and the answer so far. No model; strong on summaries, edits,
   code and chat history, silent where nothing repeats.
 - `DraftProposer` — a small model of the same tokenizer, held by the orchestrator, run greedily
   k steps ahead on its own KV cache.
@@ -55,9 +55,14 @@ class Proposer(Protocol):
 
 class LookupProposer:
     """Prompt lookup over `gen.all_ids`, indexed incrementally: an n-gram → the position
-    after its latest occurrence, for n in `min_ngram..max_ngram` (longest match first)."""
+    after its latest occurrence, for n in `min_ngram..max_ngram` (longest match first).
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
+    Three tokens must match by default: bigrams ("of the") recur in any answer, and each
+    failed pass costs more than a plain step (SmolLM2, int4, 64 tokens of four story
+    prompts: 27 bigram-or-longer proposals, 8 taken; trigrams: 13, 5 taken; an edit prompt
+    keeps 3.9 of its 4.5 tokens per pass)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 3) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._index: dict[tuple[int, ...], int] = {}
         self._seen = 0  # positions of all_ids whose n-grams ending before them are indexed

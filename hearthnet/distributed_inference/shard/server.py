@@ -240,8 +240,13 @@ class ShardServer:
         None while its layers are not loaded."""
         if self.stack is None or not isinstance(self.stack, LayeredStack):
             return None
-        return "; ".join(f"{k}: {v}" if k != f"{self.lo}-{self.hi}" else v
-                         for k, v in self.stack.compile_state().items()) or "eager"
+        whole = f"{self.lo}-{self.hi}"
+        parts = [f"{k}: {v}" if k != whole else v
+                 for k, v in self.stack.compile_state().items()]
+        if self.stack.compiled is not None:  # speculative passes' step, once asked for
+            parts += [f"passes{'' if k == whole else ' ' + k}: {v}"
+                      for k, v in self.stack.compiled.verify_state().items()]
+        return "; ".join(parts) or "eager"
 
     async def evict(self) -> None:
         """Free the weights (M26 §4.2); the next open reloads them."""
