@@ -45,13 +45,18 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30, check=False)
 
 
+class NetemUnavailable(RuntimeError):
+    """The delayed namespace could not be made here (no netem qdisc in the kernel, …)."""
+
+
 def run_inside(netem: str, argv: list[str]) -> dict[str, Any]:
     """Run ``hearthnet <argv>`` (a benchmark) in a namespace whose loopback delays packets
     by `netem` (tc netem arguments after ``delay``); its figures.
 
     Raises:
-        RuntimeError: the namespace or the delay could not be set up, or the benchmark failed
-            (with its stderr's end).
+        NetemUnavailable: the namespace or the delay could not be set up (the kernel has
+            no netem qdisc, …): nothing was measured.
+        RuntimeError: the benchmark failed (with its stderr's end).
     """
     ns = f"hnbench{os.getpid()}"
     out = Path(tempfile.mkdtemp(prefix="hearthnet-netem-")) / "figures.json"
@@ -61,7 +66,7 @@ def run_inside(netem: str, argv: list[str]) -> dict[str, Any]:
                      *shlex.split(netem))):
             r = _run(*cmd)
             if r.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+                raise NetemUnavailable(f"`{' '.join(cmd)}` failed: {r.stderr.strip()}")
         r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "hearthnet.cli",
                             *argv, "--output", str(out)], capture_output=True, text=True,
                            env={**os.environ, ENV: netem}, check=False)

@@ -147,8 +147,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.netem and not netem.inside(args.netem):
         why = netem.unavailable()
         if why is None:
-            figures = netem.run_inside(args.netem, sys.argv[1:])
-            return figures, _report_any(figures)
+            try:
+                figures = netem.run_inside(args.netem, sys.argv[1:])
+                return figures, _report_any(figures)
+            except netem.NetemUnavailable as e:
+                why = str(e)
         print(f"--netem {args.netem}: {why}; measuring on the plain loopback",
               file=sys.stderr)
         args.netem_unavailable = why
