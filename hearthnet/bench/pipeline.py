@@ -173,7 +173,6 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import torch
 
     from hearthnet.distributed_inference.engine.local import LocalEngine
-    from hearthnet.mesh.launcher import LocalMesh
     from hearthnet.models import ModelStore
 
     entry = ModelStore().get(args.model)
@@ -204,32 +203,21 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     engine = None if args.concurrency_only else LocalEngine(
         entry, args.weights, head_weights=head, device=args.device)
     figures["local_memory"] = proc_memory()  # this process: the local baseline's model
-    specs = _specs(args, ranges, head)
-    t0 = time.perf_counter()
-    root = Path(tempfile.mkdtemp(prefix="hearthnet-bench-"))
-    try:
-        mesh = LocalMesh(specs, root=root, model=args.model, threads=args.node_threads,
-                         models=single_model_dir(entry, root))
-        try:
-            mesh.start(timeout=1800.0)  # multi-GB shards take minutes to load
-            figures["mesh_start_s"] = round(time.perf_counter() - t0, 1)
-            figures["decode_steps"] = {"mesh": mesh.wait_decode_steps(),
-                                       "local": engine.wait_compiled() if engine else None}
-            def scrape() -> dict[str, str]:
-                return {n: mesh.metrics(n) for n in mesh.nodes}
 
-            uri = mesh.nodes["node-a"].uri
-            if engine is not None:
-                figures.update(asyncio.run(_measure(uri, engine, args)))
-            figures.update(asyncio.run(concurrency.measure(uri, args, scrape)))
-            figures["node_memory"] = {n: pid_memory(p.proc.pid) for n, p in mesh.nodes.items()
-                                      if p.proc is not None}
-        finally:
-            mesh.stop()
-    except HearthNetError as e:  # a node that did not start: say why before its logs go
-        raise HearthNetError(f"{e.message}\n{_log_tails(root)}") from e
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    def measure(mesh: Any) -> None:
+        figures["decode_steps"]["local"] = engine.wait_compiled() if engine else None
+
+        def scrape() -> dict[str, str]:
+            return {n: mesh.metrics(n) for n in mesh.nodes}
+
+        uri = mesh.nodes["node-a"].uri
+        if engine is not None:
+            figures.update(asyncio.run(_measure(uri, engine, args)))
+        figures.update(asyncio.run(concurrency.measure(uri, args, scrape)))
+        figures["node_memory"] = {n: pid_memory(p.proc.pid) for n, p in mesh.nodes.items()
+                                  if p.proc is not None}
+
+    _on_mesh(args, ranges, figures, [entry], [], measure)
     gpu = args.goals == "gpu" if args.goals else args.device != "cpu"
     source, goals = goals_for(args.model, args.shards, gpu)
     figures["goals_source"] = source
@@ -301,18 +289,20 @@ def _on_mesh(args: argparse.Namespace, ranges: list[tuple[int, int]],
     `entries`; the node logs' ends on a start failure."""
     from hearthnet.mesh.launcher import LocalMesh
 
+    t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="hearthnet-bench-"))
     try:
         mesh = LocalMesh(_specs(args, ranges, head_format(args.weights)) + extra, root=root,
                          model=args.model, threads=args.node_threads,
                          models=single_model_dir(entries, root))
         try:
-            mesh.start(timeout=1800.0)
+            mesh.start(timeout=1800.0)  # multi-GB shards take minutes to load
+            figures["mesh_start_s"] = round(time.perf_counter() - t0, 1)
             figures["decode_steps"] = {"mesh": mesh.wait_decode_steps()}
             return measure(mesh)
         finally:
             mesh.stop()
-    except HearthNetError as e:
+    except HearthNetError as e:  # a node that did not start: say why before its logs go
         raise HearthNetError(f"{e.message}\n{_log_tails(root)}") from e
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -69,7 +69,7 @@ def test_bench_local_measures_each_part_in_its_own_process(smollm2, tmp_path):
 
 
 def test_bench_pipeline_three_shards(smollm2, tmp_path):
-    f = _bench(["pipeline", "--shards", "3", "--tokens", "12", "--runs", "1",
+    f = _bench(["pipeline", "--shards", "3", "--tokens", "12", "--runs", "1", "--wire", "fp32",
                 "--concurrency", "1", "2"], tmp_path)
     assert f["layer_split"] == [[0, 9], [10, 19], [20, 29]]
     assert f["settings"]["node_torch_threads"] == 1

@@ -61,6 +61,26 @@ def test_compiled_step_gives_transformers_tokens(family, family_models, family_r
     diff = (logits - ref).abs().max().item()
     assert diff < 1e-4, f"{family}: compiled step's logits differ by {diff}"
     assert ref.argmax(-1).tolist() == toks
+    if family == "llama":  # one family is enough for the step of speculative passes
+        _speculative_pass_compiled(entry, stack, family_reference)
+
+
+def _speculative_pass_compiled(entry, stack, family_reference):
+    """A pass of a few rows (the last token and proposals, DESIGN.md decision 16) runs a
+    compiled step of its own, asked for by the first such pass, with transformers' logits."""
+    head = LayeredHead(entry)
+    ids = [*PROMPT, 302, 303, 304, 305, 306]
+    session = stack.open_session(0, stack.hi, 32)
+    session.forward(head.embed(ids[:3]), 0)
+    assert stack.compiled.rows_step_for(session, 4, 7) is None  # eager while it compiles
+    assert stack.compiled.wait_verify(0, stack.hi).startswith("compiled in ")
+    calls = stack.compiled.calls
+    rows = head.logits_rows([session.forward(head.embed(ids[3:7]), 3)])[0]  # positions 3..6
+    assert stack.compiled.calls == calls + 1
+    with torch.no_grad():
+        ref = family_reference(entry)(torch.tensor([ids[:7]])).logits[0, 3:7]
+    assert (rows - ref).abs().max().item() < 1e-4
+    session.close()
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
@@ -169,24 +189,3 @@ def test_a_one_shot_cli_exits_cleanly_while_its_step_still_compiles(smollm2, tmp
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tok/s" in r.stderr and "terminate called" not in r.stderr
 
-
-def test_a_speculative_pass_runs_its_own_compiled_step(family_models, family_reference,
-                                                       tmp_path):
-    """A pass of a few rows (the last token and proposals, DESIGN.md decision 16) runs a
-    compiled step of its own, asked for by the first such pass, with transformers' logits."""
-    entry = family_models[1]["llama"]
-    stack, state = _compiled_stack(entry, tmp_path)
-    assert state.startswith("compiled in "), state
-    head = LayeredHead(entry)
-    ids = [*PROMPT, 302, 303, 304, 305, 306]
-    session = stack.open_session(0, stack.hi, 32)
-    session.forward(head.embed(ids[:3]), 0)
-    assert stack.compiled.rows_step_for(session, 4, 7) is None  # eager while it compiles
-    assert stack.compiled.wait_verify(0, stack.hi).startswith("compiled in ")
-    calls = stack.compiled.calls
-    rows = head.logits_rows([session.forward(head.embed(ids[3:7]), 3)])[0]  # positions 3..6
-    assert stack.compiled.calls == calls + 1
-    with torch.no_grad():
-        ref = family_reference(entry)(torch.tensor([ids[:7]])).logits[0, 3:7]
-    assert (rows - ref).abs().max().item() < 1e-4
-    session.close()

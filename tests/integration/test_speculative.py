@@ -26,7 +26,7 @@ from tests.helpers.mesh import TestMesh
 pytestmark = pytest.mark.slow
 
 PLAIN = "Write a short poem about a lighthouse keeper."
-N = 32
+N = 24
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ async def test_lookup_hits_on_an_edit_and_answers_as_plain_passes(mesh, local_an
     assert done["type"] == "done", done
     assert _tokens(frames) == want
     spec = done["speculative"]
-    assert spec["mode"] == "lookup" and spec["accepted"] > N // 3, spec
+    assert spec["mode"] == "lookup" and spec["accepted"] >= N // 3, spec
     assert spec["tokens_per_pass"] >= 2.0 and spec["passes"] < N // 2, spec
     # every step of the answer is one pass through both shards: fewer steps than tokens
     assert all(s["steps"] == spec["passes"] + 1 for s in done["timings"]["per_shard"].values())
