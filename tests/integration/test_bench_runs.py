@@ -3,7 +3,9 @@
 Each test runs the real command as a subprocess: real node processes on 127.0.0.1, the
 real model. No timing is asserted — only that the figures exist, are consistent, and that
 no process is left behind. (The demo's own tests are in test_demo_bench.py; two files, so
-that two pytest workers run them side by side.)
+that two pytest workers run them side by side.) The two longest (bench local: six model
+processes; bench reach) run in `make bench` (``HEARTHNET_BENCH_TESTS=1``), keeping `make
+test` within its 15 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from hearthnet.distributed_inference.engine.quant import INT8_KERNEL
 from tests.helpers.processes import alive
@@ -45,6 +49,12 @@ def test_bench_local_refuses_an_unknown_model_in_one_line(smollm2, tmp_path):
     assert r.stderr.strip().count("\n") == 0 and "unknown model 'nosuch'" in r.stderr
 
 
+IN_MAKE_BENCH = pytest.mark.skipif(
+    os.environ.get("HEARTHNET_BENCH_TESTS") != "1",
+    reason="a long run of a benchmark command: `make bench` runs it (HEARTHNET_BENCH_TESTS=1)")
+
+
+@IN_MAKE_BENCH
 def test_bench_local_measures_each_part_in_its_own_process(smollm2, tmp_path):
     f = _bench(["local", "--model", "smollm2", "--tokens", "8", "--runs", "2",
                 "--against", "int8"], tmp_path)
@@ -89,6 +99,7 @@ def test_bench_pipeline_three_shards(smollm2, tmp_path):
                                "overhead_p95_ms"}
 
 
+@IN_MAKE_BENCH
 def test_bench_reach_splits_the_model_and_matches_the_local_engine(smollm2, tmp_path):
     f = _bench(["reach", "--model", "smollm2", "--weights", "int8", "--tokens", "6"], tmp_path)
     assert f["layer_split"] == [[0, 14], [15, 29]] and f["whole_model_mb"] > 0
