@@ -1,7 +1,9 @@
 """The concurrency part of `hearthnet bench pipeline` (M26 §5.3): continuous batching, measured.
 
 At each ``--concurrency`` level C, C greedy chats start at once through the orchestrating
-node (prompts cycled from `PROMPTS`), ``--runs`` times. Per level:
+node (prompts cycled from `PROMPTS`; with ``--context N`` each is put after a text that
+makes it about N tokens long, so every session decodes over a long cache), ``--runs``
+times. Per level:
 
 - aggregate tokens/s: all chats' completion tokens over the wall time of the round;
 - per-chat decode tokens/s (median over chats, from each `done` frame);
@@ -118,10 +120,29 @@ def agreement(chats: list[dict[str, Any]], prompts: list[str],
     return {"identical": same, "chats": len(chats), "first_divergences": sorted(firsts)}
 
 
+def level_prompts(tokenizer: Any, context: int | None) -> list[str]:
+    """`PROMPTS`, each after a text that brings it to about `context` tokens (if given)."""
+    if not context:
+        return list(PROMPTS)
+    from hearthnet.bench.flow import LINE
+
+    def length(k: int, p: str) -> int:
+        return len(tokenizer(LINE * k + p)["input_ids"])
+
+    per = max(1, len(tokenizer(LINE)["input_ids"]))
+    out = []
+    for p in PROMPTS:
+        k = max(0, (context - length(0, p)) // per)
+        while length(k + 1, p) <= context:  # repeated lines join into fewer tokens
+            k += 1
+        out.append(LINE * k + p)
+    return out
+
+
 async def solo_answers(uri: str, a: argparse.Namespace) -> dict[str, list[int]]:
     """Each prompt alone (also the warm-up of the levels)."""
     return {p: (await timed_chat(uri, p, a.model, a.tokens, wire_dtype=a.wire))["ids"]
-            for p in PROMPTS}
+            for p in a.level_prompts}
 
 
 async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
@@ -129,7 +150,7 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
     """`c` chats at once, `a.runs` times; see the module docstring."""
     aggs, per_chat, gaps, steady = [], [], [], []
     fallbacks = 0
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
+    prompts = [a.level_prompts[i % len(a.level_prompts)] for i in range(c)]
     agree: list[dict[str, Any]] = []
     before = scrape()
     for _ in range(a.runs):

@@ -90,6 +90,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=positive, nargs="+", default=[1, 2, 4],
                    help="concurrent chats for the aggregate figure (default 1 2 4; the "
                         "batching goals compare 8 with 1)")
+    p.add_argument("--context", type=positive, default=None, metavar="TOKENS",
+                   help="the concurrency levels' prompts made about TOKENS tokens long (a "
+                        "text before each), so every chat decodes over a long cache")
     p.add_argument("--concurrency-only", action="store_true",
                    help="only the concurrency levels: no local baseline, no wire comparison")
     p.add_argument("--batch-window-ms", type=float, default=None,
@@ -172,6 +175,7 @@ def _report_any(figures: dict[str, Any]) -> str:
 def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import torch
 
+    from hearthnet.distributed_inference.engine.head import LayeredHead
     from hearthnet.distributed_inference.engine.local import LocalEngine
     from hearthnet.models import ModelStore
 
@@ -200,6 +204,9 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         return _run_speculative(args, entry, ranges, figures)
     if args.flow:
         return _run_flow(args, entry, ranges, figures)
+    args.level_prompts = concurrency.level_prompts(
+        LayeredHead(entry, lm_head=False).tokenizer if args.context else None, args.context)
+    figures["settings"]["context_tokens"] = args.context
     engine = None if args.concurrency_only else LocalEngine(
         entry, args.weights, head_weights=head, device=args.device)
     figures["local_memory"] = proc_memory()  # this process: the local baseline's model
@@ -337,7 +344,11 @@ def _specs(args: argparse.Namespace, ranges: list[tuple[int, int]], head: str
         di["batch_window_ms"] = args.batch_window_ms
     if args.mixed_prefill_tokens is not None:
         di["mixed_prefill_tokens"] = args.mixed_prefill_tokens
+    if getattr(args, "context", None):  # room for the long prompts and their answers
+        di["max_prompt_tokens"] = max(4096, args.context + 256)
     host = {"device": args.device, "weights": args.weights}
+    if getattr(args, "context", None):
+        host["max_session_tokens"] = max(8192, args.context + args.tokens + 256)
     return [NodeSpec("node-a", extra_host=host,
                      extra_di={**di, "max_concurrent_pipelines": max(4, most),
                                "weights": policy_for(args.weights)})] + [
@@ -470,9 +481,12 @@ def report(f: dict[str, Any]) -> str:
     conc = concurrency.report(f["concurrency"], f["concurrency_goals"])
     if "local" not in f:  # --concurrency-only
         mem = ", ".join(f"{n} {m['peak_rss_mb']} MiB" for n, m in f["node_memory"].items())
+        ctx = f["settings"].get("context_tokens")
         return (f"bench pipeline --concurrency-only: {f['model_id']}, {f['shards']} shards "
-                f"{f['layer_split']}, weights {f['settings']['weights']}, {f['tokens']} "
-                f"tokens per chat, median of {f['runs']} runs\n{conc}\npeak RSS: nodes {mem}"
+                f"{f['layer_split']}, weights {f['settings']['weights']}, "
+                f"{f'prompts of about {ctx} tokens, ' if ctx else ''}{f['tokens']} tokens "
+                f"per chat, median of {f['runs']} runs, on {f['machine']['cpu']} "
+                f"({f['machine']['cpus']} CPUs)\n{conc}\npeak RSS: nodes {mem}"
                 f"\nwritten to {f['results_file']}")
     lo = f["local"]
     rows = [["local (1 process)", f["settings"]["local_torch_threads"],

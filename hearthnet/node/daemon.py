@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import json
 import os
 import signal
@@ -359,8 +360,10 @@ class Node:
         """Load layers `lo..hi` of `entry` held as `weights` (default: the host's) on
         `device` (default: the host's), serve and advertise them."""
         host = self.cfg.di.host
-        shard = ShardServer(
-            entry, lo, hi, node_id=self.node_id, endpoint=self.endpoint,
+        # built off the event loop: planning reads the model's config, whose first read
+        # imports transformers (seconds on a busy machine, and /status must keep answering)
+        shard = await asyncio.to_thread(functools.partial(
+            ShardServer, entry, lo, hi, node_id=self.node_id, endpoint=self.endpoint,
             settings=ShardSettings(
                 max_concurrent_streams=max_concurrent_streams,
                 eviction_idle_s=host.shard_eviction_idle_seconds,
@@ -375,7 +378,7 @@ class Node:
                 compile_dir=compile_dir_of(entry), incarnation=self.incarnation,
                 batch_window_ms=self.cfg.di.batch_window_ms,
                 mixed_prefill_tokens=self.cfg.di.mixed_prefill_tokens),
-            executor=self.executor, metrics=self.metrics)
+            executor=self.executor, metrics=self.metrics))
         async with progress(log, "shard_load", model=entry.alias, layers=[lo, hi]):
             await shard.start()
         self.shards[shard.shard_id] = shard

@@ -64,6 +64,27 @@ def test_graph_decode_gives_the_eager_tokens(tiny, family):
     assert _tokens(graphs) == got  # a second session replays the first one's graph
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma2"])
+def test_batched_rows_on_the_gpu_equal_solo_steps(tiny, family):
+    """Rows of several sessions in one forward, each attending over its own cache where it
+    lies (sdpa; eager soft-capping), equal each session's solo (graph-captured) steps."""
+    stack = LayeredStack(tiny(family), 0, 5, device="cuda")
+    prompts = [9, 3, 14]  # shorter and longer than the sliding windows
+    g = torch.Generator().manual_seed(0)
+    solo = [stack.open_session(0, 5, 64) for _ in prompts]
+    batch = [stack.open_session(0, 5, 64) for _ in prompts]
+    for a, b, n in zip(solo, batch, prompts, strict=True):
+        x = torch.randn(1, n, stack.hidden_size, generator=g)
+        torch.testing.assert_close(a.forward(x, 0), b.forward(x, 0))
+    for t in range(4):
+        xs = [torch.randn(1, 1, stack.hidden_size, generator=g) for _ in prompts]
+        starts = [n + t for n in prompts]
+        want = torch.cat([s.forward(x, p) for s, x, p in zip(solo, xs, starts, strict=True)])
+        got = stack.decode_batch(batch, xs, starts)
+        assert got.device.type == "cuda"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_split_stacks_equal_the_local_engine_on_cuda(tiny):
     entry = tiny("qwen2")
     local = LocalEngine(entry, device="cuda")

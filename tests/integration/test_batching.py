@@ -2,7 +2,8 @@
 
 Tiny random-weight models of every family (sliding windows, eager soft-capped attention,
 dynamic rope): three sessions with prompts of different lengths decode together through
-`LayeredStack.decode_batch`, and every row equals the same session's solo step.
+`LayeredStack.decode_batch`, and every row equals the same session's solo step; each row
+attends over its own cache where it lies (no history copied).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from hearthnet.distributed_inference.engine import attention
+from hearthnet.distributed_inference.engine.kv_cache import SegmentsKV
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.errors import BadRequest
 from tests.helpers.tiny_models import FAMILIES
@@ -45,6 +48,50 @@ def test_batched_rows_equal_solo_steps(family, family_store):
         got = stack.decode_batch(batch, xs, starts)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert [s.length for s in batch] == [n + DECODE for n in PROMPTS]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])  # sdpa; eager soft-capping
+def test_batched_rows_read_their_own_caches_in_place(family, family_store, monkeypatch):
+    """No history is gathered, padded or copied: the keys every row attends over are a
+    view of its own session's slot holding just the positions it may see (a sliding
+    window is a shorter view of it)."""
+    stack = LayeredStack(family_store[family], 0, 3)
+    sessions = [stack.open_session(0, 3, 32) for _ in PROMPTS]
+    for i, (s, n) in enumerate(zip(sessions, PROMPTS, strict=True)):
+        s.forward(_inputs(i, n), 0)
+    seen: list[tuple[int, int, int]] = []
+    real = SegmentsKV.histories
+
+    def spy(self: SegmentsKV, layer_idx: int) -> Any:
+        got = real(self, layer_idx)
+        seen.extend((layer_idx, k.untyped_storage().data_ptr(), int(k.shape[2]))
+                    for k, _, _ in got)
+        return got
+
+    monkeypatch.setattr(SegmentsKV, "histories", spy)
+    stack.decode_batch(sessions, [_inputs(50 + i, 1) for i in range(len(PROMPTS))], PROMPTS)
+    window = stack.sliding_window
+    assert window is not None and any(n + 1 > window for n in PROMPTS)
+    assert seen == [(layer, s.slot.keys[layer].untyped_storage().data_ptr(),
+                     min(n + 1, window) if kind == "sliding_attention" else n + 1)
+                    for layer, kind in enumerate(stack.layer_types[:4])
+                    for s, n in zip(sessions, PROMPTS, strict=True)]
+
+
+def test_one_query_of_a_gqa_family_equals_transformers_sdpa(family_store):
+    """A decode query's heads grouped under their key/value head (the CPU's faster path)
+    give transformers' own sdpa result."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    stack = LayeredStack(family_store["llama"], 0, 0)
+    module = stack.layers[0].self_attn
+    assert module.num_key_value_groups == 2
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = (torch.randn(1, 2, 40, 16, generator=g)[:, :, :23] for _ in range(2))
+    want, _ = sdpa_attention_forward(module, q, k, v, None, scaling=module.scaling)
+    got, _ = attention.one_session(module, q, k, v, None, scaling=module.scaling)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_batch_redo_rewinds_each_row(family_store):

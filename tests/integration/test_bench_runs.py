@@ -4,8 +4,10 @@ Each test runs the real command as a subprocess: real node processes on 127.0.0.
 real model. No timing is asserted — only that the figures exist, are consistent, and that
 no process is left behind. (The demo's own tests are in test_demo_bench.py; two files, so
 that two pytest workers run them side by side.) The two longest (bench local: six model
-processes; bench reach) run in `make bench` (``HEARTHNET_BENCH_TESTS=1``), keeping `make
-test` within its 15 minutes on 2 cores.
+processes; bench reach) and bench pipeline's and bench failover's full runs are checked in
+`make bench` (``HEARTHNET_BENCH_TESTS=1``), keeping `make test` within its 15 minutes on 2
+cores; the behaviour they measure is tested in `make test` by test_mesh_chat,
+test_batching_mesh and test_failover.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from hearthnet.distributed_inference.engine.quant import INT8_KERNEL
+from tests.helpers.marks import IN_MAKE_BENCH
 from tests.helpers.processes import alive
 
 CLI = [sys.executable, "-m", "hearthnet.cli"]
@@ -49,10 +50,6 @@ def test_bench_local_refuses_an_unknown_model_in_one_line(smollm2, tmp_path):
     assert r.stderr.strip().count("\n") == 0 and "unknown model 'nosuch'" in r.stderr
 
 
-IN_MAKE_BENCH = pytest.mark.skipif(
-    os.environ.get("HEARTHNET_BENCH_TESTS") != "1",
-    reason="a long run of a benchmark command: `make bench` runs it (HEARTHNET_BENCH_TESTS=1)")
-
 
 @IN_MAKE_BENCH
 def test_bench_local_measures_each_part_in_its_own_process(smollm2, tmp_path):
@@ -78,6 +75,7 @@ def test_bench_local_measures_each_part_in_its_own_process(smollm2, tmp_path):
     assert f["parts"]["lower"]["param_mb"] == f["parts"]["upper"]["param_mb"]
 
 
+@IN_MAKE_BENCH
 def test_bench_pipeline_three_shards(smollm2, tmp_path):
     f = _bench(["pipeline", "--shards", "3", "--tokens", "12", "--runs", "1", "--wire", "fp32",
                 "--concurrency", "1", "2"], tmp_path)
@@ -117,6 +115,7 @@ def test_bench_reach_splits_the_model_and_matches_the_local_engine(smollm2, tmp_
         f["max_shard_peak_rss_mb"] < f["local"]["peak_rss_mb"] / 2)
 
 
+@IN_MAKE_BENCH
 def test_bench_failover_kills_the_last_stage_and_keeps_the_answer(smollm2, tmp_path):
     f = _bench(["failover", "--tokens", "24", "--kill-after", "6"], tmp_path)
     (r,) = f["runs_detail"]
@@ -126,3 +125,18 @@ def test_bench_failover_kills_the_last_stage_and_keeps_the_answer(smollm2, tmp_p
     assert r["pipeline_after"][-1] != r["victim_shard"]
     assert r["kill_to_next_token_ms"] is not None and r["completion_tokens"] == 24
     assert f["tokens_identical"]
+
+
+def test_context_prompts_are_about_the_asked_length(smollm2):
+    """`bench pipeline --context N`: each concurrency prompt after a text that makes it
+    about N tokens (within one repeated line), still ending in its own question."""
+    from hearthnet.bench import PROMPTS, concurrency
+    from hearthnet.bench.flow import LINE
+    from hearthnet.distributed_inference.engine.head import LayeredHead
+
+    tok = LayeredHead(smollm2, lm_head=False).tokenizer
+    assert concurrency.level_prompts(tok, None) == list(PROMPTS)
+    line = len(tok(LINE)["input_ids"])
+    prompts = concurrency.level_prompts(tok, 2000)
+    assert [p[-len(q):] for p, q in zip(prompts, PROMPTS, strict=True)] == list(PROMPTS)
+    assert all(2000 - line - 8 <= len(tok(p)["input_ids"]) <= 2000 + 8 for p in prompts)

@@ -130,13 +130,13 @@ async def test_concurrent_decode_steps_share_a_forward_and_match_solo(shard, lla
     await wait_until(lambda: server.active == 0, "every session closed")
 
 
-def _spy_decode_batch(server: ShardServer, monkeypatch: Any, fail: bool = False
-                      ) -> list[tuple[int, bool]]:
-    """Record (rows, any row NaN) of every batched decode forward; with `fail`, each one
-    raises after being recorded."""
+def _spy_batches(server: ShardServer, monkeypatch: Any, fail: bool = False
+                 ) -> list[tuple[int, bool]]:
+    """Record (rows, any row NaN) of every batched forward; with `fail`, each one raises
+    after being recorded."""
     assert isinstance(server.stack, LayeredStack)
     calls: list[tuple[int, bool]] = []
-    real = server.stack.decode_batch
+    real = server.stack.forward_packed
 
     def spy(sessions: Any, xs: list[torch.Tensor], starts: Any) -> Any:
         calls.append((len(sessions), any(bool(x.isnan().any()) for x in xs)))
@@ -144,13 +144,13 @@ def _spy_decode_batch(server: ShardServer, monkeypatch: Any, fail: bool = False
             raise RuntimeError("simulated failure of the batched forward")
         return real(sessions, xs, starts)
 
-    monkeypatch.setattr(server.stack, "decode_batch", spy)
+    monkeypatch.setattr(server.stack, "forward_packed", spy)
     return calls
 
 
 async def test_a_nan_row_fails_only_its_own_session(shard, llama, monkeypatch):
     server, uri = shard
-    calls = _spy_decode_batch(server, monkeypatch)
+    calls = _spy_batches(server, monkeypatch)
     # decoding in lockstep: the bad row is in a batch with the two others
     runs = await _together(server, uri, 3, bad=1)
     bad = runs[1][1]
@@ -161,7 +161,7 @@ async def test_a_nan_row_fails_only_its_own_session(shard, llama, monkeypatch):
 
 async def test_a_failed_batched_forward_runs_each_row_alone(shard, llama, monkeypatch):
     server, uri = shard
-    calls = _spy_decode_batch(server, monkeypatch, fail=True)
+    calls = _spy_batches(server, monkeypatch, fail=True)
     runs = await _together(server, uri, 2)
     _assert_solo(llama, runs)
     # every round was a real batch that failed, then its rows ran alone
@@ -188,7 +188,8 @@ async def test_a_mixed_round_packs_prefill_chunks_with_decode_rows(shard, llama,
     """Issue 16 §1 (mixed rounds): one round of two decode rows, a fresh prefill, a prefill
     chunk after an existing history and a bad chunk (a gap) runs as ONE packed forward;
     the bad row gets its `BadRequest` alone and every other row equals its solo step.
-    A non-finite chunk then makes the round's rows run alone: only its session is hurt."""
+    A non-finite chunk in a round then fails its own session only: the rows share no
+    attention, so the other row of that forward is still its solo step."""
     server, _ = shard
     stack = server.stack
     assert isinstance(stack, LayeredStack)
@@ -217,7 +218,8 @@ async def test_a_mixed_round_packs_prefill_chunks_with_decode_rows(shard, llama,
     nan = StepJob(sessions[4], None, torch.full((1, 2, 64), float("nan")), 2, 2, torch.float32)
     good = StepJob(sessions[0], None, _x(25, 1), 6, 2, torch.float32)
     out = server._run_steps([good, nan])
-    assert len(calls) == 2  # packed, found non-finite, then each row alone
+    assert calls == [4, 2]  # one packed forward each, no re-run
+    assert isinstance(out[1], StepFailed) and "non-finite" in out[1].message
     want = _solo(llama, [_x(0, 5), xs[0], _x(25, 1)])[-1]
     torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
     for s in sessions:

@@ -110,105 +110,71 @@ def _as_mask(allowed: torch.Tensor, additive_dtype: torch.dtype | None) -> torch
     return torch.where(allowed, zero, torch.finfo(additive_dtype).min)
 
 
-class BatchKV:
-    """The `past_key_values` of one batched decode step of several sessions (DESIGN.md decision 12).
+class SegmentsKV:
+    """The cache of one forward over several sessions (DESIGN.md decision 12): decode rows
+    and prefill chunks alike, packed along the sequence dimension, ``(1, N, H)``.
 
-    Row ``b`` is one position of session ``b``: its key/value is written into that
-    session's own `KVSlot` at its own position (the slots are never merged or moved), and
-    the layer attends over the rows' histories gathered into one zero-padded tensor of the
-    longest row's length. Padding is zeros, never a slot's stale entries (a slot reused
-    after a failed session may hold non-finite values, and ``0 · inf`` would poison a
-    row), and the per-row mask (`batch_attention_mask`) keeps every query inside its own
-    row's length.
-    """
-
-    def __init__(self, slots: list[KVSlot], positions: torch.Tensor, lengths: list[int]) -> None:
-        self.slots, self.positions, self.lengths = slots, positions, lengths
-        self.start = slots[0].start
-        self.kv_len = max(lengths)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write each row at its position in its slot; (B, kv_heads, kv_len, head_dim)."""
-        i = layer_idx - self.start
-        b, heads, _, dim = key_states.shape
-        keys = key_states.new_zeros(b, heads, self.kv_len, dim)
-        values = value_states.new_zeros(b, heads, self.kv_len, dim)
-        for r, (slot, n) in enumerate(zip(self.slots, self.lengths, strict=True)):
-            k, v = slot.keys[i], slot.values[i]
-            at = self.positions[r:r + 1]
-            k.index_copy_(2, at, key_states[r:r + 1])
-            v.index_copy_(2, at, value_states[r:r + 1])
-            keys[r, :, :n] = k[0, :, :n]
-            values[r, :, :n] = v[0, :, :n]
-        return keys, values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.kv_len
-
-
-def batch_attention_mask(positions: torch.Tensor, kv_idx: torch.Tensor, window: int | None,
-                         additive_dtype: torch.dtype | None) -> torch.Tensor:
-    """(B, 1, 1, K) mask of one query per row at `positions` (B,): row ``b`` sees keys
-    ``≤ positions[b]`` (its own length; the zero padding beyond it never), windowed."""
-    return attention_mask(positions, kv_idx, window, additive_dtype).transpose(0, 2)
-
-
-class PackedKV:
-    """The `past_key_values` of one packed forward over several sessions (DESIGN.md decision 12:
-    mixed rounds, chunked prefill inside the decode forward as vLLM/Sarathi do).
-
-    The rows' positions lie one after another along the sequence dimension, ``(1, N, H)``:
-    segment ``r`` is ``counts[r]`` positions of session ``r`` from ``starts[r]`` on (a
+    Segment ``r`` is ``counts[r]`` positions of session ``r`` from ``starts[r]`` on (a
     decode row is one, a prefill chunk many). `update` writes each segment's keys/values
-    into its own session's `KVSlot` at its positions (the slots are never merged or
-    moved) and returns the sessions' histories, ``starts[r] + counts[r]`` positions each,
-    concatenated along the sequence dimension; `packed_attention_mask` keeps every query
-    inside its own session's history (block-diagonal, causal, windowed).
+    into its own session's `KVSlot` at its positions and nothing else: no history is
+    gathered, padded or concatenated. The attention (`attention.segments_attention`) then
+    runs each segment's queries over its own slot where it lies — a view of the positions
+    it may see (``lo..length``: the whole history, or the sliding window's part of it) —
+    so a step costs the new positions and the cached length read, never a copy of the
+    caches, and rows never share an attention computation (one session's non-finite
+    history cannot spoil another's row). `histories` gives the attention those views.
     """
 
     def __init__(self, slots: list[KVSlot], starts: list[int], counts: list[int],
+                 kinds: list[str], window: int | None, additive_dtype: torch.dtype | None,
                  device: torch.device) -> None:
-        self.slots, self.counts = slots, counts
+        self.slots, self.counts, self.kinds = slots, counts, kinds
         self.start = slots[0].start
         self.lengths = [p + t for p, t in zip(starts, counts, strict=True)]
         self.at = [torch.arange(p, p + t, device=device)
                    for p, t in zip(starts, counts, strict=True)]
-        self.kv_len = sum(self.lengths)
+        self.kv_len = max(self.lengths)
+        # per layer kind, per segment: (first key position it may see, its mask or None)
+        self.plans = {kind: [_segment_plan(at, p, n, window if kind == "sliding_attention"
+                                           else None, additive_dtype)
+                             for at, p, n in zip(self.at, starts, self.lengths, strict=True)]
+                      for kind in set(kinds)}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write each segment into its slot; (1, kv_heads, sum of histories, head_dim)."""
+        """Write each segment into its slot; the new keys/values themselves (the attention
+        reads the slots, `attend`)."""
         i = layer_idx - self.start
-        keys, values, off = [], [], 0
-        for slot, at, t, n in zip(self.slots, self.at, self.counts, self.lengths, strict=True):
-            k, v = slot.keys[i], slot.values[i]
-            k.index_copy_(2, at, key_states[:, :, off:off + t])
-            v.index_copy_(2, at, value_states[:, :, off:off + t])
-            keys.append(k[:, :, :n])
-            values.append(v[:, :, :n])
+        off = 0
+        for slot, at, t in zip(self.slots, self.at, self.counts, strict=True):
+            slot.keys[i].index_copy_(2, at, key_states[:, :, off:off + t])
+            slot.values[i].index_copy_(2, at, value_states[:, :, off:off + t])
             off += t
-        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        return key_states, value_states
+
+    def histories(self, layer_idx: int
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Per segment, the keys and values its queries may see — views of its own slot
+        (``lo..length``) — and its mask (None where none is needed)."""
+        i = layer_idx - self.start
+        return [(slot.keys[i][:, :, lo:n], slot.values[i][:, :, lo:n], mask)
+                for slot, n, (lo, mask) in zip(self.slots, self.lengths,
+                                               self.plans[self.kinds[i]], strict=True)]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_len
 
-    def mask(self, window: int | None, additive_dtype: torch.dtype | None) -> torch.Tensor:
-        """`packed_attention_mask` of this forward's segments."""
-        return packed_attention_mask(self.at, self.lengths, window, additive_dtype)
 
-
-def packed_attention_mask(query_positions: list[torch.Tensor], lengths: list[int],
-                          window: int | None, additive_dtype: torch.dtype | None
-                          ) -> torch.Tensor:
-    """(1, 1, N, K) block-diagonal mask of packed segments: segment ``r``'s queries at
-    ``query_positions[r]`` see only keys of segment ``r``'s history (``lengths[r]``
-    positions, in `PackedKV`'s concatenated order), causally and within the window."""
-    device = query_positions[0].device
-    q_pos = torch.cat(query_positions)
-    q_seg = torch.cat([torch.full_like(q, r) for r, q in enumerate(query_positions)])
-    k_pos = torch.cat([torch.arange(n, device=device) for n in lengths])
-    k_seg = torch.cat([torch.full((n,), r, dtype=torch.long, device=device)
-                       for r, n in enumerate(lengths)])
-    allowed = _allowed(q_pos, k_pos, window) & (k_seg.unsqueeze(0) == q_seg.unsqueeze(1))
-    return _as_mask(allowed, additive_dtype)
+def _segment_plan(at: torch.Tensor, first: int, length: int, window: int | None,
+                  additive_dtype: torch.dtype | None) -> tuple[int, torch.Tensor | None]:
+    """(first key position, mask) of queries at `at` (`first`..`length` − 1) over a history
+    of `length` positions: the keys before the window's reach are not read at all, and no
+    mask is needed where every query sees every key read (one query) or sdpa's own causal
+    flag does it (a prefill from position 0 within the window)."""
+    t = length - first
+    lo = max(0, first - window + 1) if window is not None else 0
+    if t == 1 or (first == 0 and additive_dtype is None and lo == 0
+                  and (window is None or length <= window)):
+        return lo, None
+    kv_idx = torch.arange(lo, length, device=at.device)
+    return lo, _as_mask(_allowed(at, kv_idx, window), additive_dtype)

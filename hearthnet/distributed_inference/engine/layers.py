@@ -6,8 +6,8 @@ updated by index; a step is one small function (`LayeredSession.step`, gpt-fast'
 `decode_one_token`), replayed as a captured CUDA graph for decode steps on a CUDA device,
 run as a compiled function on the CPU once it is ready (`compiled.CompiledDecode`,
 built in the background and cached in the data dir) and eager elsewhere. Batched decode
-steps of several sessions run as one forward (`LayeredStack.decode_batch`,
-`forward_packed`).
+steps of several sessions run as one forward (`LayeredStack.forward_packed`), each
+session's queries attending over its own cache where it lies (`attention`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import nn
 from hearthnet.distributed_inference.directory.formats import (
     resolve_format,
 )
+from hearthnet.distributed_inference.engine import attention
 from hearthnet.distributed_inference.engine.compiled import CompiledDecode
 from hearthnet.distributed_inference.engine.device import (
     MemoryBudget,
@@ -35,11 +36,9 @@ from hearthnet.distributed_inference.engine.families import (
     meta_base_model,
 )
 from hearthnet.distributed_inference.engine.kv_cache import (
-    BatchKV,
     KVSlot,
-    PackedKV,
+    SegmentsKV,
     attention_mask,
-    batch_attention_mask,
     capacity_for,
     slot_bytes,
 )
@@ -287,6 +286,7 @@ class LayeredStack:
             layer.eval()
             self.layers.append(layer)
             release_free_heap()  # the layer's conversion temporaries, not kept resident
+        attention.install(base.config, self.layers)  # batched rows attend in place
         self.rotary = _Rotary(self.config, base, str(entry.path), self.device)
         self.graphs = self.graphs and not self.rotary.dynamic  # data-dependent rope: eager
         del base
@@ -365,36 +365,11 @@ class LayeredStack:
     def decode_batch(self, sessions: list[LayeredSession], hidden: list[torch.Tensor],
                      starts: list[int]) -> torch.Tensor:
         """One decode position of each of several sessions over the same sub-range, run as
-        one forward (DESIGN.md decision 12): (B, 1, H) on the device, row ``b`` for ``sessions[b]``.
-
-        Weight reads dominate a decode step, so B rows cost about one. Each row keeps its
-        own cache (`BatchKV` writes into the session's slot), rotary position and length
-        (`batch_attention_mask`); rows never see each other. Eager on every device (a batch
-        of one takes the session's own, possibly graph-captured, `forward`).
-        """
-        first = sessions[0]
-        if self._check_rows(sessions, hidden, starts) != [1] * len(sessions):
+        one forward (DESIGN.md decision 12): (B, 1, H) on the device, row ``b`` for
+        ``sessions[b]`` (`forward_packed` with one position per session)."""
+        if [int(x.shape[1]) for x in hidden] != [1] * len(hidden):
             raise BadRequest("a decode batch takes one position per session")
-        h = torch.cat([x.to(self.device, self.dtype) for x in hidden])  # (B, 1, H)
-        positions = torch.tensor(starts, dtype=torch.long, device=self.device)
-        capacity = max(s.slot.capacity for s in sessions)
-        _, kv_idx = self.tables(capacity)
-        kv_idx = kv_idx[:max(starts) + 1]
-        cache = BatchKV([s.slot for s in sessions], positions, [p + 1 for p in starts])
-        masks = {kind: batch_attention_mask(
-            positions, kv_idx, self.sliding_window if kind == "sliding_attention" else None,
-            self.additive_mask) for kind in set(first._types)}
-        pe = {kind: (cos.transpose(0, 1), sin.transpose(0, 1)) for kind, (cos, sin) in
-              self._rotary_at(h.transpose(0, 1), positions, [1] * len(sessions),
-                              first._types, capacity).items()}  # (B, 1, D)
-        pos_ids = positions.unsqueeze(1)
-        for layer, kind in zip(first.layers, first._types, strict=True):
-            h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
-                      use_cache=True, position_embeddings=pe[kind],
-                      **{self.cache_arg: cache})
-        for s, p in zip(sessions, starts, strict=True):
-            s.advance(p + 1)
-        return h
+        return torch.cat(self.forward_packed(sessions, hidden, starts))
 
     def _check_rows(self, sessions: list[LayeredSession], hidden: list[torch.Tensor],
                     starts: list[int]) -> list[int]:
@@ -416,26 +391,27 @@ class LayeredStack:
     def forward_packed(self, sessions: list[LayeredSession], hidden: list[torch.Tensor],
                        starts: list[int]) -> list[torch.Tensor]:
         """Steps of several sessions over one sub-range — decode rows and prefill chunks
-        alike — as one forward (mixed rounds, DESIGN.md decision 12): their positions are packed
-        along the sequence dimension, ``(1, N, H)``, each with its own rotary position; a
-        `PackedKV` writes each session's keys/values into its own slot and a block-diagonal
-        mask keeps every token inside its own session's history. The layers' weights are
-        read once for all rows. Returns each session's output, ``(1, T_r, H)`` on the
-        device. Eager on every device."""
+        alike — as one forward (mixed rounds, DESIGN.md decision 12): their positions are
+        packed along the sequence dimension, ``(1, N, H)``, each with its own rotary
+        position, so the layers' weights are read once for all rows. A `SegmentsKV`
+        writes each session's keys/values into its own slot, and each session's queries
+        attend over its own slot where it lies (`attention.segments_attention`): no
+        history is copied, and rows never see each other. Returns each session's output,
+        ``(1, T_r, H)`` on the device. Eager on every device (a lone session takes its
+        own, possibly compiled or graph-captured, `forward`)."""
         first = sessions[0]
         counts = self._check_rows(sessions, hidden, starts)
         h = torch.cat([x.to(self.device, self.dtype) for x in hidden], dim=1)  # (1, N, H)
-        cache = PackedKV([s.slot for s in sessions], starts, counts, self.device)
+        cache = SegmentsKV([s.slot for s in sessions], starts, counts, first._types,
+                           self.sliding_window, self.additive_mask, self.device)
         positions = torch.cat(cache.at)
-        masks = {kind: cache.mask(self.sliding_window if kind == "sliding_attention" else None,
-                                  self.additive_mask) for kind in set(first._types)}
         pe = self._rotary_at(h, positions, counts, first._types,
                              max(s.slot.capacity for s in sessions))
         pos_ids = positions.unsqueeze(0)
         for layer, kind in zip(first.layers, first._types, strict=True):
-            h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
-                      use_cache=True, position_embeddings=pe[kind],
-                      **{self.cache_arg: cache})
+            h = layer(h, attention_mask=None, position_ids=pos_ids, use_cache=True,
+                      position_embeddings=pe[kind], **{self.cache_arg: cache,
+                                                       attention.SEGMENTS_KWARG: cache})
         for s, n in zip(sessions, cache.lengths, strict=True):
             s.advance(n)
         return list(torch.split(h, counts, dim=1))

@@ -12,7 +12,7 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
   own largest value, `x ≈ s·(hi + lo/(2·top))` (`split_rows`), both digits go through
   the GEMM as one batch (the weights are read once) and are recombined in fp32. Integer
   accumulation is exact, so a row's result does not depend on the batch it runs in.
-  `INT8_KERNEL`, chosen when the module is imported, is the first of these that torch has
+  `INT8_KERNEL`, chosen on first use, is the first of these that torch has
   here, computes a full-range product exactly and is not pathologically slow (a probe):
   - `onednn`: `torch.ops.onednn.qlinear_pointwise` (VNNI/AMX), 8-bit digits (~15 bits);
   - `fbgemm`: `quantized.linear_with_input_q_dq_qweight_dq_output_fp32` (AVX2, where
@@ -26,7 +26,7 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
   From a store that kept a GGUF's blocks (DESIGN.md decision 15) the Q4_0/Q4_1/Q4_K
   blocks are held as they are — int4 groups of 32 with the blocks' own scales and zeros,
   no second quantisation (`blocks.int4_groups`) — and their products run in one of the
-  kernel's two paths, `INT4_KERNEL`, chosen when the module is imported:
+  kernel's two paths, `INT4_KERNEL`, chosen on first use:
   - `int4pack-fp32`: fp32 scales, zeros, activations and outputs; exact — a product
     equals the fp32 de-quantised weights' to fp32 rounding — but torch's non-vectorised
     path (a 8960 × 1536 matrix and one row on an AVX-512 CPU: 13.7 ms, against 0.97 ms
@@ -237,7 +237,6 @@ def _int8_kernel() -> str:
     return next((k for k in exact if fast_enough(ms[k], ms["int8pack"])), "int8pack")
 
 
-INT8_KERNEL = _int8_kernel()  # what int8 products run in, in this process
 
 INT4_KERNELS = {"int4pack-fp32": torch.float32, "int4pack-bf16": torch.bfloat16}
 """The two paths of `_weight_int4pack_mm_for_cpu` for int4 held from Q4 blocks: the dtype
@@ -290,8 +289,48 @@ def int4_kernel(choice: str | None = None,
         return INT4_EXACT
 
 
-INT4_KERNEL = int4_kernel()  # what int4 products from Q4 blocks run in, in this process
-INT4_BLOCKS_DTYPE = INT4_KERNELS[INT4_KERNEL]  # its scales, zeros and activations
+# The kernel choices are probed on first use, not at import: a probe costs about two
+# seconds of CPU, which every node start, CLI call and test process would otherwise pay
+# (most never hold int8 or int4). Read them as module attributes (`quant.INT8_KERNEL`,
+# `INT4_KERNEL`: the path of int4 products from Q4 blocks, `INT4_BLOCKS_DTYPE`: its scales,
+# zeros and activations); a value set on the module (tests) is the one used.
+_CHOOSE: dict[str, Callable[[], Any]] = {
+    "INT8_KERNEL": _int8_kernel,
+    "INT4_KERNEL": int4_kernel,
+    "INT4_BLOCKS_DTYPE": lambda: INT4_KERNELS[int4_kernel_name()],
+}
+_choosing = threading.RLock()  # a choice may read another (the dtype: the kernel)
+
+
+def _chosen(name: str) -> Any:
+    g = globals()
+    if name not in g:
+        with _choosing:
+            if name not in g:
+                g[name] = _CHOOSE[name]()
+    return g[name]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CHOOSE:
+        return _chosen(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def int8_kernel_name() -> str:
+    """`INT8_KERNEL`: what int8 products run in, in this process."""
+    return str(_chosen("INT8_KERNEL"))
+
+
+def int4_kernel_name() -> str:
+    """`INT4_KERNEL`: the path int4 products from Q4 blocks run in, in this process."""
+    return str(_chosen("INT4_KERNEL"))
+
+
+def int4_blocks_dtype() -> torch.dtype:
+    """`INT4_BLOCKS_DTYPE`: the dtype of that path's scales, zeros and activations."""
+    dtype: torch.dtype = _chosen("INT4_BLOCKS_DTYPE")
+    return dtype
 
 
 def kernel_of(fmt: str, blocks: bool = False) -> str:
@@ -299,9 +338,9 @@ def kernel_of(fmt: str, blocks: bool = False) -> str:
     float format). `blocks`: the weights are a GGUF's kept blocks, whose Q4 linears run
     in the path of `INT4_BLOCKS_DTYPE`; int4 quantised at load always runs in bf16."""
     if fmt == "int4":
-        return next(k for k, d in INT4_KERNELS.items() if d == INT4_BLOCKS_DTYPE) \
+        return next(k for k, d in INT4_KERNELS.items() if d == int4_blocks_dtype()) \
             if blocks else "int4pack-bf16"
-    return INT8_KERNEL if fmt == "int8" else ""
+    return int8_kernel_name() if fmt == "int8" else ""
 
 
 def split_rows(x: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,7 +390,7 @@ class Int8Linear(nn.Module):
         self.top = 0  # packed: the kernel's digit range
         self._product: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.register_buffer("scales", scales.to(torch.bfloat16))
-        if keep_rows or INT8_KERNEL == "int8pack":
+        if keep_rows or int8_kernel_name() == "int8pack":
             self.register_buffer("weight_int8", q)
         else:
             self.pack(q)
@@ -366,16 +405,16 @@ class Int8Linear(nn.Module):
     def pack(self, q: torch.Tensor | None = None, *, drop_rows: bool = False) -> None:
         """Hold the weights (`q`, else `weight_int8`) packed for `INT8_KERNEL`, where it is
         an integer GEMM; `drop_rows`: then let the plain matrix go (held once)."""
-        if INT8_KERNEL == "int8pack" or self.packed:
+        if int8_kernel_name() == "int8pack" or self.packed:
             return
         w = self.weight_int8 if q is None else q
-        packed, self._product = _packed_product(INT8_KERNEL, w, self.scales.float())
-        if INT8_KERNEL == "onednn":
+        packed, self._product = _packed_product(int8_kernel_name(), w, self.scales.float())
+        if int8_kernel_name() == "onednn":
             self.register_buffer("weight_packed", packed)
         else:  # a script object, not a buffer: `packed_bytes` counts it
             self.fbgemm_packed = packed
-        self.top = _DIGITS[INT8_KERNEL]
-        self.kernel = INT8_KERNEL
+        self.top = _DIGITS[int8_kernel_name()]
+        self.kernel = int8_kernel_name()
         if drop_rows:
             self._buffers.pop("weight_int8", None)
 
@@ -441,7 +480,7 @@ class Int4Linear(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         sz = torch.stack((scales.t(), zeros.t()), dim=-1)  # (k / 32, n, 2), the kernel's
-        self._hold(q.int(), sz.to(dtype or INT4_BLOCKS_DTYPE), GROUP, bias)
+        self._hold(q.int(), sz.to(dtype or int4_blocks_dtype()), GROUP, bias)
         return self
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -542,7 +581,7 @@ def _plain(m: object) -> TypeGuard[Int8Linear]:
 
 def pack_int8(module: nn.Module) -> None:
     """Pack `module`'s plain int8 linears for oneDNN, `FUSE` siblings as one matrix."""
-    if INT8_KERNEL == "int8pack":
+    if int8_kernel_name() == "int8pack":
         return
     for parent in list(module.modules()):
         for names in FUSE:
@@ -657,7 +696,7 @@ def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool, ggml_type: str =
     if fmt == "int4" and linear and ggml_type:
         if ggml_type not in Q4_TYPES:
             return held_nbytes(shape, "int8", linear)
-        scale = torch.empty((), dtype=INT4_BLOCKS_DTYPE).element_size()
+        scale = torch.empty((), dtype=int4_blocks_dtype()).element_size()
         return n // 2 + (shape[1] // GROUP) * shape[0] * 2 * scale
     if fmt == "int8" and linear:
         return n + shape[0] * 2  # int8 values + one bf16 scale per output channel

@@ -124,21 +124,6 @@ class OpenRequest:
         return WireDtype.from_name(self.wire_dtype).torch_dtype
 
 
-
-
-PACKED_ATTENTION_MAX = 1 << 22
-"""Query × key positions above which a round's prefill chunks are not packed with its
-decode rows: a packed forward attends every query over every packed session's history (the
-mask hides the others), so long histories would make its attention cost more than the
-shared weight reads save."""
-
-
-def _packed_cost(jobs: Sequence[StepJob]) -> int:
-    """Query × key positions of `jobs`' packed attention (`PackedKV`)."""
-    queries = sum(int(j.x.shape[1]) for j in jobs)
-    return queries * sum(j.start_pos + int(j.x.shape[1]) for j in jobs)
-
-
 class ShardServer:
     """Hosts layers `[lo, hi]` of one stored model; see the module docstring."""
 
@@ -481,11 +466,10 @@ class ShardServer:
             return e
 
     def _batched(self, jobs: list[StepJob]) -> list[Any]:
-        """Rows that pass their session's checks run as one forward; a refused row gets its
-        `BadRequest` alone. A lone row takes its session's own forward (a CUDA graph on a
-        GPU), decode rows alone `decode_batch`, decode rows with prefill chunks
-        `forward_packed` — unless the packed attention would be too large
-        (`PACKED_ATTENTION_MAX`), when the chunks run alone after the decode rows."""
+        """Rows that pass their session's checks run as one forward (decode rows and
+        prefill chunks alike, `forward_packed`); a refused row gets its `BadRequest` alone.
+        A lone row takes its session's own forward (compiled on a CPU, a CUDA graph on a
+        GPU)."""
         out: list[Any] = [None] * len(jobs)
         ok: list[int] = []
         for i, job in enumerate(jobs):
@@ -495,32 +479,22 @@ class ShardServer:
                 ok.append(i)
             except BadRequest as e:
                 out[i] = e
-        decode = [i for i in ok if jobs[i].x.shape[1] == 1]
-        parts = [ok] if _packed_cost([jobs[i] for i in ok]) <= PACKED_ATTENTION_MAX \
-            else [decode] + [[i] for i in ok if i not in decode]
-        for part in parts:
-            for i, res in zip(part, self._forward_rows([jobs[i] for i in part]), strict=True):
-                out[i] = res
+        for i, res in zip(ok, self._forward_rows([jobs[i] for i in ok]), strict=True):
+            out[i] = res
         return out
 
     def _forward_rows(self, jobs: list[StepJob]) -> list[Any]:
         """`jobs` (distinct sessions, checked) as one forward; when it fails (out of
-        memory, a torch error) or a row comes out non-finite — packed rows share their
-        attention, so one session's non-finite history would spoil the others' — each
-        row runs alone, so only the sessions whose rows fail get an error."""
+        memory, a torch error) each row runs alone, so only the sessions whose rows fail
+        get an error. Rows share no attention (each reads its own cache), so a non-finite
+        row is its own session's failure (`_row_out`)."""
         if len(jobs) <= 1:
             return [self._solo(j) for j in jobs]
         sessions = [s for j in jobs if isinstance(s := j.session, LayeredSession)]
         stack = sessions[0].stack
-        xs, starts = [j.x for j in jobs], [j.start_pos for j in jobs]
         try:
-            if all(j.x.shape[1] == 1 for j in jobs):
-                h = stack.decode_batch(sessions, xs, starts)
-                rows = [h[r:r + 1] for r in range(len(jobs))]
-            else:
-                rows = stack.forward_packed(sessions, xs, starts)
-                if not all(bool(torch.isfinite(r).all()) for r in rows):
-                    raise FloatingPointError("a packed row is not finite")
+            rows = stack.forward_packed(sessions, [j.x for j in jobs],
+                                        [j.start_pos for j in jobs])
         except Exception as e:
             log.warning("batch_failed_rows_run_alone", shard_id=self.shard_id, rows=len(jobs),
                         error=type(e).__name__)
