@@ -5,12 +5,13 @@ transformers' decoder layers look their attention function up by the config's
 ``_attn_implementation`` in its `AttentionInterface` registry. A stack registers
 `segments_attention` there and points its layers' config at it (`install`); each attention
 module keeps the family's own function (sdpa, or the family's eager one, e.g. Gemma-2's
-soft-capping). A single session's step passes straight through to it, so solo, compiled
-and graph-captured steps run exactly as the family's. A forward over several sessions
-passes its `SegmentsKV` as the layer keyword ``hearthnet_segments``: each segment's
-queries then attend over a view of its own session's slot, one call of the family's
-function per segment (DESIGN.md decision 12; the cost of a batched step grows with the
-new positions and the cached length read, never with a copy of the caches).
+soft-capping). A single session's step passes straight through to it (`one_session`;
+one CPU decode query of a grouped-query family runs as grouped sdpa, the same product),
+so solo, compiled and graph-captured steps compute as the family's. A forward over several
+sessions passes its `SegmentsKV` as the layer keyword ``hearthnet_segments``: each
+segment's queries then attend over a view of its own session's slot, one call per segment
+(DESIGN.md decision 12; the cost of a batched step grows with the new positions and the
+cached length read, never with a copy of the caches).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def install(config: Any, layers: Any) -> None:
     if SEGMENTS_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(SEGMENTS_ATTENTION, segments_attention)
     name = config._attn_implementation or "eager"
+    if name == SEGMENTS_ATTENTION:  # installed already: the modules hold their functions
+        return
     for layer in layers:
         attn = getattr(layer, "self_attn", None)
         if attn is None or not hasattr(attn, "layer_idx"):
