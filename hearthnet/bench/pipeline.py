@@ -344,10 +344,9 @@ def _specs(args: argparse.Namespace, ranges: list[tuple[int, int]], head: str
         di["batch_window_ms"] = args.batch_window_ms
     if args.mixed_prefill_tokens is not None:
         di["mixed_prefill_tokens"] = args.mixed_prefill_tokens
+    host = {"device": args.device, "weights": args.weights}
     if getattr(args, "context", None):  # room for the long prompts and their answers
         di["max_prompt_tokens"] = max(4096, args.context + 256)
-    host = {"device": args.device, "weights": args.weights}
-    if getattr(args, "context", None):
         host["max_session_tokens"] = max(8192, args.context + args.tokens + 256)
     return [NodeSpec("node-a", extra_host=host,
                      extra_di={**di, "max_concurrent_pipelines": max(4, most),
