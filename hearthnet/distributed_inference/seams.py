@@ -93,6 +93,11 @@ class ShardStream(Protocol):
         """Send one step's output with the shard's compute time."""
         ...
 
+    def progress(self, waiting_since: float) -> None:
+        """The session's step, queued since `waiting_since` (the event loop's `time()`),
+        waits behind work that is making progress: tell the caller it is not stalled."""
+        ...
+
     async def send_error(self, err: HearthNetError, *, step: int | None = None) -> None:
         """Send `err` as a non-fatal error: the session stays open."""
         ...

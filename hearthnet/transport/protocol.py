@@ -216,6 +216,14 @@ class CloseReceived:
 
 
 @dataclass(frozen=True, slots=True)
+class PingReceived:
+    """The peer sent a PING (§3.6; its PONG is already queued). A shard PINGs a client whose
+    step waits behind other work that is making progress (§3.6a)."""
+
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
 class PongReceived:
     """Answer to a PING of ours (§3.6)."""
 
@@ -238,7 +246,7 @@ class ProtocolFailed:
 
 
 Event: TypeAlias = (OpenRequested | Accepted | StepReceived | CreditReceived | ErrorReceived
-         | CloseReceived | PongReceived | ProtocolFailed)
+         | CloseReceived | PingReceived | PongReceived | ProtocolFailed)
 
 
 class _Outgoing:
@@ -603,6 +611,7 @@ class StreamProtocol:
         _, nonce = _PING.unpack(data)
         if op == Opcode.PING:
             self._control.append(_PING.pack(Opcode.PONG, nonce))
+            self._events.append(PingReceived(nonce))
         else:
             self._events.append(PongReceived(nonce))
 

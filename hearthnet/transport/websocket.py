@@ -25,7 +25,7 @@ import contextlib
 import secrets
 import ssl as _ssl
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,7 @@ from hearthnet.transport.protocol import (
     ErrorReceived,
     Event,
     OpenRequested,
+    PingReceived,
     PongReceived,
     ProtocolFailed,
     Role,
@@ -81,6 +82,14 @@ DEFAULT_DEADLINE_S = DEFAULT_TIMEOUT_S
 
 SHARD_PATH = "/shard"
 """Request path of tensor sessions on a node's WebSocket server (docs/protocol.md §1)."""
+
+BUSY_STEP_FACTOR = 8.0
+"""A client step re-armed by its shard's progress PINGs (docs/protocol.md §3.6a) ends at
+the latest this many deadlines after it began: a shard that only ever PINGs is stalled."""
+
+PROGRESS_EVERY_S = 1.0
+"""A shard PINGs a session whose step waits behind progressing work at most this often,
+and only once the step has waited this long: a prompt step costs no extra frame."""
 
 _NOT_SENT = "step {step} could not be sent before the deadline: the peer returned no credit"
 _NOT_RECEIVED = "no complete step arrived before the deadline"
@@ -127,6 +136,11 @@ class _Session:
         self._handshake: asyncio.Future[Event] = self._loop.create_future()
         self._pings: dict[int, asyncio.Future[None]] = {}
         self._ping_nonce = 0
+        self._step_timer: asyncio.Timeout | None = None  # a client step re-armed by PINGs
+        self._step_window = 0.0
+        self._step_limit_at = 0.0
+        self.progress_pings = 0  # PINGs received while a step waited (client side)
+        self._last_progress = 0.0  # when this server last PINGed progress
         self._failure: HearthNetError | None = None  # why the session can no longer be used
         self._peer_closed = False
         self._write_lock = asyncio.Lock()
@@ -247,6 +261,8 @@ class _Session:
                 self._wake()
         elif type(event) is CloseReceived:
             self._on_peer_close(event.reason)
+        elif type(event) is PingReceived:
+            self._on_progress()
         elif type(event) is PongReceived:
             fut = self._pings.get(event.nonce)
             if fut is not None and not fut.done():
@@ -261,6 +277,29 @@ class _Session:
             self._terminate(event.error, event.close_code, event.error.code)
         elif not self._handshake.done():  # OpenRequested or Accepted
             self._handshake.set_result(event)
+
+    def _on_progress(self) -> None:
+        """The peer PINGed: a client step waiting for its output gets its deadline again
+        from now (the shard is busy, not stalled: docs/protocol.md §3.6a), within
+        `BUSY_STEP_FACTOR` deadlines of the step's start."""
+        timer = self._step_timer
+        if timer is None or timer.expired():
+            return
+        self.progress_pings += 1
+        timer.reschedule(min(self._loop.time() + self._step_window, self._step_limit_at))
+
+    @contextlib.asynccontextmanager
+    async def _step_deadline(self, deadline_s: float | None) -> AsyncIterator[None]:
+        """One client step's deadline (raises TimeoutError), re-armed by progress PINGs."""
+        window = self.deadline_s if deadline_s is None else deadline_s
+        start = self._loop.time()
+        async with asyncio.timeout_at(start + window) as timer:
+            self._step_timer, self._step_window = timer, window
+            self._step_limit_at = start + BUSY_STEP_FACTOR * window
+            try:
+                yield
+            finally:
+                self._step_timer = None
 
     def _on_peer_close(self, reason: str) -> None:
         """The peer sent CLOSE: see `ServerStream` and `TensorChannel` for what it means."""
@@ -524,7 +563,8 @@ class TensorChannel(_Session):
         """Receive the next step's output.
 
         The deadline covers the whole step, not each byte, so a peer that trickles data
-        is cut off (M26 §8.3).
+        is cut off (M26 §8.3); a shard busy with other sessions' work re-arms it with
+        progress PINGs (docs/protocol.md §3.6a), up to `BUSY_STEP_FACTOR` deadlines.
 
         Raises:
             StreamStalled: no complete output within the deadline (the session is then
@@ -532,7 +572,11 @@ class TensorChannel(_Session):
             HearthNetError: the shard's ERROR frame, rebuilt by its code.
             ConnectionLost: the shard closed the session or the connection broke.
         """
-        ev = await self._recv_tensor(self._deadline_at(deadline_s))
+        try:
+            async with self._step_deadline(deadline_s):
+                ev = await self._recv_untimed()
+        except TimeoutError:
+            raise self._stalled(_NOT_RECEIVED) from None
         if ev is None:  # pragma: no cover - a client session never ends that way
             raise ConnectionLost("the shard closed the tensor stream")
         return StepResult(ev.step, ev.start_pos, ev.tensor, ev.compute_us)
@@ -543,7 +587,7 @@ class TensorChannel(_Session):
         decode loop's per-token path)."""
         sent = False
         try:
-            async with asyncio.timeout_at(self._deadline_at(deadline_s)):
+            async with self._step_deadline(deadline_s):
                 await self._send_untimed(step, start_pos, tensor, 0)
                 sent = True
                 ev = await self._recv_untimed()
@@ -644,6 +688,20 @@ class ServerStream(_Session):
         """
         await self._send_tensor(step, start_pos, tensor, compute_us,
                                 self._deadline_at(deadline_s))
+
+    def progress(self, waiting_since: float) -> None:
+        """Tell the client that its step, queued since `waiting_since` (the event loop's
+        `time()`), waits behind work that is making progress: a PING
+        (docs/protocol.md §3.6a), at most every `PROGRESS_EVERY_S` and only once the step
+        has waited that long."""
+        now = self._loop.time()
+        if (self._failure is not None or self._peer_closed
+                or now - max(waiting_since, self._last_progress) < PROGRESS_EVERY_S):
+            return
+        self._last_progress = now
+        self._ping_nonce += 1
+        self._proto.send_ping(self._ping_nonce)
+        self._schedule_flush()
 
     async def send_error(self, err: HearthNetError, *, step: int | None = None) -> None:
         """Send ``err`` as a non-fatal ERROR: the client's next `recv_step` raises it and

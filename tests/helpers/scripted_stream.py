@@ -33,6 +33,7 @@ class ScriptedStream:
         self.sent: list[tuple[int, torch.Tensor]] = []  # (step, output)
         self.errors: list[HearthNetError] = []  # non-fatal and fatal, in order
         self.closed = False
+        self.progressed: list[float] = []  # `progress` calls: when each waiting step began
 
     def limit_tensor_bytes(self, limit: int) -> None:
         self.limit = limit
@@ -50,6 +51,9 @@ class ScriptedStream:
     async def send_step(self, step: int, start_pos: int, tensor: torch.Tensor,
                         compute_us: int = 0, deadline_s: float | None = None) -> None:
         self.sent.append((step, tensor.clone()))
+
+    def progress(self, waiting_since: float) -> None:
+        self.progressed.append(waiting_since)
 
     async def send_error(self, err: HearthNetError, *, step: int | None = None) -> None:
         self.errors.append(err)

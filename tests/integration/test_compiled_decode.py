@@ -21,7 +21,9 @@ DECODE = 2  # kv lengths 3 and 4: inside the smallest window (qwen2: 4)
 # with rope scaling, a sliding window on every layer, q/k norms): checked in `make bench`.
 # A compiled step is checked against the eager layers when built and not used if it
 # differs, so a regression there costs speed, never an answer.
-VARIANTS = {"llama3", "mistral", "qwen3"}
+# compiled in `make bench` only (each compiles for about 45 s on 2 cores): variants of the
+# llama layer, and gemma3, whose sliding window the eager and packed paths' tests cover
+VARIANTS = {"llama3", "mistral", "qwen3", "gemma3"}
 # families whose layers cannot be traced as a compiled step, and why
 EAGER = {"gemma2": "eager attention", "phi3": "rope's frequencies depend on the step"}
 

@@ -3,6 +3,7 @@ tensor, folders at their own precision, resumable imports."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,16 @@ from hearthnet.models import ModelStore, importer, writer
 from hearthnet.models.importer import import_folder, import_gguf, smollm2_gguf_path
 from hearthnet.models.synth import write_synthetic
 from tests.helpers.tiny_models import TINY_QWEN2 as TINY
+
+
+def _reuse_gguf_parsing(monkeypatch) -> None:
+    """transformers' GGUF loader parses the file twice (config, then weights: 49k tokenizer
+    strings each time) and rebuilds gguf's tensor-name map for each of its 272 tensors —
+    over half of its 30 s here. Each result is reused; the conversion itself is untouched."""
+    import gguf
+
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
 
 
 def test_gguf_imports_to_bf16_tensor_by_tensor_as_transformers_converts(tmp_path, monkeypatch):
@@ -42,6 +53,7 @@ def test_gguf_imports_to_bf16_tensor_by_tensor_as_transformers_converts(tmp_path
     assert sum(seen) == f.stat().st_size - 8 - header == total  # every tensor byte, once
     ours = load_file(str(e.path / "model.safetensors"))
     assert {v.dtype for v in ours.values()} == {torch.bfloat16}
+    _reuse_gguf_parsing(monkeypatch)
     ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                dtype=torch.float32).state_dict()
     for k, v in ours.items():  # the same values transformers' whole-model conversion gives

@@ -13,6 +13,7 @@ from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.mesh.bus import bus_call
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
+from tests.helpers.marks import IN_MAKE_BENCH
 
 PROMPTS = ["What is the capital of France?",
            "Write a short poem about a lighthouse keeper.",
@@ -117,6 +118,7 @@ async def test_bad_requests_are_typed(mesh3):
     assert frames[-1]["code"] == "bad_request"
 
 
+@IN_MAKE_BENCH  # three stages in make test: test_family_mesh (three node processes per family)
 async def test_fp32_wire_identical_to_local_three_shards(smollm2, local_answers):
     with LocalMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 9)]),
                     NodeSpec("node-c", [(10, 19)]), NodeSpec("node-d", [(20, 29)])]) as m:

@@ -10,6 +10,8 @@ leave the other sessions' answers intact.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,8 +21,9 @@ import torch
 
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.shard.server import ShardServer, ShardSettings, StepJob
-from hearthnet.errors import BadRequest, HearthNetError, StepFailed
+from hearthnet.errors import BadRequest, HearthNetError, StepFailed, StreamStalled
 from hearthnet.observability import Metrics
+from hearthnet.transport import websocket
 from hearthnet.transport.websocket import ServerStream, TensorChannel, serve
 from tests.helpers.waiting import wait_until
 
@@ -224,3 +227,59 @@ async def test_a_mixed_round_packs_prefill_chunks_with_decode_rows(shard, llama,
     torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
     for s in sessions:
         s.close()
+
+
+def _slow_rounds(server: ShardServer, monkeypatch: Any, round_s: float,
+                 hold: threading.Event | None = None) -> None:
+    """Each round of the shard's batcher takes `round_s` of compute (a slow machine); with
+    `hold`, a round blocks until it is set (a stuck forward)."""
+    real = server._run_steps
+
+    def slow(jobs: Any) -> list[Any]:
+        if hold is not None:
+            hold.wait(60)
+        time.sleep(round_s)
+        return real(jobs)
+
+    monkeypatch.setattr(server.batcher, "run_batch", slow)
+    monkeypatch.setattr(websocket, "PROGRESS_EVERY_S", 0.1)
+
+
+async def test_a_step_queued_behind_other_prefills_is_busy_not_stalled(shard, llama,
+                                                                       monkeypatch):
+    """docs/protocol.md §3.6a: a session's prompt waits behind another's long prefill for
+    longer than its step deadline; the shard's progress PINGs keep it open and its output
+    is its solo output — where a step deadline alone would have failed a busy shard."""
+    server, uri = shard
+    _slow_rounds(server, monkeypatch, 0.15)
+    long_x, short_x = _x(1, 24), _x(2, 8)  # 6 and 2 chunks of 4 positions
+    a, b = await _open(server, uri), await _open(server, uri)
+    try:
+        first = asyncio.ensure_future(a.step(0, 0, long_x))
+        await wait_until(lambda: server.batcher.queued or server.queue_depth, "a's prefill")
+        started = asyncio.get_running_loop().time()
+        out = await b.step(0, 0, short_x, deadline_s=0.4)
+        waited = asyncio.get_running_loop().time() - started
+        await first
+    finally:
+        await a.close()
+        await b.close()
+    assert waited > 0.4 and b.progress_pings >= 1, (waited, b.progress_pings)
+    torch.testing.assert_close(out.tensor, _solo(llama, [short_x])[0], rtol=1e-5, atol=1e-5)
+
+
+async def test_a_stuck_forward_sends_no_progress_and_the_step_stalls(shard, monkeypatch):
+    """A forward that never returns runs no further rounds, so nobody waiting behind it is
+    PINGed: the step deadline fires as before (the failover hook, M26 §5.4)."""
+    server, uri = shard
+    hold = threading.Event()
+    _slow_rounds(server, monkeypatch, 0.0, hold)
+    ch = await _open(server, uri)
+    try:
+        with pytest.raises(StreamStalled):
+            await ch.step(0, 0, _x(3, 2), deadline_s=0.4)
+        assert ch.progress_pings == 0
+    finally:
+        hold.set()
+        await ch.close()
+    await wait_until(lambda: server.active == 0, "the stalled session ended on the shard")

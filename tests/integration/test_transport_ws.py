@@ -30,6 +30,7 @@ from hearthnet.errors import (
     WeightsMismatch,
 )
 from hearthnet.loop import run
+from hearthnet.transport import websocket
 from hearthnet.transport.bench import EchoPeer
 from hearthnet.transport.codec import max_frame_bytes
 from hearthnet.transport.protocol import Role, StreamProtocol
@@ -265,6 +266,35 @@ async def test_silent_peer_raises_stream_stalled_at_the_deadline() -> None:
         await ch.close()
         await wait_until(lambda: bool(server_saw), "server told of the stall")
         assert type(server_saw[0]) is StreamStalled
+
+
+async def test_progress_pings_keep_a_step_open_only_up_to_the_busy_bound(monkeypatch) -> None:
+    """docs/protocol.md §3.6a: a shard's PINGs re-arm the client's step deadline, but a
+    shard that only ever PINGs is stalled after `BUSY_STEP_FACTOR` deadlines."""
+    monkeypatch.setattr(websocket, "BUSY_STEP_FACTOR", 3.0)
+    monkeypatch.setattr(websocket, "PROGRESS_EVERY_S", 0.0)
+    stop = asyncio.Event()
+
+    async def busy_forever(stream: ServerStream) -> None:
+        await stream.accept()
+        await stream.recv_step()
+        since = asyncio.get_running_loop().time()
+        while not stop.is_set() and not stream.closed:
+            stream.progress(since)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+
+    async with shard_server(busy_forever) as uri:
+        ch = await TensorChannel.connect(uri, {})
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(StreamStalled):
+            await ch.step(0, 0, hidden(1, 576), deadline_s=0.3)
+        took = loop.time() - t0
+        stop.set()
+        await ch.close()
+    assert ch.progress_pings >= 3  # the deadline was re-armed, again and again ...
+    assert 0.85 <= took < 2.0, took  # ... and still ended at 3 deadlines
 
 
 async def test_slowloris_shard_is_cut_off_at_the_deadline() -> None:

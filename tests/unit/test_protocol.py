@@ -33,6 +33,7 @@ from hearthnet.transport.protocol import (
     ErrorReceived,
     Opcode,
     OpenRequested,
+    PingReceived,
     PongReceived,
     ProtocolFailed,
     Role,
@@ -467,7 +468,7 @@ def test_ping_is_answered_with_the_same_nonce() -> None:
     c.send_ping(2**64 - 1)
     (ping,) = pump(c, s)
     assert ping == b"\x08" + bytes(7) + b"\xff" * 8
-    assert s.events_received() == []
+    assert s.events_received() == [PingReceived(2**64 - 1)]
     (pong,) = pump(s, c)
     assert pong[0] == Opcode.PONG
     assert c.events_received() == [PongReceived(2**64 - 1)]

@@ -239,3 +239,53 @@ async def test_a_round_cancelled_at_shutdown_releases_its_cancelled_callers():
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(caller, 5)  # before the fix: waited for the forward
         release.set()
+
+
+async def test_every_round_that_ran_reports_progress_to_the_owner(pool):
+    """`on_round` follows each round (a shard's progress PINGs to the sessions still
+    queued, docs/protocol.md §3.6a): two prefills of one chunk per round, so one of
+    them always waits while the other's chunk runs."""
+    rec = Recorder()
+    waiting: list[int] = []
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, prefill_budget=4,
+                                             on_round=lambda: waiting.append(b.queued))
+
+    async def prefill(first: int, chunks: int) -> list[int]:
+        return [await b.submit(first + c, batchable=False, key=first, tokens=4)
+                for c in range(chunks)]
+
+    assert await asyncio.gather(prefill(100, 3), prefill(200, 2)) == [[1000, 1010, 1020],
+                                                                      [2000, 2010]]
+    assert len(waiting) == len(rec.rounds) == 5
+    assert waiting[0] == 1  # after the first chunk ran, the other prefill still waited
+
+
+async def test_a_lone_session_skips_the_rounds_and_a_newcomer_queues_behind_it(pool):
+    """A batch of one runs straight on the executor (no rounds task); a job submitted while
+    it runs queues for a round, which the first session's next step joins."""
+    rec = Recorder()
+    sessions = {"n": 1}
+    gate = threading.Event()
+    order: list[str] = []
+
+    def run(jobs: Sequence[Any]) -> list[Any]:
+        if jobs == [1]:
+            gate.wait(20)  # the lone job is running when the newcomer arrives
+        order.append(",".join(map(str, jobs)))
+        return rec(jobs)
+
+    b: RoundBatcher[int, int] = RoundBatcher(run, pool, window_s=30.0,
+                                             expected=lambda: sessions["n"])
+    first = asyncio.ensure_future(b.submit(1, key="a"))
+    await settle()
+    assert b._task is None and b.queued == 0  # no rounds task for a lone session
+    sessions["n"] = 2
+    second = asyncio.ensure_future(b.submit(2, key="b"))
+    await settle()
+    assert b.queued == 1 and not second.done()  # queued behind the running lone job
+    gate.set()
+    assert await asyncio.wait_for(first, 20) == 10
+    # the lone session's next step joins the newcomer's round: one forward for both
+    third = b.submit(3, key="a")
+    assert await asyncio.wait_for(asyncio.gather(second, third), 20) == [20, 30]
+    assert order == ["1", "2,3"]

@@ -21,6 +21,10 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   them in 2-4 groups that each re-read the weights (measured, docs/operations.md). A session that is
   late against its pace is not waited for beyond ``window_s``, and one that stops
   stepping (stalled caller) is not expected after `LIVE_ROUNDS` rounds;
+- a lone session (nothing queued or running, and the owner's `expected()` count of open
+  sessions at most one) skips the rounds:
+  its job goes straight to the executor, so a single chat pays no batcher task, window
+  or extra hand-off; a second session's job then queues for a round behind it;
 - non-batchable jobs (prefill chunks, each ``tokens`` positions) join the round (mixed
   rounds, as vLLM's and Sarathi's chunked prefill): oldest first, as many as fit in
   ``mixed_budget`` positions beside decode rows, ``prefill_budget`` in a round without
@@ -29,6 +33,9 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   `LayeredStack.forward_packed`): while other chats prefill, a decoding chat's round costs
   about one forward, not two, and a long prefill (already chunked) never
   stalls decode rows for more than one chunk;
+- ``on_round`` is called after every round that ran: the owner tells the callers still
+  waiting that their steps are queued behind work that progresses (a shard's progress
+  PINGs, docs/protocol.md §3.6a), which a stuck forward never does;
 - the owner's ``run_batch(jobs)`` returns one result or exception per job, so a bad row
   fails only its own caller (shard/server.py and head batching decide how rows fail);
 - a session that stalls, errs or disconnects simply has no job in the next round; a caller
@@ -81,17 +88,20 @@ class RoundBatcher(Generic[J, R]):
     """
 
     def __init__(self, run_batch: RunBatch, executor: Executor, *, window_s: float = 0.0,
-                 expected: Callable[[], int] = lambda: 1, prefill_budget: int = 0,
+                 expected: Callable[[], int] | None = None, prefill_budget: int = 0,
                  mixed_budget: int | None = None,
                  on_batch: Callable[[int, list[float]], None] | None = None,
+                 on_round: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.run_batch, self.executor, self.clock = run_batch, executor, clock
         self.window_s = max(0.0, window_s)
         # positions of prefill chunks per round: without / beside decode rows
         self.prefill_budget = prefill_budget
         self.mixed_budget = prefill_budget if mixed_budget is None else mixed_budget
-        self.expected = expected
+        # open sessions, as the owner counts them; without a count no job is run alone
+        self._open = expected
         self.on_batch = on_batch  # (batch size, each job's wait in ms) for the metrics
+        self.on_round = on_round  # after every round that ran: the work made progress
         self._batch: deque[_Queued[J]] = deque()
         self._solo: deque[_Queued[J]] = deque()
         self._arrived = asyncio.Event()
@@ -99,11 +109,16 @@ class RoundBatcher(Generic[J, R]):
         self._round = 0
         self._seen: dict[Hashable, int] = {}  # session -> the last round it queued a job in
         self._pace: dict[Hashable, tuple[float, float | None]] = {}  # (last job at, cycle)
+        self._alone = 0  # jobs running outside the rounds (`_run_alone`)
         self.waited_out = 0  # rounds that started at the window's end, someone missing
 
     @property
     def queued(self) -> int:
         return len(self._batch) + len(self._solo)
+
+    def expected(self) -> int:
+        """The sessions a round waits for: the owner's count of open ones (1 without)."""
+        return 1 if self._open is None else self._open()
 
     def expected_changed(self) -> None:
         """A session ended (or began): a round waiting for its step re-checks `expected`."""
@@ -119,6 +134,12 @@ class RoundBatcher(Generic[J, R]):
             item.key = key = id(item)
         self._seen[key] = self._round
         self._keep_pace(key, item.queued_at)
+        if self._alone_now():
+            try:
+                return await self._run_alone(item, batchable)
+            except asyncio.CancelledError:
+                self._forget(key)
+                raise
         (self._batch if batchable else self._solo).append(item)
         self._arrived.set()
         if self._task is None or self._task.done():
@@ -127,15 +148,50 @@ class RoundBatcher(Generic[J, R]):
             result: R = await asyncio.shield(item.future)
             return result
         except asyncio.CancelledError:
-            self._seen.pop(key, None)  # its caller is gone: not waited for any more
-            self._pace.pop(key, None)
-            self._arrived.set()
+            self._forget(key)
             if item.running:  # its rows are being computed: let the round finish first
                 await asyncio.wait([item.future])
             if item.future.done() and not item.future.cancelled():
                 item.future.exception()  # retrieved: nobody else will
             item.future.cancel()
             raise
+
+    def _forget(self, key: Hashable) -> None:
+        """Its caller is gone: the session is not waited for any more."""
+        self._seen.pop(key, None)
+        self._pace.pop(key, None)
+        self._arrived.set()
+
+    def _alone_now(self) -> bool:
+        """Nothing queued or running and at most one session expected: a lone session's
+        job goes straight to the executor (no rounds task, no window)."""
+        return (not self._batch and not self._solo and self._alone == 0
+                and (self._task is None or self._task.done())
+                and self._open is not None and self._open() <= 1)
+
+    async def _run_alone(self, item: _Queued[J], batchable: bool) -> R:
+        """`item` as a round of its own, run directly: a job submitted meanwhile queues
+        for a round that the one-job executor runs after this one."""
+        self._alone += 1
+        item.running = True
+        if batchable and self.on_batch is not None:
+            self.on_batch(1, [0.0])
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self.executor, self.run_batch,
+                                                             [item.job])
+            try:
+                (res,) = await asyncio.shield(fut)
+            except asyncio.CancelledError:  # its cache is being written: let it finish
+                await asyncio.wait([fut])
+                raise
+        finally:
+            self._alone -= 1
+            if self.on_round is not None:
+                self.on_round()
+        if isinstance(res, BaseException):
+            raise res
+        result: R = res
+        return result
 
     async def _rounds(self) -> None:
         while self._batch or self._solo:
@@ -233,3 +289,5 @@ class RoundBatcher(Generic[J, R]):
                 item.future.set_exception(res)
             else:
                 item.future.set_result(res)
+        if self.on_round is not None:
+            self.on_round()

@@ -162,7 +162,9 @@ class ShardServer:
         self.batcher: RoundBatcher[StepJob, torch.Tensor] = RoundBatcher(
             self._run_steps, executor, window_s=settings.batch_window_ms / 1000,
             expected=lambda: self.active, prefill_budget=settings.prefill_chunk_tokens,
-            mixed_budget=settings.mixed_prefill_tokens, on_batch=self._observe_batch)
+            mixed_budget=settings.mixed_prefill_tokens, on_batch=self._observe_batch,
+            on_round=self._progressed)
+        self._waiting: dict[ShardStream, float] = {}  # streams whose step is queued -> since
 
     def _refuse_over_budget(self, shard_id: str) -> None:
         """A shard over `shard_max_vram_mb` is refused before loading (M26 §5.6)."""
@@ -378,6 +380,7 @@ class ShardServer:
                 return
             self.queue_depth += 1
             self._m_queue.set(self.queue_depth)
+            self._waiting[stream] = asyncio.get_running_loop().time()
             try:
                 t0 = time.perf_counter()
                 out = await self._forward_chunked(session, staging, inp.tensor,
@@ -399,12 +402,21 @@ class ShardServer:
             except Exception as e:  # torch failed: a typed step error, the session ends
                 raise self._forward_failed(inp.step, e) from e
             finally:
+                self._waiting.pop(stream, None)
                 self.queue_depth -= 1
                 self._m_queue.set(self.queue_depth)
             self._latencies.add(dt * 1000)
             self._m_forward.observe(dt * 1000)
             self.last_used = self.clock()
             await stream.send_step(inp.step, inp.start_pos, out, compute_us=int(dt * 1e6))
+
+    def _progressed(self) -> None:
+        """A round ran: every session whose step still waits behind work is told it is
+        busy, not stalled (docs/protocol.md §3.6a) — a deadline of one step must not fail a
+        shard that is working through a queue of long prefills. A forward that never
+        returns runs no more rounds, so a hung shard still misses the deadline."""
+        for stream, since in list(self._waiting.items()):
+            stream.progress(since)
 
     async def _forward_chunked(self, session: LayerSession, staging: Staging, x: torch.Tensor,
                                start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:
