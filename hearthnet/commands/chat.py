@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hearthnet.argtypes import positive
@@ -28,7 +29,9 @@ from hearthnet.frames import (
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("chat", help="ask the model something and stream the answer")
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="what to ask; without it, a conversation: one turn per line, "
+                        "history kept (/help lists its commands)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", action="store_true", help="run every layer in this process")
     where.add_argument("--config", help="node TOML: call that node's distributed chat")
@@ -126,20 +129,31 @@ def describe(frame: StreamFrame | OtherFrame) -> str:
     return f"[{frame.to_wire()['type']}]"
 
 
+Messages = list[dict[str, str]]
+Emit = Callable[[StreamFrame | OtherFrame, bool], None]
+Ask = Callable[[argparse.Namespace, Messages, SamplingParams, Emit], int]
+
+HELP = ("/reset forgets the conversation, /model [NAME] shows or switches the model, "
+        "/quit (or Ctrl-D) ends; Ctrl-C stops an answer")
+
+
 def _run(args: argparse.Namespace) -> int:
     """Exit 0 only for a call that ended with `done`, so a script sees a cut answer; every
-    failure is an `error` frame in `--json` mode (a lost node included) and exit code 1."""
+    failure is an `error` frame in `--json` mode (a lost node included) and exit code 1.
+    Without a prompt, a conversation (`_conversation`) until /quit or end of input."""
     from hearthnet.errors import ConfigError, HearthNetError
 
     try:
         params = sampling_from_args(args)
-        messages = [{"role": "user", "content": args.prompt}]
+        ask: Ask = chat_via_node
         if args.local:  # the only path that runs the model in this process
             import torch
 
             torch.set_num_threads(args.threads)
-            return _run_local(args, messages, params)
-        return chat_via_node(args, messages, params, emit)
+            ask = _LocalChat()
+        if args.prompt is None:
+            return _conversation(args, params, ask)
+        return ask(args, [{"role": "user", "content": args.prompt}], params, emit)
     except ConfigError:
         raise  # exit code 2 (cli.main)
     except HearthNetError as e:
@@ -147,8 +161,94 @@ def _run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _run_local(args: argparse.Namespace, messages: list[dict[str, str]],
-               params: SamplingParams) -> int:
+def _conversation(args: argparse.Namespace, params: SamplingParams, ask: Ask) -> int:
+    """One turn per input line, each sent with the conversation so far; /commands between
+    turns. Ctrl-C stops the answer being streamed (what arrived stays in the history), not
+    the conversation; end of input (Ctrl-D) or /quit ends it with exit code 0."""
+    from hearthnet.errors import ConfigError, HearthNetError
+
+    person = sys.stdin.isatty()
+    if person:
+        print(f"chatting with {args.model}: {HELP}", file=sys.stderr)
+    history: Messages = []
+    while True:
+        try:
+            line = input("> " if person else "").strip()
+        except EOFError:
+            return 0
+        except KeyboardInterrupt:
+            print("\n(/quit or Ctrl-D ends the chat)", file=sys.stderr)
+            continue
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not _command(line, args, history):
+                return 0
+            continue
+        said: list[str] = []
+        messages = [*history, {"role": "user", "content": line}]
+        try:
+            ask(args, messages, params, _collecting(said))
+        except KeyboardInterrupt:  # the call is cancelled: a node sees its caller leave
+            print("\n[stopped]", file=sys.stderr)
+        except ConfigError:
+            raise
+        except HearthNetError as e:  # this turn failed; the conversation goes on
+            emit(ErrorFrame.of(e), args.json)
+        if said:
+            history += [messages[-1], {"role": "assistant", "content": "".join(said)}]
+
+
+def _collecting(said: list[str]) -> Emit:
+    """`emit`, also keeping the answer's text in `said`."""
+    def out(frame: StreamFrame | OtherFrame, as_json: bool) -> None:
+        if isinstance(frame, TokenDelta):
+            said.append(frame.text)
+        emit(frame, as_json)
+    return out
+
+
+def _command(line: str, args: argparse.Namespace, history: Messages) -> bool:
+    """Run a conversation's /command; False ends the conversation."""
+    name, _, rest = line.partition(" ")
+    rest = rest.strip()
+    if name in ("/quit", "/exit"):
+        return False
+    if name == "/reset":
+        history.clear()
+        print("(conversation forgotten)", file=sys.stderr)
+    elif name == "/model" and rest:
+        if args.local:
+            from hearthnet.models import ModelStore
+
+            try:
+                ModelStore().get(rest)  # a name this store does not hold is refused now
+            except Exception as e:
+                print(f"hearthnet: {e}", file=sys.stderr)
+                return True
+        args.model = rest
+        print(f"(model {rest}; the conversation goes on)", file=sys.stderr)
+    elif name == "/model":
+        print(f"(model {args.model})", file=sys.stderr)
+    else:
+        print(f"{'unknown command ' + name + ': ' if name != '/help' else ''}{HELP}",
+              file=sys.stderr)
+    return True
+
+
+class _LocalChat:
+    """`--local`'s calls: every layer in this process, each model loaded once."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, Any] = {}
+
+    def __call__(self, args: argparse.Namespace, messages: Messages,
+                 params: SamplingParams, out: Emit) -> int:
+        return _run_local(args, messages, params, out, self._engines)
+
+
+def _run_local(args: argparse.Namespace, messages: Messages, params: SamplingParams,
+               out: Emit, engines: dict[str, Any]) -> int:
     from hearthnet.distributed_inference.directory.formats import (
         call_formats,
         default_held,
@@ -165,20 +265,22 @@ def _run_local(args: argparse.Namespace, messages: list[dict[str, str]],
     if mode == "draft" and not args.draft_model:
         raise BadRequest("--speculate draft with --local needs --draft-model MODEL")
     draft_entry = store.get(args.draft_model) if mode == "draft" else None
-    # held as a host would by default: a GGUF's Q4 blocks as they are, else fp32
-    engine = LocalEngine(entry, default_held("fp32", entry.q4_blocks), head_weights="fp32")
+    engine = engines.get(entry.alias)
+    if engine is None:  # held as a host would by default: a GGUF's Q4 blocks, else fp32
+        engine = engines[entry.alias] = LocalEngine(
+            entry, default_held("fp32", entry.q4_blocks), head_weights="fp32")
     timings = LocalTimings()
     t0 = time.perf_counter()
     gen = engine.new_generation(messages, params)
     spec = _local_speculator(mode, engine, draft_entry, gen)
     try:
         for ev in engine.run(gen, timings, spec):
-            emit(token_frame(ev), args.json)
+            out(token_frame(ev), args.json)
     finally:
         if spec is not None:
             spec.close()
     # the node's fallback `done` (one builder): every path's done frame has the same keys
-    emit(done_frame(gen, t0=t0, first_ms=timings.first_token_ms,
+    out(done_frame(gen, t0=t0, first_ms=timings.first_token_ms,
                     tokens_per_s=timings.decode_tokens_per_s, pipeline=["local"],
                     formats=call_formats(engine.head.format, [engine.stack.format], [], None,
                                          lossless_of(engine.entry)),

@@ -38,7 +38,7 @@ def chat_via_node(args: argparse.Namespace, messages: list[dict[str, str]],
     from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
 
     uri = node_uri(args.config)
-    call = chat_args(messages[-1]["content"], args.model, params, wire_dtype=args.wire_dtype,
+    call = chat_args(messages, args.model, params, wire_dtype=args.wire_dtype,
                      weights=args.weights, speculate=getattr(args, "speculate", None))
 
     async def go() -> int:

@@ -15,11 +15,12 @@ CHAT_CAPABILITY = "experimental.distributed_llm.chat"
 SERVED_MODELS_CAPABILITY = "hearthnet.admin.models_served"  # admin listener only: local steward
 
 
-def chat_args(prompt: str, model: str, sampling: SamplingParams, **params: Any
-              ) -> dict[str, Any]:
-    """The bus arguments of a chat call."""
+def chat_args(prompt: str | list[dict[str, str]], model: str, sampling: SamplingParams,
+              **params: Any) -> dict[str, Any]:
+    """The bus arguments of a chat call: one user prompt, or a conversation's messages."""
     s = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
          "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
          "stop": list(sampling.stop)}
-    return {"request": {"model": model, "messages": [{"role": "user", "content": prompt}]},
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return {"request": {"model": model, "messages": messages},
             "params": {"sampling": s, **{k: v for k, v in params.items() if v is not None}}}
