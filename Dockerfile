@@ -37,7 +37,8 @@ RUN pip install . \
     && chown -R hearthnet:hearthnet /data /config
 
 USER hearthnet
-EXPOSE 7701 7702 7703
+# node listeners (plain /metrics and /health in compose) and the nodes' HTTP APIs
+EXPOSE 7701 7702 7703 8131 8132 8133
 
 # Liveness: GET /health on the node's port (set HEARTHNET_PORT per container).
 ENV HEARTHNET_PORT=7701

@@ -25,7 +25,10 @@ model: $(STAMP)
 	$(HN) models import smollm2
 
 # node keys + member lists of the example configs (M26 §5.8), both written to each node's
-# data dir (the TOMLs stay as committed); idempotent: existing keys are kept.
+# data dir (the TOMLs stay as committed); idempotent: existing keys are kept. Each folder has
+# node ids of its own (mesh3-a…, mesh4-a…, auto3-a…), so each node has its own data dir
+# (`keys provision` refuses folders that share one); tests/integration/test_examples.py
+# runs this line.
 keys: $(STAMP)
 	$(HN) keys provision config/mesh3 config/mesh4 config/auto3
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -434,7 +435,28 @@ class NodeConfig(_Section):
                 and not self.node.advertise_host:
             raise _KeyedError("node.advertise_host", "must be set when serving shards on "
                               f"the wildcard address {self.node.listen_host!r}")
+        self._distinct_ports()
         return self
+
+    def _distinct_ports(self) -> None:
+        """Two listeners of this node on one port: the second bind would fail part-way
+        through the start, so it is refused here with both keys."""
+        bound: list[tuple[str, str, int]] = [
+            ("node.listen_port", self.node.listen_host, self.node.listen_port),
+            ("node.metrics_port", self.node.listen_host, self.node.metrics_port),
+            ("security.admin_port", "127.0.0.1", self.security.admin_port)]
+        if self.api.enabled:
+            bound.append(("api.listen_port", self.api.listen_host, self.api.listen_port))
+        seen: list[tuple[str, str, int]] = []
+        for key, host, port in bound:
+            if port <= 0:  # 0: any free port; -1: off
+                continue
+            for other, other_host, other_port in seen:
+                if port == other_port and (host == other_host or host in _WILDCARDS
+                                           or other_host in _WILDCARDS):
+                    raise _KeyedError(key, f"port {port} is also {other}: each listener "
+                                      "of a node needs its own port")
+            seen.append((key, host, port))
 
     # ---- derived values ----
 
@@ -568,6 +590,31 @@ def load_config(path: str | Path) -> NodeConfig:
                           reason=reason) from None
     cfg = parse_config(text, source=p)
     return _with_provisioned_members(cfg, text, p)
+
+
+def check_shard_layers(cfg: NodeConfig, num_layers: Callable[[str], int | None], *,
+                       name: str | None = None) -> None:
+    """Refuse a hosted ``[[shards]]`` range that reaches past its model's last layer.
+
+    The layer count is the model's, so this runs once the model store is at hand (the
+    node, before it serves anything), not in `load_config`. `num_layers(model)` gives a
+    model's decoder layers, None for a model the store lacks (its own error says more).
+    `name` is the file as the user gave it (default: the config's source).
+
+    Raises:
+        ConfigError: ``F: shards[0] = [0, 99]: smollm2 has 30 layers (0-29)`` (exit 2 in
+            the CLI, like every config error: the file, the key and the reason).
+    """
+    if not cfg.hosted_shards():
+        return
+    where = name or str(cfg.source or "<config>")
+    for i, s in enumerate(cfg.declared_shards()):
+        n = num_layers(s.model)
+        lo, hi = s.layers
+        if n is not None and hi >= n:
+            reason = f"{s.model} has {n} layers (0-{n - 1})"
+            raise ConfigError(f"{where}: shards[{i}] = [{lo}, {hi}]: {reason}", file=where,
+                              key=f"shards[{i}].layers", reason=reason)
 
 
 MEMBERS_FILE = "members.toml"  # written by hearthnet.security.provision

@@ -29,6 +29,7 @@ commands that only talk to a node read frames without loading torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias
@@ -93,6 +94,31 @@ def _counts(v: object) -> dict[str, int]:
     raise TypeError("a map of integers")
 
 
+def _logprob(v: object) -> float:
+    x = _num(v)
+    if math.isfinite(x) and x <= 0.0:
+        return x
+    raise TypeError("a log-probability (a finite number ≤ 0)")
+
+
+_MAX_TOKEN_BYTES = 256  # far above any vocabulary's longest token
+_MAX_TOP = 20  # `SamplingParams.logprobs`'s bound
+
+
+def _bytes(v: object) -> bytes:
+    if isinstance(v, (list, tuple)) and len(v) <= _MAX_TOKEN_BYTES and all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 255 for b in v):
+        return bytes(v)
+    raise TypeError(f"a list of at most {_MAX_TOKEN_BYTES} byte values")
+
+
+def _top(v: object) -> tuple[tuple[int, float, bytes], ...]:
+    if isinstance(v, (list, tuple)) and len(v) <= _MAX_TOP and all(
+            isinstance(e, (list, tuple)) and len(e) == 3 for e in v):
+        return tuple((_int(e[0]), _logprob(e[1]), _bytes(e[2])) for e in v)
+    raise TypeError(f"a list of at most {_MAX_TOP} [token_id, logprob, bytes] entries")
+
+
 def _nullable(read: _Read) -> _Read:
     """A value that is always on the wire but may be null (``continuing``)."""
     return lambda v: None if v is None else read(v)
@@ -143,8 +169,11 @@ class _Wire:
 
 
 def _plain(v: Any) -> Any:
-    """Tuples go as lists and maps as copies: what msgpack and JSON give back."""
+    """Tuples go as lists, bytes as lists of byte values and maps as copies: what msgpack
+    and JSON give back (and JSON has no bytes)."""
     if isinstance(v, tuple):
+        return [_plain(x) for x in v]
+    if isinstance(v, bytes):
         return list(v)
     if isinstance(v, dict):
         return dict(v)
@@ -153,12 +182,22 @@ def _plain(v: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class TokenDelta(_Wire):
-    """One more piece of the answer: `text` may be empty (a token that ends mid-character)."""
+    """One more piece of the answer: `text` may be empty (a token that ends mid-character).
+
+    With a call's ``sampling.logprobs`` set: `logprob` (the token's log-probability under
+    the model, before sampling transforms), `token_bytes` (the bytes the token stands for,
+    wire key ``bytes``) and `top_logprobs` (the likeliest tokens, likeliest first, as
+    ``[token_id, logprob, bytes]``); all three left out otherwise.
+    """
 
     TYPE: ClassVar[str] = "token_delta"
     text: str = field(metadata=_wire(_str))
     token_id: int = field(metadata=_wire(_int))
     index: int = field(metadata=_wire(_int))
+    logprob: float | None = field(default=None, metadata=_wire(_logprob))
+    token_bytes: bytes | None = field(default=None, metadata=_wire(_bytes, "bytes"))
+    top_logprobs: tuple[tuple[int, float, bytes], ...] | None = field(
+        default=None, metadata=_wire(_top))
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -194,17 +195,34 @@ class _Stderr:
         sys.stderr.flush()
 
 
-def configure_logging(level: str = "info", *, json: bool = True, **context: Any) -> None:
-    """Set up structlog (JSON lines on stderr) and bind `context` (e.g. node id) to every line.
+def logs_as_json(log_format: str = "auto") -> bool:
+    """Whether `log_format` (`hearthnet node --log-format`: auto, json or human) means JSON
+    lines on this stderr: `auto` is short human lines on a terminal and JSON lines otherwise
+    (a file, a pipe, a service manager), unless `HEARTHNET_LOG_FORMAT` names one."""
+    if log_format == "auto":
+        log_format = os.environ.get("HEARTHNET_LOG_FORMAT", "auto")
+    if log_format == "auto":
+        return not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+    return log_format != "human"
+
+
+def configure_logging(level: str = "info", *, json: bool | None = None,
+                      **context: Any) -> None:
+    """Set up structlog on stderr and bind `context` (e.g. node id) to every line: JSON
+    lines, or short human lines (`json=False`; None: `logs_as_json()` decides).
 
     Every library logger (websockets, aiohttp, transformers …) goes through the same
     structlog processors, so a node's terminal shows one format at the configured level.
     """
+    if json is None:
+        json = logs_as_json()
     lvl = getattr(logging, level.upper(), logging.INFO)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        # people read local wall-clock time; machines get UTC ISO 8601
+        structlog.processors.TimeStamper(fmt="iso", utc=True) if json
+        else structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
     ]
     # tracebacks as plain text: never a renderer that prints local variables, which could
     # hold activations (M26 §5.8: tensor contents are never logged)

@@ -1,11 +1,14 @@
-"""OpenAI chat-completions shapes ↔ `experimental.distributed_llm.chat` (DESIGN.md decision 13).
+"""OpenAI chat and text completions ↔ `experimental.distributed_llm.chat` (DESIGN.md decision 13).
 
 Owns the translation only — no I/O: `parse_json_body` reads a body (its nesting bounded
-before it is parsed), `parse_chat_request` turns an OpenAI request body into the bus
-arguments of a chat call (every field's exact JSON type and bound checked before any work,
-a wrong one a `bad_request` naming it), `CompletionBuilder` turns the call's frames into
-OpenAI chunks or one response, and `openai_error` gives an error in OpenAI's shape with its
-HTTP status.
+before it is parsed), `parse_chat_request` and `parse_completion_request` turn an OpenAI
+request body into the bus arguments of a chat call (every field's exact JSON type and bound
+checked before any work, a wrong one a `bad_request` naming it; a field the server does not
+act on, `UNHONOURED` / `UNHONOURED_TEXT`, is accepted only with a value that asks for
+nothing), `CompletionBuilder` and `TextCompletionBuilder` turn the call's frames into
+OpenAI chunks or one response (with log-probabilities in each endpoint's own shape when
+asked), `model_object` / `find_model` give OpenAI's model objects, and `openai_error`
+gives an error in OpenAI's shape with its HTTP status.
 
 HearthNet's own facts (pipeline, failovers, fallback, per-shard timings and the
 `shard_failover` / `pipeline_aborted` frames) ride in a ``hearthnet`` extension field of the
@@ -18,9 +21,11 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hearthnet.distributed_inference.engine.sampling import MAX_LOGPROBS
 from hearthnet.distributed_inference.orchestrator.params import check_params, unknown_keys
 from hearthnet.errors import BadRequest
 from hearthnet.frames import Done, ErrorFrame, StreamFrame, TokenDelta, is_incident
@@ -49,7 +54,10 @@ _STATUS: dict[str, tuple[int, str]] = {
     "model_unusable": (503, "service_unavailable"),
     "weights_mismatch": (503, "service_unavailable"),
 }
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+# a generation's done reason (engine/generation.py) → OpenAI's ``finish_reason``: the bus
+# and the CLI say ``eos`` where OpenAI's vocabulary has only ``stop``; a reason a newer node
+# adds reads as ``stop`` (the answer ended and is whole) rather than breaking a client
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 _ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -79,12 +87,13 @@ class Limits:
 
 @dataclass(frozen=True)
 class ParsedChat:
-    """A validated OpenAI chat request."""
+    """A validated OpenAI chat or text-completion request."""
 
     model: str
     stream: bool
     include_usage: bool
     args: dict[str, Any]  # bus arguments of experimental.distributed_llm.chat
+    logprobs: int | None = None  # the top alternatives asked per token; None: none at all
 
 
 # a JSON string, or an unterminated one to the end (so that no quote is scanned twice)
@@ -149,6 +158,27 @@ def _text(content: Any, i: int) -> str:
                      param=f"messages[{i}].content")
 
 
+# what an OpenAI message may carry besides role and content: a client echoes an earlier
+# answer back with these set to null (the `openai` package's model_dump); a set one is
+# refused, since the chat template is given each message's role and content only
+_MESSAGE_EXTRAS = frozenset({"name", "refusal", "annotations", "audio", "function_call",
+                             "tool_calls", "tool_call_id"})
+
+
+def _message_extras(m: dict[Any, Any], i: int) -> None:
+    for k, v in m.items():
+        if k in ("role", "content"):
+            continue
+        name = f"messages[{i}].{str(k)[:64]}"
+        if k not in _MESSAGE_EXTRAS:
+            raise BadRequest(f"{name} is not a field of an OpenAI message; it is refused "
+                             "rather than ignored", param=name)
+        if v not in (None, "", []):
+            raise BadRequest(f"{name} is not supported: the model's chat template is given "
+                             "each message's role and content only; leave it out",
+                             param=name)
+
+
 def _messages(raw: Any, limits: Limits) -> list[dict[str, str]]:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty array", param="messages")
@@ -161,6 +191,7 @@ def _messages(raw: Any, limits: Limits) -> list[dict[str, str]]:
                 or m["role"] not in _ROLES:
             raise BadRequest(f"messages[{i}] needs a role in {sorted(_ROLES)}",
                              param=f"messages[{i}].role")
+        _message_extras(m, i)
         role = "system" if m["role"] == "developer" else str(m["role"])
         out.append({"role": role, "content": _text(m.get("content"), i)})
     return out
@@ -175,12 +206,12 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
     return float(v)
 
 
-def _max_tokens(body: dict[str, Any], limits: Limits) -> int:
+def _max_tokens(body: dict[str, Any], limits: Limits, default: int | None = None) -> int:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     v = body.get(key)
     if v is None:
-        return min(limits.default_max_tokens, limits.max_tokens)
+        return min(default or limits.default_max_tokens, limits.max_tokens)
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= limits.max_tokens:
         raise BadRequest(f"{key} must be an integer in 1..{limits.max_tokens}", param=key)
     return v
@@ -229,50 +260,259 @@ def _extension(v: Any) -> dict[str, Any]:
     return check_params(v, prefix="hearthnet.")
 
 
-def parse_chat_request(body: Any, limits: Limits) -> ParsedChat:
-    """Validate an OpenAI chat-completions body; raises `BadRequest` (with ``param``)."""
+def _zero(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == 0
+
+
+def _never(v: Any) -> bool:
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Unhonoured:
+    """An OpenAI field this server does not act on: only the values in `off` (and null)
+    ask for nothing, so only they are accepted; any other is refused before any work."""
+
+    off: Callable[[Any], bool]
+    accepted: str  # the values `off` takes, for the message
+    why: str  # what the server does not do
+
+
+_NO_PENALTY = "the sampler applies no frequency or presence penalty"
+_NO_TOOLS = "this server produces no tool calls (the answer is the model's text; no " \
+            "chat template's tool calls are parsed)"
+
+# Nothing accepted and ignored: each OpenAI chat-completions field the server does not
+# honour, with the values that leave the answer as it is without the field
+UNHONOURED: dict[str, Unhonoured] = {
+    "n": Unhonoured(lambda v: v == 1 and isinstance(v, int) and not isinstance(v, bool),
+                    "1", "a call samples one choice"),
+    "frequency_penalty": Unhonoured(_zero, "0", _NO_PENALTY),
+    "presence_penalty": Unhonoured(_zero, "0", _NO_PENALTY),
+    "logit_bias": Unhonoured(lambda v: v == {}, "{}", "the sampler applies no logit bias"),
+    "tools": Unhonoured(lambda v: v == [], "[]", _NO_TOOLS),
+    # checked after `tools` (and `function_call` after `functions`): with no tools, "auto"
+    # and "none" both call none, and there is nothing to run in parallel
+    "tool_choice": Unhonoured(lambda v: v in ("none", "auto"), '"none" or "auto"', _NO_TOOLS),
+    "parallel_tool_calls": Unhonoured(lambda v: isinstance(v, bool), "true or false",
+                                      "with no tools there are no calls to run in parallel"),
+    "functions": Unhonoured(lambda v: v == [], "[]", _NO_TOOLS),
+    "function_call": Unhonoured(lambda v: v in ("none", "auto"), '"none" or "auto"',
+                                _NO_TOOLS),
+    "response_format": Unhonoured(lambda v: v == {"type": "text"}, '{"type": "text"}',
+                                  "json_object and json_schema need constrained decoding, "
+                                  "which this server does not do (the answer is free text)"),
+    "modalities": Unhonoured(lambda v: v == ["text"], '["text"]', "only text is produced"),
+    "audio": Unhonoured(_never, "null", "only text is produced"),
+    "prediction": Unhonoured(_never, "null", "predicted outputs are not used"),
+    "reasoning_effort": Unhonoured(_never, "null", "the models have no reasoning-effort control"),
+    "verbosity": Unhonoured(_never, "null", "the models have no verbosity control"),
+    "web_search_options": Unhonoured(_never, "null", "there is no web search"),
+    "store": Unhonoured(lambda v: v is False, "false", "answers are not stored"),
+    "metadata": Unhonoured(lambda v: v == {}, "{}",
+                           "metadata labels a stored answer, and none is stored"),
+    "service_tier": Unhonoured(lambda v: v in ("auto", "default"), '"auto" or "default"',
+                               "there is one processing tier"),
+}
+# fields acted on (the answer follows them), and fields that only name the caller or a
+# cache to OpenAI (abuse monitoring, prompt caching) and change nothing in an answer
+HONOURED = frozenset({"model", "messages", "stream", "stream_options", "max_tokens",
+                      "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+                      "logprobs", "top_logprobs", "hearthnet"})
+IDENTIFIERS = frozenset({"user", "safety_identifier", "prompt_cache_key"})
+
+# the same for the legacy text completions (``POST /v1/completions``)
+UNHONOURED_TEXT: dict[str, Unhonoured] = {
+    "n": UNHONOURED["n"],
+    "best_of": Unhonoured(lambda v: v == 1 and isinstance(v, int) and not isinstance(v, bool),
+                          "1", "a call samples one completion"),
+    "echo": Unhonoured(lambda v: v is False, "false",
+                       "the prompt is not echoed (nor its tokens' log-probabilities)"),
+    "suffix": Unhonoured(lambda v: v == "", '""', "there is no fill-in-the-middle: the "
+                         "prompt is continued as it is"),
+    "frequency_penalty": UNHONOURED["frequency_penalty"],
+    "presence_penalty": UNHONOURED["presence_penalty"],
+    "logit_bias": UNHONOURED["logit_bias"],
+}
+HONOURED_TEXT = frozenset({"model", "prompt", "stream", "stream_options", "max_tokens",
+                           "temperature", "top_p", "seed", "stop", "logprobs", "hearthnet"})
+IDENTIFIERS_TEXT = frozenset({"user"})
+MAX_TEXT_LOGPROBS = 5  # OpenAI's bound on a text completion's ``logprobs``
+TEXT_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for a text completion
+
+
+def _refuse_unhonoured(body: dict[str, Any], endpoint: str = "chat-completions",
+                       honoured: frozenset[str] = HONOURED,
+                       unhonoured: dict[str, Unhonoured] | None = None,
+                       identifiers: frozenset[str] = IDENTIFIERS) -> None:
+    """A `BadRequest` naming the first field of `body` that asks for something this server
+    does not do (DESIGN.md decision 13: an OpenAI client must not get a plain answer to a
+    request for JSON or tools and take it for what it asked)."""
+    unhonoured = UNHONOURED if unhonoured is None else unhonoured
+    for key in body:
+        if key not in honoured and key not in identifiers and key not in unhonoured:
+            name = str(key)[:64]
+            raise BadRequest(f"{name} is not a {endpoint} parameter this server "
+                             "knows; it is refused rather than ignored (see docs/api.md)",
+                             param=name)
+    for key, rule in unhonoured.items():
+        v = body.get(key)
+        if v is not None and not rule.off(v):
+            shown = json.dumps(v)[:80]
+            raise BadRequest(f"{key} = {shown} is not supported: {rule.why}; leave it out "
+                             f"or send {rule.accepted}", param=key)
+    for key in identifiers:
+        v = body.get(key)
+        if v is not None and not (isinstance(v, str) and len(v) <= 512):
+            raise BadRequest(f"{key} must be a string of at most 512 characters", param=key)
+
+
+def _stream_options(v: Any) -> bool:
+    """``stream_options``: ``include_usage`` honoured; ``include_obfuscation`` (random
+    padding against length side channels) only off."""
+    if v is None:
+        return False
+    if not isinstance(v, dict):
+        raise BadRequest("stream_options must be an object", param="stream_options")
+    extra = unknown_keys(v, {"include_usage", "include_obfuscation"})
+    if extra:
+        raise BadRequest(f"stream_options.{extra[0]} is not supported; known: include_usage",
+                         param=f"stream_options.{extra[0]}")
+    if _flag(v, "include_obfuscation", "stream_options.include_obfuscation"):
+        raise BadRequest("stream_options.include_obfuscation = true is not supported: "
+                         "chunks carry no padding; leave it out or send false",
+                         param="stream_options.include_obfuscation")
+    return _flag(v, "include_usage", "stream_options.include_usage")
+
+
+def _int_in(body: dict[str, Any], key: str, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
+        raise BadRequest(f"{key} must be an integer in 0..{hi}", param=key)
+    return v
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """``logprobs: true`` with ``top_logprobs`` alternatives (0..20) per token; None when
+    off. A non-zero ``top_logprobs`` without ``logprobs: true`` is refused, as OpenAI does."""
+    top = _int_in(body, "top_logprobs", MAX_LOGPROBS)
+    if _flag(body, "logprobs"):
+        return top or 0
+    if top:
+        raise BadRequest("top_logprobs must be 0 or null unless logprobs is true",
+                         param="top_logprobs")
+    return None
+
+
+def _model(body: Any) -> str:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model or len(model) > 256:
         raise BadRequest("model must be a model name (see GET /v1/models)", param="model")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
-        raise BadRequest("only n = 1 (an integer) is supported", param="n")
-    stream = _flag(body, "stream")
-    opts = body.get("stream_options")
-    opts = {} if opts is None else opts
-    if not isinstance(opts, dict):
-        raise BadRequest("stream_options must be an object", param="stream_options")
-    sampling = {"max_tokens": _max_tokens(body, limits),
+    return model
+
+
+def _sampling(body: dict[str, Any], limits: Limits, logprobs: int | None,
+              default_max_tokens: int | None = None) -> dict[str, Any]:
+    """The call's ``params.sampling`` (``logprobs`` only when asked: the plain call's map
+    is the one without it)."""
+    sampling = {"max_tokens": _max_tokens(body, limits, default_max_tokens),
                 "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
                 "top_p": _number(body, "top_p", 1.0, 1e-9, 1.0),
                 "seed": _seed(body.get("seed")), "stop": _stop(body.get("stop"))}
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+    return sampling
+
+
+def parse_chat_request(body: Any, limits: Limits) -> ParsedChat:
+    """Validate an OpenAI chat-completions body; raises `BadRequest` (with ``param``)."""
+    model = _model(body)
+    _refuse_unhonoured(body)
+    stream = _flag(body, "stream")
+    include_usage = _stream_options(body.get("stream_options"))
+    logprobs = _chat_logprobs(body)
     args = {"request": {"model": model, "messages": _messages(body.get("messages"), limits)},
-            "params": {"sampling": sampling, **_extension(body.get("hearthnet"))}}
-    return ParsedChat(model, stream,
-                      _flag(opts, "include_usage", "stream_options.include_usage"), args)
+            "params": {"sampling": _sampling(body, limits, logprobs),
+                       **_extension(body.get("hearthnet"))}}
+    return ParsedChat(model, stream, include_usage, args, logprobs)
+
+
+def _prompt(v: Any) -> str:
+    """A text completion's one prompt: a string, or a list of one string."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
+        return v[0]
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+        raise BadRequest(f"prompt holds {len(v)} prompts; this server completes one prompt "
+                         "per call: send one string", param="prompt")
+    if isinstance(v, list) and v and not isinstance(v[0], str):
+        raise BadRequest("prompt as token ids is not supported: send the text (the node "
+                         "tokenises it with the model's own tokenizer)", param="prompt")
+    raise BadRequest("prompt must be a string (or a list of one string)", param="prompt")
+
+
+def parse_completion_request(body: Any, limits: Limits) -> ParsedChat:
+    """Validate an OpenAI text-completions body (``POST /v1/completions``): the raw prompt
+    is continued as it is, without the chat template; raises `BadRequest` (with
+    ``param``)."""
+    model = _model(body)
+    _refuse_unhonoured(body, "completions", HONOURED_TEXT, UNHONOURED_TEXT, IDENTIFIERS_TEXT)
+    stream = _flag(body, "stream")
+    include_usage = _stream_options(body.get("stream_options"))
+    logprobs = _int_in(body, "logprobs", MAX_TEXT_LOGPROBS)
+    args = {"request": {"model": model, "prompt": _prompt(body.get("prompt"))},
+            "params": {"sampling": _sampling(body, limits, logprobs, TEXT_DEFAULT_MAX_TOKENS),
+                       **_extension(body.get("hearthnet"))}}
+    return ParsedChat(model, stream, include_usage, args, logprobs)
+
+
+def model_object(m: dict[str, Any]) -> Json:
+    """OpenAI's model object of one entry of the node's status ``models`` (its alias is
+    the id a call names), with the layer coverage in the ``hearthnet`` field."""
+    return {"id": m["alias"], "object": "model", "created": 0, "owned_by": "hearthnet",
+            "hearthnet": {k: m[k] for k in ("model_id", "num_layers", "fully_covered",
+                                            "uncovered", "coverage") if k in m}}
+
+
+def find_model(models: list[dict[str, Any]], name: str) -> Json | None:
+    """The model object of `name` among the status ``models``, by alias, model id or
+    weights hash (the names a chat call takes, `ModelStore.get`); None for an unknown one."""
+    for m in models:
+        if name in (m.get("alias"), m.get("model_id"), m.get("weights_sha256")):
+            return model_object(m)
+    return None
+
+
+def token_text(b: bytes) -> str:
+    """A token's text as OpenAI shows it: its bytes as UTF-8, a byte that is part of a
+    character as ``\\xNN`` (the exact bytes are in ``bytes``)."""
+    return b.decode("utf-8", "backslashreplace")
 
 
 @dataclass
-class CompletionBuilder:
-    """Collects one call's frames; gives OpenAI chunks while streaming, or one response."""
+class _Builder:
+    """What both endpoints collect of one call's frames: text, log-probabilities,
+    incidents, the ending."""
 
     model: str
-    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
+    logprobs: int | None = None  # as asked (`ParsedChat.logprobs`)
+    id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
+    tokens: list[TokenDelta] = field(default_factory=list)  # kept when logprobs are asked
     events: list[Json] = field(default_factory=list)  # the incidents, as their wire maps
     done: Done | None = None
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> Json:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                             "finish_reason": finish}]}
+    def first_chunk(self) -> Json | None:
+        return None
 
-    def first_chunk(self) -> Json:
-        return self._chunk({"role": "assistant", "content": ""})
+    def _token_chunk(self, frame: TokenDelta) -> Json:
+        raise NotImplementedError
 
     def feed(self, frame: StreamFrame) -> Json | None:
         """Take one frame; returns the chunk to stream for it, if any.
@@ -282,7 +522,9 @@ class CompletionBuilder:
         """
         if isinstance(frame, TokenDelta):
             self.text.append(frame.text)
-            return self._chunk({"content": frame.text})
+            if self.logprobs is not None:
+                self.tokens.append(frame)
+            return self._token_chunk(frame)
         if is_incident(frame):
             self.events.append(frame.to_wire())
         elif isinstance(frame, Done):
@@ -294,7 +536,7 @@ class CompletionBuilder:
     @property
     def finish_reason(self) -> str:
         reason = self.done.finish_reason if self.done is not None else None
-        return _FINISH.get(str(reason), "stop")
+        return FINISH_REASONS.get(str(reason), "stop")
 
     def usage(self) -> dict[str, int]:
         u = self.done.usage if self.done is not None else {}
@@ -313,22 +555,133 @@ class CompletionBuilder:
                 "fallback": d.fallback, "timings": d.timings, "formats": d.formats or {},
                 "speculative": d.speculative, "events": self.events}
 
+    def usage_chunk(self) -> Json:
+        """The ``stream_options.include_usage`` chunk: no choices, the usage."""
+        raise NotImplementedError
+
+    def last_chunk(self) -> Json:
+        raise NotImplementedError
+
+    def response(self) -> Json:
+        raise NotImplementedError
+
+
+def _chat_logprob(b: bytes, logprob: float) -> Json:
+    return {"token": token_text(b), "logprob": logprob, "bytes": list(b)}
+
+
+def chat_logprobs(frames: list[TokenDelta]) -> Json:
+    """OpenAI chat's ``choices[].logprobs`` of these tokens: one ``content`` entry each, its
+    ``top_logprobs`` likeliest first."""
+    content = []
+    for f in frames:
+        if f.logprob is None or f.token_bytes is None:
+            continue  # a frame without them (none is sent so by this version's nodes)
+        content.append({**_chat_logprob(f.token_bytes, f.logprob),
+                        "top_logprobs": [_chat_logprob(b, lp)
+                                         for _, lp, b in f.top_logprobs or ()]})
+    return {"content": content, "refusal": None}
+
+
+@dataclass
+class CompletionBuilder(_Builder):
+    """One chat call: OpenAI ``chat.completion.chunk``s while streaming, or one
+    ``chat.completion``."""
+
+    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None,
+               logprobs: Json | None = None) -> Json:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "system_fingerprint": None,
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish}]}
+
+    def first_chunk(self) -> Json:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def _token_chunk(self, frame: TokenDelta) -> Json:
+        lp = chat_logprobs([frame]) if self.logprobs is not None else None
+        return self._chunk({"content": frame.text}, logprobs=lp)
+
     def last_chunk(self) -> Json:
         chunk = self._chunk({}, self.finish_reason)
         chunk["hearthnet"] = self.extension()
         return chunk
 
     def usage_chunk(self) -> Json:
-        """The ``stream_options.include_usage`` chunk: no choices, the usage."""
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "system_fingerprint": None, "choices": [],
                 "usage": self.usage()}
 
     def response(self) -> Json:
         """The non-streaming ``chat.completion`` object."""
+        lp = chat_logprobs(self.tokens) if self.logprobs is not None else None
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "system_fingerprint": None,
-                "choices": [{"index": 0, "logprobs": None, "finish_reason": self.finish_reason,
+                "choices": [{"index": 0, "logprobs": lp, "finish_reason": self.finish_reason,
                              "message": {"role": "assistant", "content": "".join(self.text),
                                          "refusal": None}}],
+                "usage": self.usage(), "hearthnet": self.extension()}
+
+
+def text_logprobs(frames: list[TokenDelta], offset: int = 0) -> Json:
+    """A text completion's legacy ``choices[].logprobs`` of these tokens: ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (a map of token text to log-probability: the
+    alternatives and the sampled token, so up to ``logprobs`` + 1 entries, as OpenAI) and
+    ``text_offset`` (each token's character offset in the completion, from `offset`)."""
+    out: Json = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for f in frames:
+        if f.logprob is None or f.token_bytes is None:
+            continue
+        tok = token_text(f.token_bytes)
+        top = {token_text(b): lp for _, lp, b in f.top_logprobs or ()}
+        top.setdefault(tok, f.logprob)
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(f.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(tok)
+    return out
+
+
+@dataclass
+class TextCompletionBuilder(_Builder):
+    """One text completion: OpenAI ``text_completion`` chunks while streaming, or one
+    ``text_completion`` object."""
+
+    id: str = field(default_factory=lambda: "cmpl-" + secrets.token_hex(12))
+    _offset: int = 0  # the streamed tokens' text so far (``text_offset``)
+
+    def _chunk(self, text: str, finish: str | None = None,
+               logprobs: Json | None = None) -> Json:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "system_fingerprint": None,
+                "choices": [{"text": text, "index": 0, "logprobs": logprobs,
+                             "finish_reason": finish}]}
+
+    def _token_chunk(self, frame: TokenDelta) -> Json:
+        if self.logprobs is None:
+            return self._chunk(frame.text)
+        lp = text_logprobs([frame], self._offset)
+        self._offset += sum(len(t) for t in lp["tokens"])
+        return self._chunk(frame.text, logprobs=lp)
+
+    def last_chunk(self) -> Json:
+        chunk = self._chunk("", self.finish_reason)
+        chunk["hearthnet"] = self.extension()
+        return chunk
+
+    def usage_chunk(self) -> Json:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "system_fingerprint": None, "choices": [],
+                "usage": self.usage()}
+
+    def response(self) -> Json:
+        """The non-streaming ``text_completion`` object."""
+        lp = text_logprobs(self.tokens) if self.logprobs is not None else None
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "system_fingerprint": None,
+                "choices": [{"text": "".join(self.text), "index": 0, "logprobs": lp,
+                             "finish_reason": self.finish_reason}],
                 "usage": self.usage(), "hearthnet": self.extension()}

@@ -6,8 +6,12 @@ handler whose client went away (``handler_cancellation``), so an abandoned strea
 shard sessions at once. Routes:
 
 - ``GET /v1/models`` — the stored models, with their layer coverage in ``hearthnet``;
+  ``GET /v1/models/{id}`` one of them (by alias, model id or weights hash), or a 404
+  ``model_not_found``;
 - ``POST /v1/chat/completions`` — streaming (SSE, one chunk per ``token_delta``, ``[DONE]``)
   or not; errors in OpenAI's shape with the matching HTTP status (`openai_compat`);
+- ``POST /v1/completions`` — the legacy text completion: a raw prompt continued without the
+  chat template, in OpenAI's ``text_completion`` shape, streaming or not;
 - ``GET /api/status`` — the node's `mesh_status` JSON, polled by the page;
 - ``GET /`` and ``/static/*`` — the status page (plain HTML/CSS/JS, no build step, no CDN).
 
@@ -46,8 +50,12 @@ from hearthnet.api.openai_compat import (
     CompletionBuilder,
     Limits,
     ParsedChat,
+    TextCompletionBuilder,
+    find_model,
+    model_object,
     openai_error,
     parse_chat_request,
+    parse_completion_request,
     parse_json_body,
 )
 from hearthnet.errors import HearthNetError, ModelNotFound
@@ -192,7 +200,10 @@ class ApiServer:
         app.router.add_get("/", self._page)
         app.router.add_static("/static/", STATIC, show_index=False)
         app.router.add_get("/v1/models", self._models)
+        # a model id may hold a "/" (a Hugging Face repo id), percent-encoded or not
+        app.router.add_get("/v1/models/{model:.+}", self._model)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/api/status", self._status)
         return app
 
@@ -296,13 +307,29 @@ class ApiServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         st = await self.host.status()
-        data = [{"id": m["alias"], "object": "model", "created": 0, "owned_by": "hearthnet",
-                 "hearthnet": {k: m[k] for k in ("model_id", "num_layers", "fully_covered",
-                                                 "uncovered", "coverage") if k in m}}
-                for m in st.get("models", [])]
+        data = [model_object(m) for m in st.get("models", [])]
         return web.json_response({"object": "list", "data": data})
 
+    async def _model(self, request: web.Request) -> web.Response:
+        """One model object (OpenAI's ``models.retrieve``), or a 404 ``model_not_found``."""
+        name = request.match_info["model"]
+        found = find_model((await self.host.status()).get("models", []), name)
+        if found is None:
+            return _error("model_not_found", f"unknown model {name[:200]!r}; "
+                          "GET /v1/models lists the models of this node", "model")
+        return web.json_response(found)
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._call(request, parse_chat_request, CompletionBuilder)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        """A text completion: the same call with a raw prompt instead of messages."""
+        return await self._call(request, parse_completion_request, TextCompletionBuilder)
+
+    async def _call(self, request: web.Request,
+                    parse: Callable[[Any, Limits], ParsedChat],
+                    builder: type[CompletionBuilder] | type[TextCompletionBuilder]
+                    ) -> web.StreamResponse:
         if (request.content_length or 0) > self.max_body_bytes:
             return _error("request_too_large", f"the body is over {self.max_body_bytes} "
                           "bytes ([api] max_body_bytes)")
@@ -313,7 +340,7 @@ class ApiServer:
             return _error("request_timeout", f"the body did not arrive within "
                           f"{self.read_timeout_s:g} s ([api] read_timeout_s)")
         try:
-            parsed = parse_chat_request(parse_json_body(raw, self.limits), self.limits)
+            parsed = parse(parse_json_body(raw, self.limits), self.limits)
             self.host.model_known(parsed.model)
         except ModelNotFound as e:
             return _error("model_not_found", e.message, "model")
@@ -322,13 +349,14 @@ class ApiServer:
         if not self.host.pipelines_free():
             return _error("rate_limit_exceeded", "every pipeline slot of this node is busy "
                           "(max_concurrent_pipelines); retry shortly")
+        out = builder(parsed.model, parsed.logprobs)
         async with contextlib.aclosing(self.host.chat(parsed.args)) as frames:
-            return await self._answer(request, parsed, frames)
+            return await self._answer(request, parsed, out, frames)
 
     async def _answer(self, request: web.Request, parsed: ParsedChat,
+                      out: CompletionBuilder | TextCompletionBuilder,
                       frames: AsyncIterator[StreamFrame]) -> web.StreamResponse:
         """Run the call; its first token (or error) decides the HTTP status."""
-        out = CompletionBuilder(parsed.model)
         first: Json | None = None
         try:
             async for frame in frames:
@@ -347,14 +375,17 @@ class ApiServer:
             return web.json_response(out.response())
         return await self._stream(request, parsed, out, first, frames)
 
-    async def _stream(self, request: web.Request, parsed: ParsedChat, out: CompletionBuilder,
-                      first: Json | None, frames: AsyncIterator[StreamFrame]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, parsed: ParsedChat,
+                      out: CompletionBuilder | TextCompletionBuilder, first: Json | None,
+                      frames: AsyncIterator[StreamFrame]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
         try:
-            await _sse(resp, out.first_chunk())
+            opening = out.first_chunk()  # chat's role chunk; a text completion has none
+            if opening is not None:
+                await _sse(resp, opening)
             if first is not None:
                 await _sse(resp, first)
             try:

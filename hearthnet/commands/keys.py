@@ -155,10 +155,16 @@ def _print(key: NodeKey, node_id: str | None, trust: Trust, *, created: bool,
 
 
 def _provision(args: argparse.Namespace) -> int:
-    """`hearthnet keys provision FOLDER...` — `provision.provision` on each folder."""
-    from hearthnet.security.provision import provision
+    """`hearthnet keys provision FOLDER...` — `provision.provision` on each folder, once
+    no two of the folders' nodes share a node id or data dir (`check_folders_apart`)."""
+    from hearthnet.security.provision import check_folders_apart, provision
 
+    check_folders_apart(args.folders, pattern=args.pattern)
+    seen: set[Path] = set()
     for folder in args.folders:
+        if Path(folder).resolve() in seen:  # one folder named twice is provisioned once
+            continue
+        seen.add(Path(folder).resolve())
         for n in provision(folder, trust=Trust.parse(args.trust), pattern=args.pattern,
                            in_place=args.in_place):
             state = "new key" if n.key_created else "existing key"

@@ -47,7 +47,15 @@ def _run(args: argparse.Namespace) -> int:
     frames = run(go())
     for f in frames:
         if f.get("type") == "error":
-            raise error_from_code(str(f.get("code")), str(f.get("message")))
+            code, message = str(f.get("code")), str(f.get("message"))
+            if code == "auth_failed" and "not a steward" in message:
+                # a steward is a trust level in the member lists (DESIGN.md decision 14), not a flag
+                message += ("; a steward is a member with trust \"steward\": set it in the "
+                            "community's [[community.members]] lists (`hearthnet keys "
+                            "provision` gives a node's own entry the trust the folder's "
+                            f"other files give it), then `hearthnet node --reload --config "
+                            f"{args.config}`")
+            raise error_from_code(code, message)
     final = frames[-1] if frames else {"models": []}
     if args.json:
         print(json.dumps(final))

@@ -7,6 +7,12 @@ change, comments and layout elsewhere stay, and the result is re-parsed and comp
 the original before it is written, so a file is never left half-edited or reinterpreted.
 Used by `make demo`, the `config/` examples and ``scripts/gen_mesh_keys.py``.
 
+A node that a file does not list yet (its own entry, above all) gets the trust the folder's
+other files give it — the lowest, where they differ — and only a node no file lists gets the
+default: the files of one folder then agree on who is what, so the node whose peers name it
+the community's ``steward`` is one in its own member list too (its own trust is what lets
+it edit the served-model list, DESIGN.md decision 14).
+
 ``provision(folder, in_place=False)`` (what ``hearthnet keys provision`` does) leaves the
 TOMLs alone and writes each node's complete member list to ``<data_dir>/members.toml``
 instead (`MEMBERS_FILE`); `hearthnet.config.load_config` fills in the public keys (and
@@ -223,11 +229,23 @@ def _existing_members(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [dict(r) for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
 
+def folder_trust(member_lists: Iterable[Iterable[Mapping[str, Any]]]) -> dict[str, Trust]:
+    """{node id: the lowest trust any of `member_lists` gives it} — what a folder's files
+    say of each node they list. Raises `ConfigError` for an unknown trust level."""
+    out: dict[str, Trust] = {}
+    for rows in member_lists:
+        for r in rows:
+            node_id, trust = str(r.get("node_id")), Trust.parse(r.get("trust", "member"))
+            out[node_id] = min(trust, out.get(node_id, trust))
+    return out
+
+
 def merge_members(existing: Iterable[Mapping[str, Any]],
                   nodes: Iterable[tuple[str, str]], default_trust: Trust,
-                  ) -> list[dict[str, Any]]:
+                  listed: Mapping[str, Trust] | None = None) -> list[dict[str, Any]]:
     """The member list for one file: every provisioned node (its current key; the trust
-    already listed for it, else `default_trust`), then members listed by hand and not
+    this file lists for it, else the trust `listed` — the folder's other files, see
+    `folder_trust` — gives it, else `default_trust`), then members listed by hand and not
     provisioned, unchanged."""
     old = {str(r.get("node_id")): r for r in existing}
     provisioned = sorted(nodes)
@@ -236,7 +254,7 @@ def merge_members(existing: Iterable[Mapping[str, Any]],
     for node_id, public_key in provisioned:
         row = dict(old.get(node_id, {}))
         row.update(node_id=node_id, public_key=public_key)
-        row.setdefault("trust", default_trust.label)
+        row.setdefault("trust", (listed or {}).get(node_id, default_trust).label)
         out.append(row)
     out.extend(dict(r) for nid, r in old.items() if nid not in ids)
     parse_members(out)  # refuse to write a list the daemon would refuse to load
@@ -262,9 +280,10 @@ def provision(folder: str | os.PathLike[str], *, trust: Trust = Trust.TRUSTED,
               pattern: str = "*.toml", in_place: bool = True) -> list[ProvisionedNode]:
     """Create missing node keys and write every node into every node TOML's members.
 
-    Files matching `pattern` without a ``[node] id`` are left alone. Idempotent: running
-    it again changes nothing. With ``in_place=False`` the TOMLs are not touched: each
-    node's member list goes to ``<data_dir>/members.toml``.
+    A node a file does not list gets the trust the folder's other files give it, else
+    `trust` (see the module docstring). Files matching `pattern` without a ``[node] id``
+    are left alone. Idempotent: running it again changes nothing. With ``in_place=False``
+    the TOMLs are not touched: each node's member list goes to ``<data_dir>/members.toml``.
 
     Raises:
         ConfigError: two files claim one node id, a file cannot be edited safely, or a
@@ -278,10 +297,19 @@ def provision(folder: str | os.PathLike[str], *, trust: Trust = Trust.TRUSTED,
         done.append(ProvisionedNode(c.path, c.node_id, c.data_dir, key.public_key_b64,
                                     key.fingerprint, not existed))
     nodes = [(n.node_id, n.public_key) for n in done]
+    texts = {c.path: c.path.read_text(encoding="utf-8") for c in configs}
+    existing = {p: _existing_members(tomllib.loads(text)) for p, text in texts.items()}
+    for path, rows in existing.items():
+        try:
+            folder_trust([rows])
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e.message}", file=str(path),
+                              key="community.members.trust", reason=e.reason) from e
+    listed = folder_trust(existing.values())
     edits: list[tuple[Path, str]] = []
     for c in configs:
-        text = c.path.read_text(encoding="utf-8")
-        members = merge_members(_existing_members(tomllib.loads(text)), nodes, trust)
+        text = texts[c.path]
+        members = merge_members(existing[c.path], nodes, trust, listed)
         try:
             new_text = replace_member_tables(text, members)
         except ConfigError as e:
@@ -296,6 +324,33 @@ def provision(folder: str | os.PathLike[str], *, trust: Trust = Trust.TRUSTED,
     for path, new_text in edits:
         write_atomic(path, new_text)
     return done
+
+
+def check_folders_apart(folders: Iterable[str | os.PathLike[str]], *,
+                        pattern: str = "*.toml") -> None:
+    """Refuse folders provisioned together whose nodes would share a node id or a data
+    directory: the folder provisioned last would overwrite the other's key and member
+    list there, and one node would read the other's event log.
+
+    Raises:
+        ConfigError: naming both files, before anything is written.
+    """
+    ids: dict[str, Path] = {}
+    dirs: dict[Path, Path] = {}
+    for folder in dict.fromkeys(Path(f).resolve() for f in folders):
+        for c in _node_configs(folder, pattern):
+            other = ids.setdefault(c.node_id, c.path)
+            if other == c.path:
+                other = dirs.setdefault(c.data_dir, c.path)
+                what, key = f"data dir {c.data_dir}", "node.data_dir"
+            else:
+                what, key = f"node id {c.node_id}", "node.id"
+            if other != c.path:
+                raise ConfigError(
+                    f"{c.path} and {other} both use {what}: provisioning both would leave "
+                    "only one node's key and member list there; give each folder its own "
+                    "node ids and data dirs", file=str(c.path), key=key,
+                    reason="shared between folders")
 
 
 def _node_configs(folder: Path, pattern: str) -> list[NodeConfig]:

@@ -83,9 +83,11 @@ DEFAULT_DEADLINE_S = DEFAULT_TIMEOUT_S
 SHARD_PATH = "/shard"
 """Request path of tensor sessions on a node's WebSocket server (docs/protocol.md §1)."""
 
-BUSY_STEP_FACTOR = 8.0
+BUSY_STEP_FACTOR = 20.0
 """A client step re-armed by its shard's progress PINGs (docs/protocol.md §3.6a) ends at
-the latest this many deadlines after it began: a shard that only ever PINGs is stalled."""
+the latest this many deadlines after it began (10 minutes at the default 30 s: eight
+1,000-token prompts queued on a busy 2-core shard took over 4), so a shard that only ever
+PINGs is stalled all the same."""
 
 PROGRESS_EVERY_S = 1.0
 """A shard PINGs a session whose step waits behind progressing work at most this often,

@@ -21,6 +21,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hearthnet.client import Done, HearthNetClient, ShardStatus, TokenDelta
+from hearthnet.distributed_inference.engine.generation import Generation
+from hearthnet.distributed_inference.engine.local import LocalEngine
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.errors import BadRequest
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from tests.helpers.browser import Browser, chromium_path
@@ -29,6 +32,8 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "What is the capital of France?"
 N = 24
+TEXT_PROMPT = "The capital of France is"  # a raw prompt: continued, not answered
+TEXT_N = 8
 GAUGE = "hearthnet_distributed_inference_shard_active_sessions"
 
 
@@ -50,6 +55,17 @@ def reference(mesh) -> str:
     frames = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert frames[-1]["type"] == "done"
     return "".join(f["text"] for f in frames if f["type"] == "token_delta")
+
+
+@pytest.fixture(scope="module")
+def text_reference(smollm2) -> tuple[str, int]:
+    """The local engine's greedy continuation of `TEXT_PROMPT` as the tokenizer gives it —
+    no chat template — and the prompt's length in tokens."""
+    engine = LocalEngine(smollm2)
+    tok = engine.head.tokenizer
+    ids = list(tok(TEXT_PROMPT)["input_ids"])
+    gen = Generation(tok, ids, SamplingParams(max_tokens=TEXT_N), engine.head.eos_token_ids)
+    return "".join(ev.text for ev in engine.run(gen)), len(ids)
 
 
 @pytest.fixture
@@ -81,6 +97,74 @@ async def test_openai_answers_equal_hearthnet_chat(oai, reference):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+async def test_openai_client_model_objects_and_refused_fields(oai, reference):
+    """`models.retrieve` gives the listed object, an unknown model is a NotFoundError, a
+    field the mesh does not honour is a 400 naming it, and its "off" value is the plain
+    call (DESIGN.md decision 13)."""
+    listed = next(m for m in (await oai.models.list()).data if m.id == "smollm2")
+    got = await oai.models.retrieve("smollm2")
+    assert (got.id, got.object, got.owned_by) == (listed.id, listed.object, listed.owned_by)
+    assert got.model_extra["hearthnet"]["model_id"] == listed.model_extra["hearthnet"]["model_id"]
+    assert got.model_extra["hearthnet"]["num_layers"] == 30
+    with pytest.raises(openai.NotFoundError) as e:
+        await oai.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    msgs = [{"role": "user", "content": PROMPT}]
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI's bound: 20
+        await oai.chat.completions.create(model="smollm2", messages=msgs, max_tokens=N,
+                                          logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai.chat.completions.create(model="smollm2", messages=msgs, max_tokens=N,
+                                          response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
+    r = await oai.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=N, temperature=0, logprobs=False,
+        frequency_penalty=0, presence_penalty=0, response_format={"type": "text"}, n=1,
+        tool_choice="none")
+    assert r.choices[0].message.content == reference
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_openai_completions_continue_the_raw_prompt(oai, text_reference):
+    """``/v1/completions`` through the mesh: the raw prompt's greedy continuation, without
+    the chat template (the prompt is counted as its own tokens only)."""
+    want, prompt_tokens = text_reference
+    r = await oai.completions.create(model="smollm2", prompt=TEXT_PROMPT, max_tokens=TEXT_N,
+                                     temperature=0)
+    assert r.choices[0].text == want and r.object == "text_completion"
+    assert r.usage.prompt_tokens == prompt_tokens
+    assert len(r.model_extra["hearthnet"]["pipeline"]) == 2  # served by the mesh
+    stream = await oai.completions.create(model="smollm2", prompt=[TEXT_PROMPT],
+                                          max_tokens=TEXT_N, temperature=0, stream=True,
+                                          logprobs=2)
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.tokens]
+    assert len(tokens) == r.usage.completion_tokens
+    assert "".join(tokens).startswith(want)  # want may end in a held-back stop
+
+
+async def test_openai_chat_logprobs_are_the_model_s(oai, reference):
+    """``logprobs`` / ``top_logprobs`` through the mesh (speculation on, as by default):
+    one entry per token, log-probabilities, alternatives likeliest first, the greedy token
+    the likeliest; the answer is the one without them."""
+    r = await oai.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": PROMPT}], max_tokens=TEXT_N,
+        temperature=0, logprobs=True, top_logprobs=2)
+    text = r.choices[0].message.content
+    assert reference.startswith(text) and text
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for c in content:
+        tops = [t.logprob for t in c.top_logprobs]
+        assert c.logprob <= 0 and len(tops) == 2 and tops == sorted(tops, reverse=True)
+        assert c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob)
+    assert bytes(b for c in content for b in c.bytes).decode().startswith(text)
 
 
 async def test_disconnect_mid_stream_closes_shard_sessions(mesh, oai):
@@ -207,8 +291,10 @@ def test_status_page_in_headless_chromium(mesh, repo_root, tmp_path):
         b.screenshot(out / "status-page-degraded.png")
 
 
-async def test_dead_host_without_fallback_is_503_and_listed_on_the_status(mesh, oai):
-    """A shard host is gone (killed above, or here): no cover and no fallback → 503."""
+async def test_dead_host_without_fallback_is_503_and_listed_on_the_status(mesh, oai,
+                                                                         text_reference):
+    """A shard host is gone (killed above, or here): no cover and no fallback → 503; with
+    the fallback a text completion goes on locally, its prompt still raw."""
     mesh.kill("node-c")
     msgs = [{"role": "user", "content": PROMPT}]
     with pytest.raises(openai.InternalServerError) as e:
@@ -218,3 +304,7 @@ async def test_dead_host_without_fallback_is_503_and_listed_on_the_status(mesh, 
     assert e.value.status_code == 503 and e.value.body["code"] == "shard_unavailable"
     st = mesh.status("node-a")
     assert any(ev["type"] == "pipeline_aborted" for ev in st["recent_events"])
+    r = await oai.completions.create(model="smollm2", prompt=TEXT_PROMPT, max_tokens=TEXT_N,
+                                     temperature=0)
+    assert r.model_extra["hearthnet"]["fallback"] is True
+    assert r.choices[0].text == text_reference[0]

@@ -45,6 +45,9 @@ SPEC_HISTOGRAMS = (P + "pipeline_construct_ms", P + "first_token_ms", P + "token
 SPEC_COUNTERS = (P + "failovers_total", P + "fallback_to_local_total")
 SPEC_CORRUPTION = P + "shard_corruption_detected_total"  # labelled by shard_id
 NODE_SERVICES = {"node-a": 7701, "node-b": 7702, "node-c": 7703}
+# where docker-compose.yml publishes each node's listen port on the host: numbers of their
+# own, so the stack runs beside config/mesh3 (7701-7703) on one machine
+HOST_PORTS = {"node-a": 7731, "node-b": 7732, "node-c": 7733}
 
 # ---- PromQL and exposition helpers ----
 
@@ -164,8 +167,9 @@ def test_compose_runs_three_nodes_prometheus_and_grafana():
     # init: the node configs of the repository, copied, model imported, keys provisioned
     init = services["init"]
     steps = [s.strip() for s in init["command"][-1].split("&&")]
-    assert steps == ["cp /config-src/*.toml /config/", "hearthnet models import smollm2",
-                     "hearthnet keys provision /config"]
+    assert steps[:3] == ["cp /config-src/*.toml /config/", "hearthnet models import smollm2",
+                         "hearthnet keys provision /config"]
+    assert "/config/api-keys.txt" in steps[3]  # the API key (tests/integration/test_examples.py)
     init_mounts = _mounts(init)
     assert (ROOT / init_mounts["/config-src"]).resolve() == ROOT / "config" / "compose"
     assert init["restart"] == "no" and init["build"] == "."
@@ -185,7 +189,7 @@ def test_compose_runs_three_nodes_prometheus_and_grafana():
         assert mounts["/data/models"] == init_mounts["/data/models"]
         assert not any(f"/data/nodes/{other}" in mounts for other in nodes if other != name)
         port = NODE_SERVICES[name]
-        assert f"127.0.0.1:{port}:{port}" in svc["ports"]
+        assert f"127.0.0.1:{HOST_PORTS[name]}:{port}" in svc["ports"]
     dockerfile = (ROOT / "Dockerfile").read_text()
     torch_at = dockerfile.index("pip install torch==2.13.0 --index-url "
                                 "https://download.pytorch.org/whl/cpu")
@@ -224,12 +228,14 @@ def test_compose_node_configs_load_and_fit_together():
     assert not cfgs["node-a"].hosted_shards()
     hosted = sorted(s.layers for c in cfgs.values() for s in c.hosted_shards())
     assert hosted == [(0, 14), (15, 29)]
-    # the same mesh as the localhost example, apart from addresses and transport security
+    # the same mesh as the localhost example, apart from addresses, transport security and
+    # node ids (config/mesh3's are mesh3-a…: each example folder has its own)
     for name, cfg in cfgs.items():
         local = load_config(ROOT / "config" / "mesh3" / f"{name}.toml")
         assert local.research == cfg.research and local.shards == cfg.shards
         assert local.community.min_trust == cfg.community.min_trust
-        assert {(m.node_id, m.trust) for m in local.community.members} >= \
+        assert {(m.node_id.replace("mesh3-", "node-"), m.trust)
+                for m in local.community.members} >= \
             {(m.node_id, m.trust) for m in cfg.community.members}
 
 

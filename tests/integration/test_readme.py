@@ -56,9 +56,11 @@ def _models_list(out: str) -> bool:
 
 
 def _status(out: str) -> bool:
-    return ("FULLY COVERED" in out and re.search(r"0-14@node-b\s+0-14\s+node-b\s+online", out)
-            is not None and re.search(r"15-29@node-c\s+15-29\s+node-c\s+online", out)
-            is not None)
+    # the SHARD column cuts ids at 34 characters ("…:15-29@mesh3-"): the HOST column names
+    # the host in full
+    return ("FULLY COVERED" in out and re.search(r"0-14@mesh3-\S*\s+0-14\s+mesh3-b\s+online",
+                                                 out) is not None
+            and re.search(r"15-29@mesh3-\S*\s+15-29\s+mesh3-c\s+online", out) is not None)
 
 
 def _v1_models(out: str) -> bool:
@@ -75,12 +77,15 @@ def _completion(out: str) -> bool:
 
 def _api_status(out: str) -> bool:
     st = _json(out)
-    return st["node_id"] == "node-a" and {s["host"] for s in st["shards"]} == {"node-b", "node-c"}
+    return st["node_id"] == "mesh3-a" and {s["host"] for s in st["shards"]} == {"mesh3-b",
+                                                                                "mesh3-c"}
 
 
 def _provisioned(out: str) -> bool:
-    return all(re.search(rf"^{n}\s.*members: ", out, re.M) for n in ("node-a", "node-b",
-                                                                     "node-c"))
+    # config/mesh3's node ids are its own (mesh3-a…), so other example folders never share
+    # their data dirs
+    return all(re.search(rf"^{n}\s.*members: ", out, re.M) for n in ("mesh3-a", "mesh3-b",
+                                                                     "mesh3-c"))
 
 
 # Commands run here, exactly as the README prints them → a check of their stdout (exit

@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from hearthnet.config import NodeConfig, config_from_dict, load_config, parse_config
+from hearthnet.config import (
+    NodeConfig,
+    check_shard_layers,
+    config_from_dict,
+    load_config,
+    parse_config,
+)
 from hearthnet.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,7 +25,10 @@ MINIMAL = '[node]\nid = "node-x"\n'
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_example_config_loads(path: Path) -> None:
     cfg = load_config(path)
-    assert cfg.node.id == path.stem
+    # node-b.toml of a folder the machine runs is node <folder>-b: each folder has its own
+    # ids (and so its own data dirs); compose's ids are its service names, one per container
+    folder, letter = path.parent.name, path.stem.removeprefix("node-")
+    assert cfg.node.id == (path.stem if folder == "compose" else f"{folder}-{letter}")
     assert cfg.source == path.resolve()
 
 
@@ -109,6 +118,11 @@ BAD = [
     ('[node]\nid = "node-x"\nlan_networks = ["10.0.0.0/33"]\n', "node.lan_networks",
      "not a network"),
     ('[node]\nid = "node-x"\nlog_level = "loud"\n', "node.log_level", "info"),
+    # two listeners of one node on one port: refused before the second bind fails mid-start
+    ('[node]\nid = "node-x"\nlisten_port = 7701\nmetrics_port = 7701\n', "node.metrics_port",
+     "also node.listen_port"),
+    ('[node]\nid = "node-x"\nlisten_host = "0.0.0.0"\nlisten_port = 7701\n[api]\n'
+     "listen_port = 7701\n", "api.listen_port", "also node.listen_port"),
     ('[node]\nid = "node-x"\nlisten_host = "0.0.0.0"\n[research]\nenable = true\n'
      "[research.distributed_inference]\nenabled = true\n"
      "[research.distributed_inference.host]\nserve_shards = true\n"
@@ -229,6 +243,44 @@ def test_node_command_refuses_a_bad_config_with_exit_code_2(
     assert main(["node", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert str(path) in err and "node.listen_prot" in err and "unknown key" in err
+
+
+def test_listeners_on_different_addresses_may_share_a_port() -> None:
+    cfg = parse_config('[node]\nid = "node-x"\nlisten_host = "10.0.0.2"\nlisten_port = 7701\n'
+                       '[api]\nlisten_port = 7701\n[security]\nadmin_port = -1\n')
+    assert cfg.api.listen_port == cfg.node.listen_port == 7701
+    off = parse_config('[node]\nid = "node-x"\nlisten_port = 7701\n[api]\nenabled = false\n'
+                       "listen_port = 7701\n")
+    assert not off.api.enabled
+
+
+SERVING = ('[node]\nid = "node-b"\n[research]\nenable = true\n[research.distributed_inference]\n'
+           "enabled = true\n[research.distributed_inference.host]\nserve_shards = true\n")
+
+
+def test_a_shard_range_past_the_models_last_layer_names_file_key_and_layers(
+        tmp_path: Path) -> None:
+    """Only the model knows its layer count: checked by the node before it serves."""
+    path = tmp_path / "node-b.toml"
+    path.write_text(SERVING + "[[shards]]\nmodel = 'smollm2'\nlayers = [0, 14]\n"
+                    "[[shards]]\nmodel = 'smollm2'\nlayers = [0, 99]\n")
+    cfg = load_config(path)
+    layers = {"smollm2": 30}.get
+    with pytest.raises(ConfigError) as ei:
+        check_shard_layers(cfg, layers, name="config/x/node-b.toml")
+    err = ei.value
+    assert err.message == ("config/x/node-b.toml: shards[1] = [0, 99]: smollm2 has 30 layers "
+                           "(0-29)")
+    assert err.file == "config/x/node-b.toml" and err.key == "shards[1].layers"
+    with pytest.raises(ConfigError, match=str(path)):  # by default: the file it came from
+        check_shard_layers(cfg, layers)
+    fits = SERVING + "[[shards]]\nmodel = 'smollm2'\nlayers = [15, 29]\n"
+    check_shard_layers(parse_config(fits), layers)
+    # a model the store lacks is the node's own error (it names the models there)
+    check_shard_layers(parse_config(fits.replace("smollm2", "other")), layers)
+    # shards declared but not served are inert (see `warnings()`), so not checked either
+    inert = fits.replace("serve_shards = true", "serve_shards = false").replace("29", "99")
+    check_shard_layers(parse_config(inert), layers)
 
 
 def test_api_is_loopback_by_default_and_needs_a_key_elsewhere(tmp_path: Path) -> None:

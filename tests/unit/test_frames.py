@@ -61,6 +61,10 @@ FRAMES: list[StreamFrame] = [
     ErrorFrame("shard_unavailable", "no shard covers layers 15-29"),
     ErrorFrame("connection_lost", "the node went away", details={"uri": "ws://x"},
                tokens_so_far=3),
+    # a call that asked for log-probabilities: 2 alternatives, then none (logprobs = 0)
+    TokenDelta(" Paris", 12, 2, logprob=-0.25, token_bytes=b" Paris",
+               top_logprobs=((12, -0.25, b" Paris"), (13, -2.0, b"\xc3"))),
+    TokenDelta("", 14, 3, logprob=-7.5, token_bytes=b"\xa9", top_logprobs=()),
 ]
 
 
@@ -104,6 +108,11 @@ def test_the_wire_keys_are_the_spec_s() -> None:
     assert FRAMES[9].to_wire()["fallback"] is True and "failovers" not in FRAMES[9].to_wire()
     assert ErrorFrame.of(ShardUnavailable("x", shard_id=A)).to_wire() == {
         "type": "error", "code": "shard_unavailable", "message": "x"}
+    # log-probabilities only when asked; a token's bytes as byte values (JSON has no bytes)
+    assert FRAMES[-2].to_wire() == {
+        "type": "token_delta", "text": " Paris", "token_id": 12, "index": 2,
+        "logprob": -0.25, "bytes": list(b" Paris"),
+        "top_logprobs": [[12, -0.25, list(b" Paris")], [13, -2.0, [0xC3]]]}
 
 
 def _token() -> dict[str, Any]:
@@ -118,6 +127,15 @@ def _token() -> dict[str, Any]:
     ({**_token(), "text": 5}, "'text' is not a string"),
     ({**_token(), "token_id": True}, "'token_id' is not an integer"),
     ({**_token(), "index": "0"}, "'index' is not an integer"),
+    ({**_token(), "logprob": 0.5}, "'logprob' is not a log-probability"),
+    ({**_token(), "logprob": "-1"}, "'logprob' is not a number"),
+    ({**_token(), "logprob": float("-inf")}, "'logprob' is not a log-probability"),
+    ({**_token(), "bytes": [256]}, "'bytes' is not a list of at most 256 byte values"),
+    ({**_token(), "bytes": "a"}, "'bytes' is not a list"),
+    ({**_token(), "top_logprobs": [[1, -0.1]]}, "'top_logprobs' is not a list of at most 20"),
+    ({**_token(), "top_logprobs": [[1, -0.1, [97]]] * 21}, "'top_logprobs' is not a list"),
+    ({**_token(), "top_logprobs": [[1, 0.1, [97]]]}, "'top_logprobs' is not a log-prob"),
+    ({**_token(), "top_logprobs": [["1", -0.1, [97]]]}, "'top_logprobs' is not an integer"),
     ({"type": "shard_status", "shard_id": A, "status": "ok", "layers": [0]},
      "'layers' is not a [start, end] pair"),
     ({"type": "pipeline_aborted", "reason": "r", "tokens_so_far": 0},
@@ -144,7 +162,7 @@ def test_a_malformed_frame_is_a_typed_error(raw: Any, says: str) -> None:
 
 
 def test_keys_a_newer_node_adds_are_ignored() -> None:
-    assert from_wire({**_token(), "logprob": -0.1}) == TokenDelta("a", 1, 0)
+    assert from_wire({**_token(), "entropy": 0.1}) == TokenDelta("a", 1, 0)
 
 
 def test_read_frame_keeps_a_newer_node_s_frame_type() -> None:

@@ -113,3 +113,58 @@ def test_every_node_has_its_own_registry() -> None:
     assert b.registry.get_sample_value("hearthnet_distributed_inference_tokens_generated_total"
                                        ) == 0
     assert b"tokens_generated_total 3.0" in a.render()
+
+
+class _Terminal:
+    """A stderr that says it is a terminal, keeping what is written."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("fmt", "env", "tty", "json_lines"), [
+    ("auto", None, True, False),     # a person at a terminal: short lines
+    ("auto", None, False, True),     # a file, a pipe, a service manager: JSON lines
+    ("auto", "json", True, True),    # HEARTHNET_LOG_FORMAT says what auto means
+    ("human", None, False, False),   # --log-format wins over both
+    ("json", "human", True, True),
+])
+def test_log_format_follows_the_terminal_unless_told(monkeypatch, fmt, env, tty, json_lines):
+    from hearthnet.observability import logs_as_json
+
+    err = _Terminal()
+    err.isatty = lambda: tty  # type: ignore[method-assign]
+    monkeypatch.setattr("sys.stderr", err)
+    if env is None:
+        monkeypatch.delenv("HEARTHNET_LOG_FORMAT", raising=False)
+    else:
+        monkeypatch.setenv("HEARTHNET_LOG_FORMAT", env)
+    assert logs_as_json(fmt) is json_lines
+    try:
+        configure_logging("info", json=logs_as_json(fmt), node="node-a")
+        get_logger("shard").info("shard_loaded", weights="fp32", ms=52)
+        try:
+            secret = 0.1234  # noqa: F841 - a local that must never reach the log
+            raise RuntimeError("boom")
+        except RuntimeError:
+            get_logger("shard").exception("failed")
+    finally:
+        monkeypatch.undo()
+        configure_logging()
+    first = err.text.splitlines()[0]
+    if json_lines:
+        assert json.loads(first)["event"] == "shard_loaded"
+    else:  # one short line: local time, level, event, fields; no JSON, no date
+        assert first.startswith(tuple("0123456789")) and first[2] == ":" and "{" not in first
+        assert "shard_loaded" in first and "weights=fp32" in first and "ms=52" in first
+    assert "RuntimeError: boom" in err.text and "0.1234" not in err.text

@@ -177,16 +177,16 @@ def test_cli_provision_keeps_tomls_and_config_loading_finds_the_keys(
     assert r.returncode == 0, r.stderr
     assert {p.name: p.read_bytes() for p in folder.glob("*.toml")} == before
     keys = {n: NodeKey.load(data / "nodes" / n / "node.key").public_key_b64
-            for n in ("node-a", "node-b", "node-c")}
+            for n in ("mesh3-a", "mesh3-b", "mesh3-c")}
     for name in keys:
-        cfg = load_config(folder / f"{name}.toml")
+        cfg = load_config(folder / f"node-{name.removeprefix('mesh3-')}.toml")
         rows = member_rows(cfg, NodeKey.load(data / "nodes" / name / "node.key"))
         assert {r["node_id"]: r["public_key"] for r in rows} == keys
     # `keys show` without --config finds the provisioned keys instead of steering to `init`
     r = subprocess.run([*cli, "show"], capture_output=True, text=True,
                        env={**env, "PYTHONPATH": str(repo_root)}, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert all(k in r.stdout for k in keys.values()) and "node_id     node-b" in r.stdout
+    assert all(k in r.stdout for k in keys.values()) and "node_id     mesh3-b" in r.stdout
 
 
 def test_keys_show_says_where_provisioned_keys_live(repo_root: Path, tmp_path: Path) -> None:
@@ -197,3 +197,75 @@ def test_keys_show_says_where_provisioned_keys_live(repo_root: Path, tmp_path: P
     assert r.returncode == 2
     line = r.stderr.strip().splitlines()[-1]
     assert str(tmp_path / "nodes") in line and "keys provision" in line
+
+
+# ---- a folder's files agree on each node's trust; folders provisioned together stay apart ----
+
+STEWARDED = {  # b and c name node-a the steward; node-a's own file does not list itself
+    "a.toml": '[node]\nid = "node-a"\n\n[[community.members]]\nnode_id = "node-b"\n'
+              'trust = "trusted"\n',
+    "b.toml": '[node]\nid = "node-b"\n\n[[community.members]]\nnode_id = "node-a"\n'
+              'trust = "steward"\n',
+    "c.toml": '[node]\nid = "node-c"\n\n[[community.members]]\nnode_id = "node-a"\n'
+              'trust = "steward"\n\n[[community.members]]\nnode_id = "node-b"\n'
+              'trust = "member"\n',
+}
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_node_gets_the_trust_its_folder_gives_it_in_its_own_list(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_place: bool) -> None:
+    """The steward its peers name is a steward in its own member list too, so its own
+    `models serve` is accepted (the shipped config/auto3 relies on this)."""
+    from hearthnet.config import load_config
+    from hearthnet.node.guard import member_rows
+
+    monkeypatch.setenv("HEARTHNET_DATA_DIR", str(tmp_path / "hn"))
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    for name, text in STEWARDED.items():
+        (folder / name).write_text(text)
+    provision(folder, in_place=in_place)
+    for name in STEWARDED:
+        cfg = load_config(folder / name)
+        key = NodeKey.load(tmp_path / "hn" / "nodes" / cfg.node.id / "node.key")
+        trust = {r["node_id"]: r["trust"] for r in member_rows(cfg, key)}
+        assert trust["node-a"] == "steward", (name, trust)
+        # a file's own word is kept; where the others differ (a: trusted, c: member), the
+        # lowest of them
+        assert trust["node-b"] == ("trusted" if name == "a.toml" else "member")
+        assert trust["node-c"] == "trusted"  # no file lists it: the default
+    # and again: nothing changes (idempotent), a person's choice in a file is kept
+    before = {p: p.read_bytes() for p in (tmp_path / "hn").rglob("members.toml")}
+    before.update({p: p.read_bytes() for p in folder.glob("*.toml")})
+    provision(folder, in_place=in_place)
+    after = {p: p.read_bytes() for p in (tmp_path / "hn").rglob("members.toml")}
+    after.update({p: p.read_bytes() for p in folder.glob("*.toml")})
+    assert after == before
+
+
+def test_folders_sharing_a_node_id_or_data_dir_are_refused_before_any_key(
+        tmp_path: Path, repo_root: Path) -> None:
+    """`make keys` provisions several folders into one data dir: a node id (or a data dir)
+    in two of them would leave only the last one's key and member list there."""
+    one, two, three = (tmp_path / n for n in ("one", "two", "three"))
+    for d in (one, two, three):
+        d.mkdir()
+    (one / "a.toml").write_text('[node]\nid = "node-a"\n')
+    (two / "a.toml").write_text('[node]\nid = "node-a"\n')
+    (three / "x.toml").write_text(
+        f'[node]\nid = "node-x"\ndata_dir = "{tmp_path / "hn" / "nodes" / "node-a"}"\n')
+    env = {"HEARTHNET_DATA_DIR": str(tmp_path / "hn"), "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(repo_root)}
+    for other, what in ((two, "node id node-a"), (three, "data dir")):
+        r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "keys", "provision",
+                            str(one), str(other)], capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert r.returncode == 2, r.stderr
+        line = r.stderr.strip().splitlines()[-1]
+        assert what in line and str(one / "a.toml") in line and str(other) in line, line
+        assert not (tmp_path / "hn" / "nodes").exists()  # nothing written
+    # the same folder twice is one folder
+    r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "keys", "provision", str(one),
+                        str(one) + "/"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.count("node-a ") == 1, (r.stdout, r.stderr)

@@ -103,6 +103,15 @@ class ClientHead(Protocol):
         """
         ...
 
+    def text_prompt_ids(self, text: str) -> list[int]:
+        """Token ids of a raw prompt, without the chat template (a text completion): the
+        tokenizer as it is, its own start token kept.
+
+        Raises:
+            BadRequest: the prompt tokenises to nothing.
+        """
+        ...
+
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         """Hidden states `(1, T, H)` of `token_ids` on the head's device."""
         ...

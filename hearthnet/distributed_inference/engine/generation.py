@@ -4,10 +4,18 @@
 generator, incremental detokenisation and stop handling. The local engine and the
 distributed orchestrator both drive one, so a call that falls back to local inference
 continues the *same* `Generation` (M26 §5.4).
+
+Log-probabilities (``SamplingParams.logprobs``) are the model's own: `torch.log_softmax` of
+the raw logits a token was sampled (or verified) from, before temperature, top-k and top-p
+— what OpenAI reports. They are computed only for a call that asks (the default path does
+no extra work), for every token taken, a speculative pass's included: each accepted token
+from the row that verified it, so they are exact whatever the proposer.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +26,12 @@ from hearthnet.errors import BadRequest
 
 
 class Sampler:
-    """Picks the next token from logits; seeded, so a call is reproducible."""
+    """Picks the next token from logits; seeded, so a call is reproducible.
+
+    With ``params.logprobs`` set it keeps the row it last picked from (`__call__` or
+    `verify`) for `Generation.accept` to take: every path that takes a token — one step, or
+    a speculative pass verifying proposals row by row — picks it through here first.
+    """
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -27,9 +40,13 @@ class Sampler:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
+        self.keep_rows = params.logprobs is not None
+        self.row: torch.Tensor | None = None  # (vocab,) the logits last picked from
 
     def __call__(self, logits: torch.Tensor) -> int:
         """`logits`: (vocab,) fp32."""
+        if self.keep_rows:
+            self.row = logits
         if self.params.greedy:
             return int(torch.argmax(logits))
         return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
@@ -57,6 +74,8 @@ class Sampler:
         rejection rule of speculative sampling (Leviathan et al. 2023, Chen et al. 2023) for
         a proposer that names one token, so every token is distributed exactly as `__call__`
         would draw it."""
+        if self.keep_rows:
+            self.row = logits
         if self.params.greedy:
             return int(torch.argmax(logits))
         probs = self.probs(logits)
@@ -100,13 +119,59 @@ class IncrementalDetokenizer:
         return str(now[len(before):])
 
 
+# OpenAI's floor for a log-probability too small to show (and JSON has no -Infinity)
+MIN_LOGPROB = -9999.0
+_SPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte, reversed (transformers' own
+    GPT-2 table, which every byte-level tokenizer shares)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table: dict[int, str] = bytes_to_unicode()  # type: ignore[no-untyped-call]
+    return {c: b for b, c in table.items()}
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes one token stands for: exact even for a token that is part of a character
+    (OpenAI's ``bytes``; decoding one such token alone gives U+FFFD)."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return bytes(str(tokenizer.decode([token_id])), "utf-8")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    kind = type(getattr(backend, "decoder", None)).__name__
+    if kind == "ByteLevel":
+        table = _byte_level_decoder()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return piece.encode("utf-8")  # an added token, kept as written
+    m = _SPIECE_BYTE.fullmatch(piece)
+    if m is not None:
+        return bytes([int(m[1], 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece's word boundary
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A taken token's log-probability and its `k` likeliest alternatives, likeliest first:
+    ``(token_id, logprob, bytes)`` each (`SamplingParams.logprobs`)."""
+
+    logprob: float
+    token_bytes: bytes
+    top: tuple[tuple[int, float, bytes], ...]
+
+
 @dataclass
 class TokenEvent:
-    """One generated token and the text it released (possibly empty)."""
+    """One generated token and the text it released (possibly empty); its log-probabilities
+    when the call asked for them."""
 
     token_id: int
     text: str
     index: int
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -125,6 +190,7 @@ class Generation:
         self.sampler = Sampler(self.params)
         self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         self._held = ""  # text held back because it may be the start of a stop string
+        self._bytes: dict[int, bytes] = {}
 
     @property
     def done(self) -> bool:
@@ -141,17 +207,40 @@ class Generation:
         return self.accept(tid)
 
     def accept(self, tid: int) -> TokenEvent:
+        """Take `tid`, picked by `self.sampler` (`step`, or a speculative pass's `verify`)."""
+        lp = self._logprobs(tid) if self.sampler.keep_rows else None
         self.tokens.append(tid)
         if tid in self.eos_ids:
             self.finish_reason = "eos"
-            return TokenEvent(tid, self._release(final=True), len(self.tokens) - 1)
+            return TokenEvent(tid, self._release(final=True), len(self.tokens) - 1, lp)
         delta = self._held + self.detok.push(tid)
         self._held = ""
         out = self._apply_stop(delta)
         if not self.done and len(self.tokens) >= self.params.max_tokens:
             self.finish_reason = "length"
             out += self._release(final=True)
-        return TokenEvent(tid, out, len(self.tokens) - 1)
+        return TokenEvent(tid, out, len(self.tokens) - 1, lp)
+
+    def _logprobs(self, tid: int) -> TokenLogprobs:
+        """`tid`'s log-probability and the top alternatives, from the raw logits it was
+        picked from (the module docstring says why raw)."""
+        row, self.sampler.row = self.sampler.row, None
+        if row is None:  # a token taken without a pick: its row is unknown
+            raise RuntimeError("a token was accepted without the logits it was picked from")
+        lp = torch.log_softmax(row.float(), dim=-1)  # (vocab,)
+        k = self.params.logprobs or 0
+        top = torch.topk(lp, k) if k else None
+        pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True) if top is not None \
+            else ()
+        out = TokenLogprobs(max(float(lp[tid]), MIN_LOGPROB), self._token_bytes(tid),
+                            tuple((i, max(v, MIN_LOGPROB), self._token_bytes(i))
+                                  for i, v in pairs))
+        return out
+
+    def _token_bytes(self, tid: int) -> bytes:
+        if tid not in self._bytes:
+            self._bytes[tid] = token_bytes(self.tokenizer, tid)
+        return self._bytes[tid]
 
     def _apply_stop(self, delta: str) -> str:
         if not self.params.stop:
@@ -189,10 +278,16 @@ class PromptLimits:
     max_prompt_tokens: int = 4096
     max_completion_tokens: int = 2048
 
-    def check_request(self, messages: list[Any], params: SamplingParams) -> None:
-        """Bytes and `max_tokens`, before tokenising anything; raises `BadRequest`."""
-        size = sum(len(m["content"].encode("utf-8", "replace"))
-                   for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+    def check_request(self, messages: list[Any] | str, params: SamplingParams) -> None:
+        """Bytes and `max_tokens`, before tokenising anything; raises `BadRequest`.
+
+        `messages`: a chat's messages, or a text completion's raw prompt (one limit for
+        both: the bytes a caller makes the node tokenise)."""
+        if isinstance(messages, str):
+            size = len(messages.encode("utf-8", "replace"))
+        else:
+            size = sum(len(m["content"].encode("utf-8", "replace")) for m in messages
+                       if isinstance(m, dict) and isinstance(m.get("content"), str))
         if size > self.max_prompt_bytes:
             raise BadRequest(f"the prompt is {size} bytes; this node's limit is "
                              f"max_prompt_bytes = {self.max_prompt_bytes}",

@@ -159,6 +159,17 @@ class LayeredHead:
         ids: Any = out["input_ids"] if hasattr(out, "keys") else out
         return [int(i) for i in ids]
 
+    def text_prompt_ids(self, text: str) -> list[int]:
+        """Token ids of a raw prompt (``/v1/completions``): no chat template, the tokenizer
+        as it is (its own BOS kept, as the model was trained to continue text)."""
+        if not isinstance(text, str):
+            raise BadRequest("prompt must be a string", param="prompt")
+        ids = [int(i) for i in self.tokenizer(text)["input_ids"]]
+        if not ids:  # a tokenizer without a BOS gives nothing for "": nothing to continue
+            raise BadRequest(f"the prompt is empty: {self.entry.alias}'s tokenizer adds no "
+                             "start token, so there is nothing to continue", param="prompt")
+        return ids
+
     @torch.inference_mode()
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         """(1, T, H) input hidden state for `token_ids`, on the head's device."""

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from hearthnet.errors import BadRequest
 
+MAX_LOGPROBS = 20  # OpenAI's bound on chat ``top_logprobs``
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,6 +23,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # None: no log-probabilities (the default path computes none); k in 0..MAX_LOGPROBS:
+    # each token's log-probability and its k likeliest alternatives (`generation.Sampler`)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -34,6 +39,9 @@ class SamplingParams:
             raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > 16:
             raise BadRequest("stop must be at most 16 non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise BadRequest(f"logprobs must be in 0..{MAX_LOGPROBS} or null, got "
+                             f"{self.logprobs}", param="logprobs")
 
     @property
     def greedy(self) -> bool:
@@ -69,3 +77,6 @@ def _check_types(p: SamplingParams) -> None:
         raise BadRequest(f"seed must be an integer in 0..2**63-1 or null, got {p.seed!r}"[:200])
     if not isinstance(p.stop, tuple):
         raise BadRequest("stop must be a list of strings")
+    if p.logprobs is not None and not _is_int(p.logprobs):
+        raise BadRequest(f"logprobs must be an integer or null, got {p.logprobs!r}"[:200],
+                         param="logprobs")

@@ -17,8 +17,12 @@ from hearthnet.frames import Done, TokenDelta
 
 
 def token_frame(ev: TokenEvent) -> TokenDelta:
-    """One streamed token."""
-    return TokenDelta(ev.text, ev.token_id, ev.index)
+    """One streamed token, with its log-probabilities when the call asked for them."""
+    lp = ev.logprobs
+    if lp is None:
+        return TokenDelta(ev.text, ev.token_id, ev.index)
+    return TokenDelta(ev.text, ev.token_id, ev.index, logprob=lp.logprob,
+                      token_bytes=lp.token_bytes, top_logprobs=lp.top)
 
 
 def done_frame(gen: Generation, *, t0: float, first_ms: float, tokens_per_s: float,

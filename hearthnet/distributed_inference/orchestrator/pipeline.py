@@ -141,7 +141,9 @@ class PipelineOrchestrator:
                 "distributed inference is disabled on this node "
                 "(policy.research.enable / research.distributed_inference.enabled)")
         entry = self.models.get(request.model)  # ModelNotFound is a bad_request
-        self.limits.check_request(request.messages, params.sampling)  # before any work
+        # before any work: a raw prompt (a text completion) under the messages' byte limit
+        self.limits.check_request(request.prompt if request.prompt is not None
+                                  else request.messages, params.sampling)
         async with self._slots, contextlib.aclosing(self._chat(entry, request, params)) as it:
             async for frame in it:  # aclosing: an abandoned call still closes its sessions
                 yield frame
@@ -170,7 +172,9 @@ class PipelineOrchestrator:
         spec: Speculator | None = None
         outcome = "error"
         try:
-            ids = head.chat_prompt_ids(request.messages)
+            # a text completion's raw prompt is continued as it is, without the template
+            ids = head.text_prompt_ids(request.prompt) if request.prompt is not None \
+                else head.chat_prompt_ids(request.messages)
             self.limits.check_prompt_ids(ids)  # the same limit as the local path
             gen = Generation(head.tokenizer, ids, params.sampling, head.eos_token_ids)
             spec = await self._speculator(entry, head, gen, params)

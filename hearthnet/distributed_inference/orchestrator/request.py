@@ -1,8 +1,8 @@
 """Request parsing for `experimental.distributed_llm.chat` (M26 §4.3).
 
-`ChatRequest` (model and messages) and `DistributedChatParams` (the spec's parameters plus
-sampling) are built from the caller's maps; anything malformed is a `BadRequest` before any
-work starts.
+`ChatRequest` (model and messages, or model and a raw prompt) and `DistributedChatParams`
+(the spec's parameters plus sampling) are built from the caller's maps; anything malformed
+is a `BadRequest` before any work starts.
 """
 
 from __future__ import annotations
@@ -25,19 +25,31 @@ from hearthnet.errors import BadRequest
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """An `experimental.distributed_llm.chat` request."""
+    """An `experimental.distributed_llm.chat` request: `messages` through the model's chat
+    template, or a raw `prompt` continued as it is (a text completion; `messages` empty)."""
 
     model: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, str]] = field(default_factory=list)
+    prompt: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ChatRequest:
+        """Exactly one of ``messages`` and ``prompt``; the prompt's size is the node's limit
+        (`PromptLimits.check_request`, checked with the messages' before any work)."""
         if not isinstance(d, dict) or not isinstance(d.get("model", "smollm2"), str):
             raise BadRequest("request must be a map with a model name")
-        msgs = d.get("messages")
+        model = d.get("model", "smollm2")
+        msgs, prompt = d.get("messages"), d.get("prompt")
+        if (msgs is None) == (prompt is None):
+            raise BadRequest("request needs exactly one of messages (a chat) and prompt "
+                             "(raw text to continue)", param="request")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise BadRequest("prompt must be a string", param="prompt")
+            return cls(model=model, prompt=prompt)
         if not isinstance(msgs, list) or not msgs or len(msgs) > 256:
             raise BadRequest("messages must be a non-empty list of {role, content}")
-        return cls(model=d.get("model", "smollm2"), messages=msgs)
+        return cls(model=model, messages=msgs)
 
 
 @dataclass(frozen=True)
@@ -85,7 +97,7 @@ def _sampling(s: Any) -> SamplingParams:
         return SamplingParams()
     if not isinstance(s, dict):
         raise BadRequest("params.sampling must be a map", param="params.sampling")
-    known = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop"}
+    known = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs"}
     unknown = unknown_keys(s, known)
     if unknown:
         raise BadRequest(f"unknown sampling keys {unknown[:8]}", param="params.sampling")
