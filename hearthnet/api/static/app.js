@@ -1,7 +1,11 @@
-// HearthNet status page: polls /api/status, draws coverage and shard health, streams a chat
-// through /v1/chat/completions. Plain JS, no build step, no network beyond this node.
+// HearthNet status page: polls /api/status, draws the chats running now, every node of the
+// community, coverage and shard health, and streams a chat through /v1/chat/completions.
+// Plain JS, no build step, no network beyond this node. A card for a feature not in use
+// (automatic hosting on a hand-written mesh) stays hidden.
 "use strict";
 const POLL_MS = 2000;
+const POLL_RUNNING_MS = 1000;  // while a chat runs: its tokens and tok/s move every second
+let running = false;
 let apiKey = localStorage.getItem("hearthnet-api-key") || "";
 const $ = (id) => document.getElementById(id);
 
@@ -94,7 +98,7 @@ function renderShards(st) {
         s.unusable_reason ? el("span", {class: "reason"}, "not used by calls: " +
           s.unusable_reason) : null),
       td("p95 ms", "", fmt(s.p95_latency_ms, 1)), td("Queue", "", fmt(s.queue_depth, 0)),
-      td("Sessions", "", fmt(s.active_sessions, 0)), td("Format", "",
+      td("Sessions", "", sessions(s)), td("Format", "",
         s.advertised_format && s.advertised_format !== s.format
           ? `${s.format} (advertised ${s.advertised_format})`
           : fmt(s.kernel ? `${s.format} (${s.kernel})` : s.format)),
@@ -104,11 +108,24 @@ function renderShards(st) {
     "no live shard advertisements")));
 }
 
+function sessions(s) {
+  // this node's own shard counts live; another's as of its last heartbeat, plus the
+  // sessions this node's chats hold on it now
+  const n = el("span", {class: "sessions", "data-live": String(!!s.sessions_live),
+    title: s.sessions_live ? "open sessions now" : "as of the shard's last heartbeat"},
+    fmt(s.active_sessions, 0));
+  if (s.sessions_from_here) n.append(el("span", {class: "muted"},
+    ` (${s.sessions_from_here} from here)`));
+  return n;
+}
+
 function renderPlacement(st) {
   // automatic hosting (DESIGN.md decision 14): the served-model list, who chose which
-  // layers and why, last re-host/rebalance
+  // layers and why, last re-host/rebalance — only where some node hosts automatically or
+  // a served-model list is set
   const p = st.placement;
-  if (!p) return;
+  $("placement-card").hidden = !(p && p.in_use);
+  if (!p || !p.in_use) return;
   const when = (t) => new Date(t * 1000).toLocaleTimeString();
   const items = [el("li", {}, "served models: " + (p.served_models.map((m) => m.alias ||
     m.model_id).join(", ") || "none") + (p.set_by ? ` (set by ${p.set_by})` : ""))];
@@ -123,11 +140,48 @@ function renderPlacement(st) {
   $("placement").replaceChildren(...items);
 }
 
-function renderPeers(st) {
-  const ul = $("peers");
-  ul.replaceChildren(...(st.peers.length ? st.peers.map((p) => el("li", {},
-    `${p.node_id || p.uri} — ${p.connected ? "connected" : "down"}` +
-    (p.direction === "in" ? " (incoming)" : ""))) : [el("li", {class: "muted"}, "none")]));
+function renderNodes(st) {
+  // every member node, not only this node's gossip links (a node known through a relay
+  // has no link here)
+  const body = $("nodes").querySelector("tbody");
+  const td = (label, cls, ...kids) => el("td", {"data-label": label, class: cls || ""},
+    ...kids);
+  body.replaceChildren(...(st.nodes || []).map((n) => {
+    const hosts = n.hosts.length ? n.hosts.map((h) => `${h.model_id.split("/").pop()} ` +
+      `${h.layers[0]}–${h.layers[1]}` + (h.auto ? " (auto)" : "")).join(", ")
+      : el("span", {class: "muted"}, "nothing");
+    const link = n.self ? el("span", {class: "muted"}, "this node")
+      : n.link ? `${n.link.connected ? "up" : "down"}` +
+        (n.link.direction === "in" ? " (incoming)" : " (dialled)")
+      : el("span", {class: "muted"}, n.state === "unknown" ? "none (heard through others)"
+        : "none");
+    return el("tr", {class: "node-row", "data-node": n.node_id, "data-state": n.state,
+        "data-self": String(n.self)},
+      td("Node", "name", n.node_id, n.self ? el("span", {class: "badge"}, "this node") : null,
+        n.trust ? el("span", {class: "muted"}, ` ${n.trust}`) : null),
+      td("State", "state-" + n.state, n.state,
+        n.reason ? el("span", {class: "reason"}, n.reason) : null),
+      td("Hosts", "", hosts), td("Gossip link", "", link));
+  }));
+}
+
+function renderRunning(st) {
+  // the chats this node orchestrates now: tokens, tok/s, path or local fallback
+  const calls = st.running_calls || [];
+  $("running").replaceChildren(...(calls.length ? calls.map((c) => {
+    const path = c.fallback ? "local fallback" : c.path.length ?
+      c.path.map(shortShard).join(" → ") : "choosing shards";
+    return el("li", {class: "running-call", "data-call": String(c.call_id),
+        "data-state": c.state, "data-fallback": String(c.fallback),
+        "data-tokens": String(c.tokens), "data-tps": String(c.tokens_per_s)},
+      el("b", {}, c.model), ` · ${c.state} · ${c.tokens} tokens · `,
+      el("b", {class: "tps"}, `${fmt(c.tokens_per_s, 1)} tok/s`),
+      ` · via `, el("span", {class: "path"}, path),
+      ` · ${c.failovers} failover(s) · started ` +
+        new Date(c.started_at * 1000).toLocaleTimeString() + ` (${fmt(c.elapsed_s, 0)} s ago)`,
+      c.fallback && c.fallback_reason ? el("span", {class: "reason"},
+        "fell back: " + c.fallback_reason) : null);
+  }) : [el("li", {class: "muted"}, "no chat running")]));
 }
 
 function speculationNote(byMode) {
@@ -173,8 +227,9 @@ async function refresh() {
     $("auth").hidden = true;
     $("node").textContent = `node ${st.node_id} · ${st.endpoint}` +
       (st.api ? ` · API ${st.api}/v1` : "");
-    renderModels(st); renderShards(st); renderPlacement(st); renderPeers(st);
-    renderEvents(st);
+    running = (st.running_calls || []).length > 0;
+    renderRunning(st); renderNodes(st); renderModels(st); renderShards(st);
+    renderPlacement(st); renderEvents(st);
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     document.body.dataset.refreshed = String(Date.now());
   } catch (e) {
@@ -237,5 +292,8 @@ $("auth-form").addEventListener("submit", (e) => {
   e.preventDefault(); apiKey = $("key").value.trim();
   localStorage.setItem("hearthnet-api-key", apiKey); refresh();
 });
-refresh();
-setInterval(refresh, POLL_MS);
+async function poll() {
+  await refresh();
+  setTimeout(poll, running ? POLL_RUNNING_MS : POLL_MS);
+}
+poll();

@@ -4,10 +4,19 @@ Every `PipelineOrchestrator` call owns one `CallState`; nothing here is shared b
 calls (concurrent chats and concurrent fallbacks each hold their own). `StageFailed` and
 `FellBack` are the two internal signals between the decode loop (`decode.py`) and the
 failover replay (`failover.py`); neither ever reaches a caller.
+
+`RunningCalls` is the one shared thing: the orchestrator's calls in progress as the status
+page shows them (model, tokens so far, tok/s, path or local fallback, failovers). Each
+`RunningCall` follows its call's frames — the same facts the caller is told — and holds
+counts and shard ids only: no prompt, no token text, no tensor (M26 §5.8).
 """
 
 from __future__ import annotations
 
+import itertools
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,11 +30,24 @@ from hearthnet.distributed_inference.orchestrator.request import DistributedChat
 from hearthnet.distributed_inference.orchestrator.wire import WirePlan
 from hearthnet.distributed_inference.seams import Channel, Connector, StepOutput
 from hearthnet.errors import ConnectionLost, HearthNetError
-from hearthnet.frames import StreamFrame
+from hearthnet.frames import (
+    PipelineAborted,
+    ShardFailover,
+    ShardStatus,
+    StreamFrame,
+    TokenDelta,
+)
 from hearthnet.stats import LatencyWindow
 
-__all__ = ["CallState", "ClosedChannel", "Connector", "FellBack", "StageFailed",
-           "StageSession"]
+__all__ = ["CallState", "ClosedChannel", "Connector", "FellBack", "RunningCall",
+           "RunningCalls", "StageFailed", "StageSession", "decode_rate"]
+
+
+def decode_rate(tokens: int, decode_t0: float, now: float) -> float:
+    """Decode speed: the tokens after the first over the time since the first
+    (`perf_counter` seconds); 0.0 before a second token."""
+    decode_s = now - decode_t0
+    return (tokens - 1) / decode_s if decode_s > 0 and tokens > 1 else 0.0
 
 
 class StageFailed(Exception):
@@ -127,10 +149,114 @@ class CallState:
 
     def tokens_per_s(self, now: float) -> float:
         """Decode speed: tokens after the first over the time since it."""
-        decode_s = now - self.decode_t0
-        n = len(self.gen.tokens)
-        return (n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0
+        return decode_rate(len(self.gen.tokens), self.decode_t0, now)
 
     def take_frames(self) -> list[StreamFrame]:
         out, self.frames = self.frames, []
         return out
+
+
+@dataclass
+class RunningCall:
+    """One call in progress, as the status page shows it; fed its frames by `see`."""
+
+    call_id: int
+    model: str
+    started_at: float  # wall clock (time.time())
+    t0: float  # perf_counter() at the start
+    path: list[str] = field(default_factory=list)  # stage shard ids, in order
+    fallback: bool = False  # continued (or ran wholly) on the local engine (M26 §5.4)
+    fallback_reason: str | None = None
+    failovers: int = 0
+    tokens: int = 0
+    first_at: float | None = None  # perf_counter() at the first token
+    last_at: float | None = None  # perf_counter() at the latest token
+    # tokens taken before the local engine took over: its tok/s counts its own only
+    local_from: int = 0
+    local_t0: float | None = None
+
+    def see(self, frame: StreamFrame) -> None:
+        """Note what `frame` says of the call: one isinstance chain and a counter on the
+        per-token path (DESIGN.md hot path rules)."""
+        if isinstance(frame, TokenDelta):
+            self.tokens += 1
+            self.last_at = time.perf_counter()
+            if self.first_at is None:
+                self.first_at = self.last_at
+            if self.fallback and self.local_t0 is None:
+                self.local_t0 = self.last_at
+        elif isinstance(frame, ShardStatus):
+            if frame.status == "ok":  # one per stage, at construction
+                self.path.append(frame.shard_id)
+        elif isinstance(frame, ShardFailover):
+            self.failovers += 1
+            self.path = list(frame.pipeline)
+        elif isinstance(frame, PipelineAborted) and frame.continuing == "local":
+            self.fallback, self.fallback_reason = True, frame.reason
+            self.local_from = self.tokens
+
+    @property
+    def state(self) -> str:
+        """"starting" (choosing and opening shards), "prefill" (the prompt, no token yet),
+        "decoding", or "local fallback" once the local engine carries it."""
+        if self.fallback:
+            return "local fallback"
+        if self.tokens:
+            return "decoding"
+        return "prefill" if self.path else "starting"
+
+    def tokens_per_s(self, now: float) -> float:
+        """Decode speed so far: of the local engine's tokens alone after a fallback (the
+        pipeline's speed says nothing of the local engine's)."""
+        if self.fallback:
+            if self.local_t0 is None:
+                return 0.0
+            return decode_rate(self.tokens - self.local_from, self.local_t0, now)
+        return decode_rate(self.tokens, self.first_at or now, now)
+
+    def to_dict(self, now: float, wall: float) -> dict[str, Any]:
+        """A JSON-safe view: counts, ids and times only (M26 §5.8)."""
+        # the rate up to the latest token: a stalled stream shows its last speed, not a
+        # rate that decays while nothing moves
+        tps = self.tokens_per_s(self.last_at if self.last_at is not None else now)
+        return {"call_id": self.call_id, "model": self.model, "state": self.state,
+                "tokens": self.tokens, "tokens_per_s": round(tps, 2),
+                "path": ["local"] if self.fallback else list(self.path),
+                "pipeline": list(self.path), "fallback": self.fallback,
+                "fallback_reason": self.fallback_reason, "failovers": self.failovers,
+                "started_at": self.started_at, "elapsed_s": round(wall - self.started_at, 1),
+                "first_token_ms": round((self.first_at - self.t0) * 1000, 1)
+                if self.first_at is not None else None}
+
+
+class RunningCalls:
+    """The orchestrator's calls in progress (the status page's "running chats").
+
+    `track` registers a call for the time of a ``with`` block and removes it when the
+    block ends however it ends (finished, failed, or abandoned by its caller).
+    """
+
+    def __init__(self) -> None:
+        self._calls: dict[int, RunningCall] = {}
+        self._ids = itertools.count(1)
+
+    @contextmanager
+    def track(self, model: str) -> Iterator[RunningCall]:
+        call = RunningCall(next(self._ids), model, time.time(), time.perf_counter())
+        self._calls[call.call_id] = call
+        try:
+            yield call
+        finally:
+            self._calls.pop(call.call_id, None)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def __iter__(self) -> Iterator[RunningCall]:
+        return iter(list(self._calls.values()))
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every call in progress, oldest first, as `RunningCall.to_dict`."""
+        now, wall = time.perf_counter(), time.time()
+        return [c.to_dict(now, wall) for c in sorted(self._calls.values(),
+                                                     key=lambda c: c.call_id)]

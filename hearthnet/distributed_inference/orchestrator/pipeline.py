@@ -46,6 +46,7 @@ from hearthnet.distributed_inference.orchestrator.calls import (
     CallState,
     Connector,
     FellBack,
+    RunningCalls,
     StageSession,
 )
 from hearthnet.distributed_inference.orchestrator.decode import DecodeLoop
@@ -120,6 +121,7 @@ class PipelineOrchestrator:
         self._draft_lock = asyncio.Lock()
         # per model alias and mode: passes, proposed and accepted so far (the status page)
         self.speculation: dict[str, dict[str, dict[str, int]]] = {}
+        self.running = RunningCalls()  # calls in progress (the status page), counts only
         self._slots = asyncio.Semaphore(max_concurrent_pipelines)
         self.local_weights = local_weights  # the head's and local engine's format
         self.head_device = head_device  # where the head (and fallback) run (DESIGN.md decision 11)
@@ -145,8 +147,10 @@ class PipelineOrchestrator:
         self.limits.check_request(request.prompt if request.prompt is not None
                                   else request.messages, params.sampling)
         async with self._slots, contextlib.aclosing(self._chat(entry, request, params)) as it:
-            async for frame in it:  # aclosing: an abandoned call still closes its sessions
-                yield frame
+            with self.running.track(entry.alias) as live:  # the status page's running chats
+                async for frame in it:  # aclosing: an abandoned call still closes its sessions
+                    live.see(frame)
+                    yield frame
 
     def has_free_slot(self) -> bool:
         """False while `max_concurrent_pipelines` calls run (the API answers 429 then)."""
