@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.shard import server as shard_server
 from hearthnet.distributed_inference.shard.server import ShardServer, ShardSettings, StepJob
 from hearthnet.errors import BadRequest, HearthNetError, StepFailed, StreamStalled
 from hearthnet.observability import Metrics
@@ -242,7 +243,13 @@ def _slow_rounds(server: ShardServer, monkeypatch: Any, round_s: float,
         return real(jobs)
 
     monkeypatch.setattr(server.batcher, "run_batch", slow)
+    _ping_often(monkeypatch)
+
+
+def _ping_often(monkeypatch: Any) -> None:
+    """Progress PINGs (and the layers' beats) every 0.1 s instead of every second."""
     monkeypatch.setattr(websocket, "PROGRESS_EVERY_S", 0.1)
+    monkeypatch.setattr(shard_server, "PROGRESS_EVERY_S", 0.1)
 
 
 async def test_a_step_queued_behind_other_prefills_is_busy_not_stalled(shard, llama,
@@ -283,3 +290,34 @@ async def test_a_stuck_forward_sends_no_progress_and_the_step_stalls(shard, monk
         hold.set()
         await ch.close()
     await wait_until(lambda: server.active == 0, "the stalled session ended on the shard")
+
+
+async def test_a_forward_longer_than_the_deadline_beats_through_its_layers(shard, llama,
+                                                                          monkeypatch):
+    """docs/protocol.md §3.6a: one forward that takes longer than the step deadline (a slow
+    machine, a long chunk) is not a stall while its layers go on: each layer beats, the
+    shard PINGs, the client re-arms. Without the beats the same step stalls."""
+    server, uri = shard
+    assert isinstance(server.stack, LayeredStack)
+    hooks = [layer.register_forward_hook(lambda *a: time.sleep(0.12))
+             for layer in server.stack.layers]  # 6 layers: a 0.7 s forward
+    _ping_often(monkeypatch)
+    x = _x(4, 3)
+    try:
+        ch = await _open(server, uri)
+        try:
+            out = await ch.step(0, 0, x, deadline_s=0.4)
+            assert ch.progress_pings >= 1
+        finally:
+            await ch.close()
+        torch.testing.assert_close(out.tensor, _solo(llama, [x])[0], rtol=1e-5, atol=1e-5)
+        server.stack.on_layer = None  # no beats: the same step is a stall
+        ch = await _open(server, uri)
+        try:
+            with pytest.raises(StreamStalled):
+                await ch.step(0, 0, x, deadline_s=0.4)
+        finally:
+            await ch.close()
+    finally:
+        for h in hooks:
+            h.remove()

@@ -169,10 +169,13 @@ class LayeredSession:
             pe = {kind: (cos[:, positions], sin[:, positions])
                   for kind, (cos, sin) in self._pe.items()}
         pos_ids = positions.unsqueeze(0)
+        beat = None if torch.compiler.is_compiling() else self.stack.on_layer
         for layer, kind in zip(self.layers, self._types, strict=True):
             h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
                       use_cache=True, position_embeddings=pe[kind],
                       **{self.stack.cache_arg: self.slot})
+            if beat is not None:
+                beat()
         return h
 
     @torch.inference_mode()
@@ -295,6 +298,9 @@ class LayeredStack:
         # (`cache` from 5.2x; `past_key_values`, deprecated there, before): no warning
         forward = inspect.signature(type(self.layers[0]).forward).parameters
         self.cache_arg = "cache" if "cache" in forward else "past_key_values"
+        # called after each decoder layer of an eager forward (a compiled step has no
+        # hook): a shard's sign of life while one long forward runs (docs/protocol.md §3.6a)
+        self.on_layer: Callable[[], None] | None = None
         self._tables: dict[int, tuple[dict[str, Any], torch.Tensor]] = {}
         self._idle: dict[tuple[int, int, int], list[KVSlot]] = {}
         self.budget.release(estimate)  # the held bytes, once known (quantised: fewer)
@@ -408,10 +414,13 @@ class LayeredStack:
         pe = self._rotary_at(h, positions, counts, first._types,
                              max(s.slot.capacity for s in sessions))
         pos_ids = positions.unsqueeze(0)
+        beat = self.on_layer
         for layer, kind in zip(first.layers, first._types, strict=True):
             h = layer(h, attention_mask=None, position_ids=pos_ids, use_cache=True,
                       position_embeddings=pe[kind], **{self.cache_arg: cache,
                                                        attention.SEGMENTS_KWARG: cache})
+            if beat is not None:
+                beat()
         for s, n in zip(sessions, cache.lengths, strict=True):
             s.advance(n)
         return list(torch.split(h, counts, dim=1))

@@ -204,8 +204,12 @@ class PipelineOrchestrator:
             except FellBack as fb:
                 for f in call.take_frames():
                     yield f
+                # the surviving stages' sessions end now, not after the local continuation:
+                # idle, they would hold their shards' stream slots (M26 §5.6) meanwhile
+                ended, call = call, None
+                await self._close(ended)
                 async for f in self._give_up(entry, gen, params, fb.reason, t0,
-                                             call.first_ms, spec=spec):
+                                             ended.first_ms, spec=spec):
                     yield f
                 outcome = "fallback" if params.fallback_to_local else "aborted"
                 return

@@ -24,6 +24,7 @@ session's reused pinned buffers (`device.Staging`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -68,6 +69,7 @@ from hearthnet.models.store import ModelEntry
 from hearthnet.observability import Metrics, get_logger
 from hearthnet.stats import LatencyWindow
 from hearthnet.transport.codec import WireDtype, cast_to_wire
+from hearthnet.transport.websocket import PROGRESS_EVERY_S
 
 log = get_logger("shard")
 FAIR_SHARE_WINDOW_S = 300.0  # another member's open in this window makes shares fair
@@ -165,6 +167,8 @@ class ShardServer:
             mixed_budget=settings.mixed_prefill_tokens, on_batch=self._observe_batch,
             on_round=self._progressed)
         self._waiting: dict[ShardStream, float] = {}  # streams whose step is queued -> since
+        self._loop: asyncio.AbstractEventLoop | None = None  # for the compute thread's beats
+        self._beat_at = 0.0
 
     def _refuse_over_budget(self, shard_id: str) -> None:
         """A shard over `shard_max_vram_mb` is refused before loading (M26 §5.6)."""
@@ -192,6 +196,9 @@ class ShardServer:
                 t0 = time.perf_counter()
                 loop = asyncio.get_running_loop()
                 stack = await loop.run_in_executor(self.executor, self._load)
+                if isinstance(stack, LayeredStack):  # its layers beat while a forward runs
+                    self._loop = loop
+                    stack.on_layer = self._beat
                 if stack.compiled is not None:  # ready before the first chat, if it can be
                     stack.compiled.start(self.lo, self.hi)
                 self.stack = stack
@@ -410,11 +417,23 @@ class ShardServer:
             self.last_used = self.clock()
             await stream.send_step(inp.step, inp.start_pos, out, compute_us=int(dt * 1e6))
 
+    def _beat(self) -> None:
+        """In the compute thread, after each layer of an eager forward: the work goes on, so
+        the sessions waiting for it are told (`_progressed`, at most twice a second from
+        here). A forward stuck inside a layer beats no more and misses the deadline."""
+        now = time.monotonic()
+        if now - self._beat_at < PROGRESS_EVERY_S / 2 or self._loop is None:
+            return
+        self._beat_at = now
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self._loop.call_soon_threadsafe(self._progressed)
+
     def _progressed(self) -> None:
-        """A round ran: every session whose step still waits behind work is told it is
+        """The work progressed: every session whose step still waits behind work is told it is
         busy, not stalled (docs/protocol.md §3.6a) — a deadline of one step must not fail a
-        shard that is working through a queue of long prefills. A forward that never
-        returns runs no more rounds, so a hung shard still misses the deadline."""
+        shard that is working through a queue of long prefills (called after each round,
+        and from `_beat` while a forward runs). A forward stuck inside a layer runs no more
+        rounds and beats no more, so a hung shard still misses the deadline."""
         for stream, since in list(self._waiting.items()):
             stream.progress(since)
 
