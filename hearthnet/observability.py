@@ -182,7 +182,8 @@ def build_info() -> dict[str, str]:
 
 # Libraries whose INFO lines are per-connection chatter ("connection open", "HTTP response
 # sent"): shown from debug on, else only their warnings.
-_CHATTY = ("websockets", "aiohttp.access", "aiohttp.server", "urllib3", "httpx", "asyncio")
+_CHATTY = ("websockets", "aiohttp.access", "aiohttp.server", "urllib3", "httpx", "httpx2",
+           "asyncio")  # httpx2: huggingface_hub's client, a line per request
 
 
 class _Stderr:

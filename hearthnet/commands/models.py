@@ -1,4 +1,4 @@
-"""`hearthnet models import|synth|list|verify` (and `serve|unserve|served`, see
+"""`hearthnet models import|pull|synth|list|verify` (and `serve|unserve|served`, see
 `hearthnet.commands.served`).
 
 The commands' own modules (the importer, the writer, the synthesiser: all torch) load when
@@ -34,6 +34,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                           "of the GGUF's size; Q4 blocks held exactly as int4); bf16, fp16, "
                           "fp32: de-quantise to that dtype")
     imp.set_defaults(func=_import)
+    pl = msub.add_parser("pull", help="import a model by name from a local Ollama store "
+                         "(qwen2.5:0.5b), the Hugging Face cache or LM Studio's folder "
+                         "(org/name, org/name:file.gguf), a URL of a .gguf file, or the "
+                         "Hugging Face hub (org/name; HF_ENDPOINT names a mirror); no NAME "
+                         "or --list: what the local sources offer")
+    pl.add_argument("name", nargs="?", default=None, metavar="NAME",
+                    help="qwen2.5:0.5b, org/name, org/name:file.gguf or https://…/file.gguf")
+    pl.add_argument("--alias", default=None, help="store alias (default: from NAME, "
+                    "qwen2.5:0.5b -> qwen2.5-0.5b, org/Name -> name)")
+    pl.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "gguf"],
+                    default=DEFAULT_GGUF_DTYPE, help="for a GGUF, as `models import`")
+    pl.add_argument("--list", action="store_true", help="list what the local sources offer")
+    pl.set_defaults(func=_pull)
     syn = msub.add_parser("synth", help="write a real-shape model with random weights: "
                           + ", ".join(SHAPES))
     syn.add_argument("shape")
@@ -71,6 +84,19 @@ def _import(args: argparse.Namespace) -> int:
         with progress_bar(total, f"import {args.source}") as bar:
             e = import_model(store, args.source, alias=args.alias, dtype=args.dtype,
                              progress=bar.update)
+    print(f"{e.alias}: {e.model_id} ({e.num_layers} layers) weights_sha256={e.weights_sha256} "
+          f"at {e.path}")
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from hearthnet.models.pull import local_models, offers_lines, pull
+
+    if args.list or not args.name:
+        for line in offers_lines(local_models()):
+            print(line)
+        return 0
+    e = pull(_store(args), args.name, alias=args.alias, dtype=args.dtype)
     print(f"{e.alias}: {e.model_id} ({e.num_layers} layers) weights_sha256={e.weights_sha256} "
           f"at {e.path}")
     return 0

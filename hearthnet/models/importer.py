@@ -179,13 +179,15 @@ def publish_folder(store: ModelStore, tmp: Path, alias: str, *, model_id: str,
 
 
 def import_folder(store: ModelStore, path: Path, alias: str | None = None,
-                  model_id: str | None = None, progress: Progress | None = None
-                  ) -> ModelEntry:
+                  model_id: str | None = None, progress: Progress | None = None,
+                  source: str | None = None) -> ModelEntry:
     """Copy a local Hugging Face folder (config.json + *.safetensors + tokenizer) into the
     store at its own precision (bf16/fp16 weights stay bf16/fp16).
 
     Files are copied in chunks (`progress` gets the bytes); a file an interrupted import
     already copied whole is kept (resume). Returns at once when the alias exists.
+    `source`: what the manifest records (default `folder:PATH`; `models pull` names the
+    cache or hub it found the folder in).
     """
     path = Path(path).expanduser().resolve()
     if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
@@ -205,7 +207,7 @@ def import_folder(store: ModelStore, path: Path, alias: str | None = None,
                 or f.name.endswith(".safetensors.index.json"):
             _copy(f, tmp / f.name, progress)
     return publish_folder(store, tmp, alias, model_id=model_id, written=None,
-                    source=f"folder:{path}")
+                    source=source or f"folder:{path}")
 
 
 def folder_bytes(path: Path) -> int:
