@@ -1,4 +1,4 @@
-"""The `hearthnet` command: node, chat, demo, status, models, keys, bench.
+"""The `hearthnet` command: node, chat, demo, status, models, keys, bench, init, invite, join.
 
 Each command group lives with the code it drives and exposes `register(subparsers)`; this
 module only assembles them and turns HearthNet errors into a one-line message and an exit
@@ -22,6 +22,8 @@ _COMMAND_MODULES = (
     "hearthnet.commands.status",
     "hearthnet.commands.demo",
     "hearthnet.commands.keys",
+    "hearthnet.commands.init",
+    "hearthnet.commands.join",
 )
 
 

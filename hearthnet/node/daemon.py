@@ -15,7 +15,9 @@ at ``min_trust`` or higher *before* any shard work (or weight reload); gossiped 
 must be signed by a member. A second, loopback-only plaintext **admin listener** serves
 the local CLI (`/bus`, `/status`, `/health`, `/metrics`; no `/shard`, no `/gossip`); its
 URI is in the ``node_ready`` line and in ``<data_dir>/node.json`` with the pid. SIGHUP
-re-reads the config's member list (`hearthnet node --reload`).
+re-reads the config's member list (`hearthnet node --reload`). While an invite from
+``hearthnet invite`` is pending, a plain listener on a free port serves ``/join`` only:
+the SPAKE2 exchange of `hearthnet.security.joining`, which adds the joiner as a member.
 
 When the node is up it prints one JSON line ``{"event": "node_ready", ...}`` on stdout
 (scripts and tests wait for it); logs are JSON lines on stderr.
@@ -78,6 +80,7 @@ from hearthnet.distributed_inference.shard.server import ShardServer, ShardSetti
 from hearthnet.errors import (
     AuthError,
     BadRequest,
+    ConfigError,
     HearthNetError,
     InternalError,
     ListenFailed,
@@ -91,7 +94,7 @@ from hearthnet.errors import (
 from hearthnet.frames import StreamFrame, is_incident
 from hearthnet.mesh.bus import BUS_PATH, CapabilityBus
 from hearthnet.mesh.discovery import DiscoveredPeers, LanDiscovery
-from hearthnet.mesh.eventlog import EventLog
+from hearthnet.mesh.eventlog import EVENT_TYPES, Event, EventLog, EventType
 from hearthnet.mesh.gossip import (
     CLOSE_TIMEOUT_S,
     GOSSIP_PATH,
@@ -107,10 +110,31 @@ from hearthnet.node.supervise import Supervisor
 from hearthnet.node.threads import serial_torch_here
 from hearthnet.observability import Metrics, get_logger, progress
 from hearthnet.security import note_refusal, split_open
+from hearthnet.security.joining import (
+    DEFAULT_TTL_S,
+    INVITE_CAPABILITY,
+    JOIN_PATH,
+    MAX_JOIN_MESSAGE_BYTES,
+    Card,
+    InviteBook,
+    JoinCode,
+    lan_address,
+    merge_member_file,
+    serve_join,
+    welcome_map,
+)
+from hearthnet.security.keys import encode_public_key
+from hearthnet.security.members import Member, Trust
 from hearthnet.transport.codec import max_frame_bytes
 from hearthnet.transport.websocket import SHARD_PATH, ServerStream, TensorChannel
 
 log = get_logger("node")
+# A steward's record that it admitted a member with a join code (M26 §5.8): members whose
+# lists name the origin a steward add the member too. Only stewards may originate it (the
+# guard's admission reads `min_trust`); folding never changes a listed member.
+MEMBER_ADDED = EVENT_TYPES.register(EventType(
+    "experimental.community.member_added", lambda p: f"community.member:{p['node_id']}",
+    max_payload_bytes=1024, min_trust="steward"))
 PREPARE_POLL_S = 1.0  # how often a node looks for models it has come to serve or orchestrate
 STOP_STEP_S = 2.0  # the most one step of the shutdown waits (besides the drain itself)
 DRAIN_POLL_S = 0.05  # how often the drain looks whether the open sessions have ended
@@ -157,6 +181,11 @@ class Node:
         self.keeper: LinkKeeper[GossipPeerLink] | None = None
         # recent shard_failover / pipeline_aborted / degraded frames, for the status page
         self.recent_events: deque[dict[str, Any]] = deque(maxlen=20)
+        # one-time join codes, in memory only, and the plain listener that is open only
+        # while one is pending (security/joining.py: SPAKE2 protects the exchange)
+        self.invites = InviteBook()
+        self.join_server: Server | None = None
+        self._join_port = 0
 
     # ---- lifecycle ----
 
@@ -208,6 +237,7 @@ class Node:
         self.log.serve_filter = lambda origin: origin in self.guard.directory
         self.guard.on_reload.append(self._drop_removed_members)
         self.guard.stored_count = self.log.count_of  # per-origin event quotas (§5)
+        self.log.subscribe(self._fold_member_event)  # new events only: never a replay
 
     def _build_directory(self) -> None:
         """Who hosts what: the store of advertisements, health, liveness and placement,
@@ -302,6 +332,7 @@ class Node:
         self.bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(SERVED_MODELS_CAPABILITY, self._served_capability)
+        self.admin_bus.register(INVITE_CAPABILITY, self._invite_capability)
         for peer in cfg.peer_uris():
             self._link(peer)
         keeper = self.keeper = LinkKeeper(
@@ -692,7 +723,7 @@ class Node:
                       STOP_STEP_S)
         if self.api is not None:
             await bounded("api", self.api.stop(), STOP_STEP_S)
-        for server in (self.server, self.admin_server):
+        for server in (self.server, self.admin_server, self.join_server):
             if server is not None:
                 server.close()
                 with contextlib.suppress(TimeoutError):
@@ -914,6 +945,125 @@ class Node:
                       if entry is not None else [])
         self.log.append(SERVED_MODELS, served_payload(new))
         return {"changed": op, "model": name}
+
+    # ---- joining with a one-time code (docs/security.md: Joining with a code) ----
+
+    async def _invite_capability(self, args: dict[str, Any]
+                                 ) -> AsyncGenerator[dict[str, Any], None]:
+        """Issue an invite (``hearthnet invite``): the code is printed by the local CLI
+        and kept only here, in memory; it is never logged."""
+        ttl = args.get("ttl_s", DEFAULT_TTL_S)
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+            raise BadRequest("ttl_s must be a number of seconds")
+        self._refuse_when_stopping("issues no invite")
+        secret = self.invites.issue(float(ttl), time.monotonic())
+        await self._open_join_door()
+        asyncio.get_running_loop().call_later(float(ttl) + 0.1, self._close_join_door)
+        code = JoinCode(secret, self._join_host(), self._join_port)
+        log.info("invite_issued", expires_in_s=ttl, pending=len(self.invites))
+        yield {"type": "invite", "code": code.text(), "node_id": self.node_id,
+               "expires_in_s": ttl}
+
+    def _join_host(self) -> str:
+        """The address a joiner on the LAN dials: the advertised host, else (a wildcard
+        listener) this machine's address on its default route."""
+        host = self.cfg.advertise_host()
+        return lan_address() if host in ("", "0.0.0.0", "::") else host
+
+    async def _open_join_door(self) -> None:
+        if self.join_server is not None:
+            return
+        host = self.cfg.node.listen_host
+        with binding("the join listener", "[node] listen_host", host, 0):
+            self.join_server = await serve(self._serve_join, host, 0,
+                                           max_size=MAX_JOIN_MESSAGE_BYTES, compression=None)
+        self._join_port = self.join_server.sockets[0].getsockname()[1]
+        log.info("join_listener_open", port=self._join_port)
+
+    def _close_join_door(self) -> None:
+        """Close the join listener once no invite is pending (used, burnt or expired)."""
+        self.invites.expire(time.monotonic())
+        if self.join_server is not None and not len(self.invites):
+            self.join_server.close()
+            self.join_server = None
+            log.info("join_listener_closed")
+
+    async def _serve_join(self, ws: ServerConnection) -> None:
+        """One joiner's exchange; refusals are counted like every other (`auth_failed`)."""
+        path = ws.request.path.split("?", 1)[0] if ws.request else ""
+        addr = ws.remote_address
+        who = str(addr[0]) if addr else "?"
+        if path != JOIN_PATH:
+            await ws.close(CloseCode.POLICY_VIOLATION, "the join listener serves /join only")
+            return
+        try:
+            with self.guard.connection("join:" + who):
+                outcome = await serve_join(ws, self.invites, self._admit_joiner,
+                                           time.monotonic)
+        except Refused as e:
+            note_refusal(self.metrics, e, peer=who, path=JOIN_PATH)
+            return
+        if outcome.result == "joined":
+            print(json.dumps({"event": "member_joined", "node_id": outcome.node_id}),
+                  flush=True)
+        elif outcome.result in ("wrong_code", "burnt"):
+            note_refusal(self.metrics, AuthError("wrong invite code", reason="wrong_code"),
+                         peer=who, invite_burnt=outcome.result == "burnt")
+        else:
+            log.info("join_ended", result=outcome.result, reason=outcome.reason, peer=who)
+        self._close_join_door()
+
+    async def _admit_joiner(self, card: Card) -> dict[str, Any]:
+        """Add a joiner whose code proved right: trust ``trusted``, written to
+        ``<data_dir>/members.toml`` (kept over restarts) and applied as a reload is."""
+        d = self.guard.directory
+        if card.node_id in d:
+            raise AuthError(f"{card.node_id} is a member of this community already: give "
+                            "the new node another name (`hearthnet init --name ...`)",
+                            reason="node_id_taken")
+        if d.by_public_key(card.public_key) is not None:
+            raise AuthError("this node's key belongs to a member already",
+                            reason="key_taken")
+        row = {"node_id": card.node_id, "public_key": encode_public_key(card.public_key),
+               "trust": Trust.TRUSTED.label}
+        merge_member_file(self.cfg.effective_data_dir(), [row],
+                          f"members that joined {self.node_id} with `hearthnet join`")
+        self._add_member(row)
+        if self.guard.is_steward(self.node_id):  # others fold a steward's only
+            self.log.append(MEMBER_ADDED, row)
+        log.info("member_joined", node_id=card.node_id, trust=row["trust"])
+        return welcome_map(self.node_id, [m.to_dict() for m in d.members()], self.port,
+                           self.guard.tls)
+
+    def _add_member(self, row: dict[str, str]) -> None:
+        """Append a member to ``<data_dir>/members.toml`` and apply it as a reload does."""
+        merge_member_file(self.cfg.effective_data_dir(), [row],
+                          f"members added to {self.node_id} by `hearthnet join`")
+        if not self.reload():  # a config built in code (tests): apply in memory
+            d = self.guard.directory
+            d.replace([*(m.to_dict() for m in d.members()), row])
+
+    def _fold_member_event(self, ev: Event) -> None:
+        """Another steward admitted a member (`MEMBER_ADDED`): add it here too, if it is
+        not listed yet, at most ``trusted``; a listed id or key is never changed by an
+        event (a key swap through the log would let one steward take over a member)."""
+        if ev.type != MEMBER_ADDED or ev.origin == self.node_id \
+                or not self.guard.is_steward(ev.origin):
+            return
+        try:
+            m = Member.from_dict(ev.payload)
+        except ConfigError:
+            log.warning("member_event_ignored", origin=ev.origin, reason="malformed")
+            return
+        d = self.guard.directory
+        if m.trust > Trust.TRUSTED or m.node_id in d \
+                or d.by_public_key(m.public_key_raw) is not None:
+            if d.get(m.node_id) != m:
+                log.warning("member_event_ignored", origin=ev.origin, node_id=m.node_id,
+                            reason="conflicts with the member list")
+            return
+        self._add_member(m.to_dict())
+        log.info("member_added", node_id=m.node_id, by=ev.origin, trust=m.trust.label)
 
     # ---- HTTP ----
 

@@ -8,6 +8,8 @@
 - `tls`: mutual TLS pinned to member keys (`server_context`, `client_context`,
   `peer_node_id`).
 - `provision`: keys and member lists for a folder of node configs.
+- `joining`: one-time invite codes and the SPAKE2 exchange that admits a new node
+  (`hearthnet invite`, `hearthnet join`).
 
 See docs/security.md for the model: what is protected and what is not.
 """

@@ -123,6 +123,14 @@ ELSEWHERE: dict[str, list[str]] = {
         "tests/integration/test_demo_bench.py::test_demo_ctrl_c_stops_every_node",
     ],
     "make test": [".ci/run"],  # CI itself
+    # two machines joining: the user's own config folder and a second machine, so the
+    # join test runs the same commands with a temporary folder, a second node on this one
+    **{cmd: ["tests/integration/test_join.py::"
+             "test_invite_join_then_b_is_a_member_and_chats_through_a"]
+       for cmd in ("hearthnet init",
+                   "hearthnet node --config ~/.config/hearthnet/node.toml &",
+                   "hearthnet invite --config ~/.config/hearthnet/node.toml",
+                   "hearthnet join CODE --config ~/.config/hearthnet/node.toml")},
 }
 
 
