@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from hearthnet.distributed_inference.engine.batcher import LIVE_ROUNDS, RoundBatcher
+from tests.helpers.waiting import wait_until
 
 
 class Recorder:
@@ -242,13 +243,13 @@ async def test_a_round_cancelled_at_shutdown_releases_its_cancelled_callers():
 
 
 async def test_every_round_that_ran_reports_progress_to_the_owner(pool):
-    """`on_round` follows each round (a shard's progress PINGs to the sessions still
+    """`on_progress` follows each round (a shard's progress PINGs to the sessions still
     queued, docs/protocol.md §3.6a): two prefills of one chunk per round, so one of
     them always waits while the other's chunk runs."""
     rec = Recorder()
     waiting: list[int] = []
     b: RoundBatcher[int, int] = RoundBatcher(rec, pool, prefill_budget=4,
-                                             on_round=lambda: waiting.append(b.queued))
+                                             on_progress=lambda: waiting.append(b.queued))
 
     async def prefill(first: int, chunks: int) -> list[int]:
         return [await b.submit(first + c, batchable=False, key=first, tokens=4)
@@ -289,3 +290,23 @@ async def test_a_lone_session_skips_the_rounds_and_a_newcomer_queues_behind_it(p
     third = b.submit(3, key="a")
     assert await asyncio.wait_for(asyncio.gather(second, third), 20) == [20, 30]
     assert order == ["1", "2,3"]
+
+
+async def test_a_round_held_for_a_session_reports_progress_while_it_waits(pool, monkeypatch):
+    """A round held for an expected session's step (its window, or that session's pace)
+    is the shard at work, not stalled: `on_progress` is called while it waits, so a busy
+    shard's callers keep their steps (docs/protocol.md §3.6a)."""
+    from hearthnet.distributed_inference.engine import batcher as batcher_mod
+
+    monkeypatch.setattr(batcher_mod, "HOLD_BEAT_S", 0.01)
+    rec, clock = Recorder(), FakeClock()
+    beats: list[int] = []
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 2,
+                                             clock=clock,
+                                             on_progress=lambda: beats.append(b.queued))
+    assert await asyncio.gather(b.submit(1, key="a"), b.submit(2, key="b")) == [10, 20]
+    held = asyncio.ensure_future(b.submit(3, key="a"))  # b is expected: the round waits
+    await wait_until(lambda: len(beats) >= 4, "progress while the round is held")
+    assert not held.done() and rec.rounds == [[1, 2]] and set(beats[1:]) == {1}
+    assert await asyncio.wait_for(asyncio.gather(held, b.submit(4, key="b")), 20) == [30, 40]
+    assert rec.rounds == [[1, 2], [3, 4]]  # the held round took both

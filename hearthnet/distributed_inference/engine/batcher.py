@@ -33,9 +33,12 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   `LayeredStack.forward_packed`): while other chats prefill, a decoding chat's round costs
   about one forward, not two, and a long prefill (already chunked) never
   stalls decode rows for more than one chunk;
-- ``on_round`` is called after every round that ran: the owner tells the callers still
-  waiting that their steps are queued behind work that progresses (a shard's progress
-  PINGs, docs/protocol.md §3.6a), which a stuck forward never does;
+- ``on_progress`` is called after every round that ran, and every `HOLD_BEAT_S` while a
+  round is held for the expected sessions' steps: the owner tells the callers still
+  waiting that their steps are queued behind work that goes on (a shard's progress PINGs,
+  docs/protocol.md §3.6a) — a round held for a slow session's pace can outlast a step's
+  deadline on a busy machine — which a stuck forward never does (no round runs, and none
+  is being collected);
 - the owner's ``run_batch(jobs)`` returns one result or exception per job, so a bad row
   fails only its own caller (shard/server.py and head batching decide how rows fail);
 - a session that stalls, errs or disconnects simply has no job in the next round; a caller
@@ -65,6 +68,9 @@ PACE_SLACK = 0.1
 """A session due by its pace is waited for this fraction of its cycle beyond its due time:
 one that misses its round waits a whole round more (a doubled gap between its tokens)."""
 
+HOLD_BEAT_S = 0.5
+"""While a round is held for expected sessions' steps, `on_progress` is called this often."""
+
 RunBatch = Callable[[Sequence[Any]], list[Any]]
 """(jobs) -> one result or exception per job, in order; runs on the executor."""
 
@@ -91,7 +97,7 @@ class RoundBatcher(Generic[J, R]):
                  expected: Callable[[], int] | None = None, prefill_budget: int = 0,
                  mixed_budget: int | None = None,
                  on_batch: Callable[[int, list[float]], None] | None = None,
-                 on_round: Callable[[], None] | None = None,
+                 on_progress: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.run_batch, self.executor, self.clock = run_batch, executor, clock
         self.window_s = max(0.0, window_s)
@@ -101,7 +107,7 @@ class RoundBatcher(Generic[J, R]):
         # open sessions, as the owner counts them; without a count no job is run alone
         self._open = expected
         self.on_batch = on_batch  # (batch size, each job's wait in ms) for the metrics
-        self.on_round = on_round  # after every round that ran: the work made progress
+        self.on_progress = on_progress  # the work goes on (module docstring)
         self._batch: deque[_Queued[J]] = deque()
         self._solo: deque[_Queued[J]] = deque()
         self._arrived = asyncio.Event()
@@ -186,8 +192,8 @@ class RoundBatcher(Generic[J, R]):
                 raise
         finally:
             self._alone -= 1
-            if self.on_round is not None:
-                self.on_round()
+            if self.on_progress is not None:
+                self.on_progress()
         if isinstance(res, BaseException):
             raise res
         result: R = res
@@ -239,11 +245,11 @@ class RoundBatcher(Generic[J, R]):
                 return
             self._arrived.clear()
             try:
-                async with asyncio.timeout(left):
+                async with asyncio.timeout(min(left, HOLD_BEAT_S)):
                     await self._arrived.wait()
-            except TimeoutError:
-                self.waited_out += 1
-                return
+            except TimeoutError:  # the round is still held: its callers are not stalled
+                if self.on_progress is not None:
+                    self.on_progress()
 
     @staticmethod
     def _take(queue: deque[_Queued[J]], limit: int, *, by_tokens: bool = False
@@ -289,5 +295,5 @@ class RoundBatcher(Generic[J, R]):
                 item.future.set_exception(res)
             else:
                 item.future.set_result(res)
-        if self.on_round is not None:
-            self.on_round()
+        if self.on_progress is not None:
+            self.on_progress()

@@ -165,7 +165,7 @@ class ShardServer:
             self._run_steps, executor, window_s=settings.batch_window_ms / 1000,
             expected=lambda: self.active, prefill_budget=settings.prefill_chunk_tokens,
             mixed_budget=settings.mixed_prefill_tokens, on_batch=self._observe_batch,
-            on_round=self._progressed)
+            on_progress=self._progressed)
         self._waiting: dict[ShardStream, float] = {}  # streams whose step is queued -> since
         self._loop: asyncio.AbstractEventLoop | None = None  # for the compute thread's beats
         self._beat_at = 0.0
