@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hearthnet.argtypes import positive
+from hearthnet.commands import remote
 from hearthnet.commands.remote import chat_via_node
 from hearthnet.constants import CALL_WIRE_DTYPES
 from hearthnet.distributed_inference.directory.formats import POLICIES
@@ -152,6 +153,8 @@ def _run(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
             ask = _LocalChat()
         if args.prompt is None:
+            if not args.local:  # a missing or broken config: exit 2 now, not at turn one
+                remote.check_node_config(args.config)
             return _conversation(args, params, ask)
         return ask(args, [{"role": "user", "content": args.prompt}], params, emit)
     except ConfigError:

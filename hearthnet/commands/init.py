@@ -131,17 +131,24 @@ def _init(args: argparse.Namespace) -> int:
     text = render_config(node_id, listen_host=args.listen_host, port=args.port,
                          api_port=args.api_port, data_dir=data_dir, memory_mb=budget_mb())
     cfg = parse_config(text, source=path)  # never write a config the node would refuse
-    folder.mkdir(parents=True, exist_ok=True)
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         with open(path, "x", encoding="utf-8") as f:  # O_EXCL: never overwrite
             f.write(text)
     except FileExistsError:
         raise ConfigError(f"{path} exists already: `hearthnet init` never overwrites a "
                           "config; edit it, or pass --dir for another folder",
                           file=str(path), reason="exists") from None
+    except OSError as e:  # a folder that cannot be made or written: one line, no traceback
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}", file=str(path),
+                          reason="unwritable") from None
     data = cfg.effective_data_dir()
-    key = NodeKey.load_or_create(data)  # as `hearthnet keys init` does
-    (data / NODE_ID_FILE).write_text(node_id + "\n", encoding="utf-8")
+    try:
+        key = NodeKey.load_or_create(data)  # as `hearthnet keys init` does
+        (data / NODE_ID_FILE).write_text(node_id + "\n", encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot write the node's data dir {data}: {e.strerror or e}",
+                          key="node.data_dir", reason="unwritable") from None
     print(f"wrote {path}")
     print(f"node_id     {node_id}")
     print(f"fingerprint {key.fingerprint}")

@@ -27,6 +27,11 @@ def http_get_json(uri: str, path: str, timeout: float = 5.0) -> Any:
                              f"(`hearthnet node --config ...`)?") from e
 
 
+def check_node_config(config_path: str) -> None:
+    """Refuse a missing or broken node config at once (`ConfigError`: exit code 2)."""
+    node_uri(config_path)
+
+
 def chat_via_node(args: argparse.Namespace, messages: list[dict[str, str]],
                   params: SamplingParams,
                   emit: Callable[[StreamFrame | OtherFrame, bool], None]) -> int:

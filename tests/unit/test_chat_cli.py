@@ -143,3 +143,10 @@ def test_an_unknown_command_is_explained_and_sends_nothing(monkeypatch, capsys):
     assert cli.main(["chat", "--config", "node.toml"]) == 0 and calls == []
     err = capsys.readouterr().err
     assert "unknown command /undo: /reset forgets" in err and err.count("/quit") == 2
+
+
+def test_a_conversation_refuses_a_missing_config_before_reading_a_line(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("never read\n"))
+    assert cli.main(["chat", "--config", "/no/such/node.toml"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "hearthnet: config error: /no/such/node.toml: config file not found")

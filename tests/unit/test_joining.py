@@ -326,6 +326,17 @@ def test_init_writes_a_valid_config_and_key_and_never_overwrites(tmp_path, capsy
     assert (tmp_path / "c" / "node.toml").read_text() == before
 
 
+def test_init_into_a_folder_it_cannot_make_is_one_line(tmp_path, capsys) -> None:
+    from hearthnet.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main(["init", "--dir", str(blocker / "c"), "--name", "kitchen"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hearthnet: config error: cannot write ") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_free_memory_is_read() -> None:
     from hearthnet.commands.init import budget_mb, free_memory_mb
 
