@@ -74,7 +74,7 @@ bench: install
 	$(HN) bench api --json
 	$(HN) bench placement --json
 	HEARTHNET_DATA_DIR=$(TEST_DATA_DIR) HEARTHNET_WIRE_REPORT=1 $(PY) -m pytest -q -s -p no:timeout tests/integration/test_wire_report.py  # first divergence of each wire dtype vs fp32
-	HEARTHNET_DATA_DIR=$(TEST_DATA_DIR) HEARTHNET_BENCH_TESTS=1 $(PY) -m pytest -q tests/integration/test_bench_runs.py tests/integration/test_compiled_decode.py tests/integration/test_mesh_chat.py  # the benchmark commands' long runs, the compiled variants and the three-shard SmolLM2 mesh, checked
+	HEARTHNET_DATA_DIR=$(TEST_DATA_DIR) HEARTHNET_BENCH_TESTS=1 $(PY) -m pytest -q tests/integration/test_bench_runs.py tests/integration/test_compiled_decode.py tests/integration/test_mesh_chat.py tests/integration/test_models_pull.py  # the benchmark commands' long runs, the compiled variants, the three-shard SmolLM2 mesh and models pull from every source, checked
 	$(HN) bench quality --json
 	for w in fp32 bf16; do $(HN) bench pipeline --weights $$w --wire $$w --tokens 64 --concurrency 1 2 4 8 16 --concurrency-only --json; done  # continuous batching, SmolLM2
 	$(HN) models synth qwen2.5-1.5b

@@ -51,14 +51,18 @@ def render(st: dict[str, Any]) -> str:
     lines.append(f"peers: {peers}")
     if st.get("api"):
         lines.append(f"api: {st['api']}/v1   status page: {st['api']}/")
+    lines += render_nodes(st) + render_chats(st)
     lines.append("")
-    lines.append(f"{'SHARD':<34} {'LAYERS':<8} {'HOST':<10} {'STATE':<8} {'FORMAT':<13} "
-                 f"{'MEM MB':>7} {'SESS':>4} {'QUEUE':>5} {'P95 ms':>7} {'AGE s':>6}  DEVICE")
-    for s in st["shards"]:
+    names = [s["shard_id"].split("/")[-1] for s in st["shards"]]
+    wide = max([34, *map(len, names)])  # whole shard ids: they end in the host's id
+    host_w = max([10, *(len(s["host"]) for s in st["shards"])])
+    lines.append(f"{'SHARD':<{wide}} {'LAYERS':<8} {'HOST':<{host_w}} {'STATE':<8} "
+                 f"{'FORMAT':<13} {'MEM MB':>7} {'SESS':>4} {'QUEUE':>5} {'P95 ms':>7} "
+                 f"{'AGE s':>6}  DEVICE")
+    for s, name in zip(st["shards"], names, strict=True):
         state = s.get("state") or ("suspect" if s["suspect"] else "online")
         lo, hi = s["layers"]
-        name = s["shard_id"].split("/")[-1][:34]
-        lines.append(f"{name:<34} {lo:>2}-{hi:<5} {s['host']:<10} {state:<8} "
+        lines.append(f"{name:<{wide}} {lo:>2}-{hi:<5} {s['host']:<{host_w}} {state:<8} "
                      f"{_format(s):<13} {s.get('memory_mb') or 0:>7} "
                      f"{s['active_sessions'] or 0:>4} {s['queue_depth'] or 0:>5} "
                      f"{(s['p95_latency_ms'] or 0):>7.1f} {s['age_s']:>6.1f}  {_device(s)}")
@@ -78,9 +82,39 @@ def render(st: dict[str, Any]) -> str:
         for row in m["coverage"]:
             a, b = row["layers"]
             lines.append(f"  layers {a:>2}-{b:<2}  {', '.join(row['hosts']) or '-'}")
-    if st.get("placement"):
+    if st.get("placement") and st["placement"].get("in_use", True):
         lines += render_placement(st)
     return "\n".join(lines)
+
+
+def render_nodes(st: dict[str, Any]) -> list[str]:
+    """Every member node this one knows of, with its state and what it hosts."""
+    nodes = st.get("nodes") or []
+    if not nodes:
+        return []
+    lines = ["", "nodes:"]
+    for n in nodes:
+        hosts = ", ".join(f"{h['layers'][0]}-{h['layers'][1]}" for h in n.get("hosts", []))
+        what = f"hosts layers {hosts}" if hosts else "hosts no layers"
+        why = f" ({n['reason']})" if n.get("reason") else ""
+        me = " (this node)" if n.get("self") else ""
+        trust = f", {n['trust']}" if n.get("trust") else ""
+        lines.append(f"  {n['node_id']}{me}: {n.get('state', '?')}{why}{trust}; {what}")
+    return lines
+
+
+def render_chats(st: dict[str, Any]) -> list[str]:
+    """The chats this node is running now: tokens, speed and the path (or local)."""
+    calls = st.get("running_calls") or []
+    if not calls:
+        return []
+    lines = ["", "running chats:"]
+    for c in calls:
+        path = "local fallback" if c.get("fallback") else \
+            " -> ".join(str(p).rsplit(":", 1)[-1] for p in c.get("path", [])) or "-"
+        lines.append(f"  {c['model']}: {c.get('state', '?')}, {c.get('tokens', 0)} tokens, "
+                     f"{c.get('tokens_per_s', 0):.1f} tok/s, via {path}")
+    return lines
 
 
 def render_placement(st: dict[str, Any]) -> list[str]:

@@ -17,6 +17,7 @@ from hearthnet.cli import main
 from hearthnet.models import ModelEntry, ModelStore
 from hearthnet.models.importer import import_model, smollm2_gguf_path
 from hearthnet.models.pull import DOWNLOADS
+from tests.helpers.marks import IN_MAKE_BENCH
 from tests.unit.test_models_pull import FakeServer, fake_hf_cache, fake_lmstudio, fake_ollama
 
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -67,6 +68,7 @@ def test_ollama_blob_is_checked_and_imported(reference, home, tmp_path, capsys):
     assert _pull(tmp_path / "s", "smollm2:135m") == 0  # there already: at once
 
 
+@IN_MAKE_BENCH  # each source's lookup and download: tests/unit/test_models_pull.py
 def test_lmstudio_gguf_is_imported(reference, home, tmp_path):
     fake_lmstudio(home / ".lmstudio" / "models", "bartowski/SmolLM2-135M-Instruct-GGUF",
                   {"SmolLM2-135M-Instruct-Q4_1.gguf": smollm2_gguf_path()})
@@ -76,6 +78,7 @@ def test_lmstudio_gguf_is_imported(reference, home, tmp_path):
     assert e.model_id == "bartowski/SmolLM2-135M-Instruct-GGUF"
 
 
+@IN_MAKE_BENCH  # each source's lookup and download: tests/unit/test_models_pull.py
 def test_hf_cache_snapshot_is_imported(reference, home, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     fake_hf_cache(tmp_path / "hf" / "hub", REPO, _folder(reference))
@@ -87,6 +90,7 @@ def test_hf_cache_snapshot_is_imported(reference, home, tmp_path, monkeypatch):
                                                         ).read_bytes()
 
 
+@IN_MAKE_BENCH  # each source's lookup and download: tests/unit/test_models_pull.py
 def test_hub_repo_is_downloaded_through_hf_endpoint(reference, home, tmp_path, server,
                                                     monkeypatch):
     server.repos[REPO] = {n: p.read_bytes() for n, p in _folder(reference).items()}
@@ -101,6 +105,7 @@ def test_hub_repo_is_downloaded_through_hf_endpoint(reference, home, tmp_path, s
     assert not (tmp_path / "s" / DOWNLOADS / "hub" / REPO.replace("/", "--")).exists()
 
 
+@IN_MAKE_BENCH  # each source's lookup and download: tests/unit/test_models_pull.py
 def test_url_download_is_resumed_after_a_cut_then_imported(reference, home, tmp_path,
                                                            server, capsys):
     gguf = smollm2_gguf_path()

@@ -56,11 +56,11 @@ def _models_list(out: str) -> bool:
 
 
 def _status(out: str) -> bool:
-    # the SHARD column cuts ids at 34 characters ("…:15-29@mesh3-"): the HOST column names
-    # the host in full
-    return ("FULLY COVERED" in out and re.search(r"0-14@mesh3-\S*\s+0-14\s+mesh3-b\s+online",
+    # whole shard ids (the SHARD column is as wide as the longest), every node listed
+    return ("FULLY COVERED" in out and re.search(r"0-14@mesh3-b\s+0-14\s+mesh3-b\s+online",
                                                  out) is not None
-            and re.search(r"15-29@mesh3-\S*\s+15-29\s+mesh3-c\s+online", out) is not None)
+            and re.search(r"15-29@mesh3-c\s+15-29\s+mesh3-c\s+online", out) is not None
+            and "  mesh3-a (this node): online" in out)
 
 
 def _v1_models(out: str) -> bool:

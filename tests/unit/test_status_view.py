@@ -150,6 +150,12 @@ async def test_every_member_node_is_listed_with_its_state_and_why():
     assert all(n["member"] and n["trust"] == "trusted" for n in st["nodes"])
     assert [p["node_id"] for p in st["peers"]] == ["node-b", "node-f"]  # the old key stays
     # a host whose every shard is suspect is suspect, with its shard's reason
+    text = render(st)  # `hearthnet status` lists them too, each with its state and why
+    assert "  node-a (this node): online" in text
+    assert "  node-b: online, trusted; hosts layers 0-14" in text
+    assert "  node-e: offline (never seen" in text
+    assert "  node-f: offline (gossip link to node-f lost 7 s ago), trusted; hosts no layers" \
+        in text
     node.health.mark_suspect("m:15-29@node-c", "connection_lost")
     c = next(n for n in (await mesh_status(node))["nodes"] if n["node_id"] == "node-c")
     assert c["state"] == "suspect" and c["reason"].startswith("connection_lost")
@@ -212,6 +218,10 @@ def test_a_running_call_follows_its_frames():
         assert view["state"] == "decoding" and view["tokens"] == 5 and view["failovers"] == 1
         assert view["path"] == ["m:0-14@node-b", "m:15-29@node-d"]
         assert view["tokens_per_s"] > 0 and view["first_token_ms"] is not None
+        text = render({"node_id": "node-a", "endpoint": "wss://x:1", "shards": [],
+                       "models": [], "running_calls": [view]})
+        assert "running chats:\n  smollm2: decoding, 5 tokens, " in text
+        assert "tok/s, via 0-14@node-b -> 15-29@node-d\n" in text
         call.see(PipelineAborted("no replacement for layers 15-29", "local", 5))
         assert call.tokens_per_s(time.perf_counter() + 1) == 0.0  # no local token yet
         for i in range(3):
@@ -219,6 +229,9 @@ def test_a_running_call_follows_its_frames():
         view = calls.snapshot()[0]
         assert view["state"] == "local fallback" and view["fallback"] is True
         assert view["path"] == ["local"] and view["tokens"] == 8
+        assert "via local fallback" in render({"node_id": "node-a", "endpoint": "wss://x:1",
+                                               "shards": [], "models": [],
+                                               "running_calls": [view]})
         assert view["fallback_reason"] == "no replacement for layers 15-29"
         assert set(view) >= {"model", "started_at", "elapsed_s", "pipeline"}
         assert "text" not in view  # counts and ids only (M26 §5.8)

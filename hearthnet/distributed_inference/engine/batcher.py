@@ -183,12 +183,13 @@ class RoundBatcher(Generic[J, R]):
         if batchable and self.on_batch is not None:
             self.on_batch(1, [0.0])
         try:
-            fut = asyncio.get_running_loop().run_in_executor(self.executor, self.run_batch,
-                                                             [item.job])
+            # a task, as a round is: the loop's shutdown cancels it and so releases its
+            # caller (a bare executor future would hold the caller until the forward ends)
+            job = asyncio.get_running_loop().create_task(self._executor_job(item.job))
             try:
-                (res,) = await asyncio.shield(fut)
+                (res,) = await asyncio.shield(job)
             except asyncio.CancelledError:  # its cache is being written: let it finish
-                await asyncio.wait([fut])
+                await asyncio.wait([job])
                 raise
         finally:
             self._alone -= 1
@@ -198,6 +199,10 @@ class RoundBatcher(Generic[J, R]):
             raise res
         result: R = res
         return result
+
+    async def _executor_job(self, job: J) -> list[Any]:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.run_batch,
+                                                                [job])
 
     async def _rounds(self) -> None:
         while self._batch or self._solo:
