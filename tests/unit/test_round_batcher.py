@@ -261,37 +261,6 @@ async def test_every_round_that_ran_reports_progress_to_the_owner(pool):
     assert waiting[0] == 1  # after the first chunk ran, the other prefill still waited
 
 
-async def test_a_lone_session_skips_the_rounds_and_a_newcomer_queues_behind_it(pool):
-    """A batch of one runs straight on the executor (no rounds task); a job submitted while
-    it runs queues for a round, which the first session's next step joins."""
-    rec = Recorder()
-    sessions = {"n": 1}
-    gate = threading.Event()
-    order: list[str] = []
-
-    def run(jobs: Sequence[Any]) -> list[Any]:
-        if jobs == [1]:
-            gate.wait(20)  # the lone job is running when the newcomer arrives
-        order.append(",".join(map(str, jobs)))
-        return rec(jobs)
-
-    b: RoundBatcher[int, int] = RoundBatcher(run, pool, window_s=30.0,
-                                             expected=lambda: sessions["n"])
-    first = asyncio.ensure_future(b.submit(1, key="a"))
-    await settle()
-    assert b._task is None and b.queued == 0  # no rounds task for a lone session
-    sessions["n"] = 2
-    second = asyncio.ensure_future(b.submit(2, key="b"))
-    await settle()
-    assert b.queued == 1 and not second.done()  # queued behind the running lone job
-    gate.set()
-    assert await asyncio.wait_for(first, 20) == 10
-    # the lone session's next step joins the newcomer's round: one forward for both
-    third = b.submit(3, key="a")
-    assert await asyncio.wait_for(asyncio.gather(second, third), 20) == [20, 30]
-    assert order == ["1", "2,3"]
-
-
 async def test_a_round_held_for_a_session_reports_progress_while_it_waits(pool, monkeypatch):
     """A round held for an expected session's step (its window, or that session's pace)
     is the shard at work, not stalled: `on_progress` is called while it waits, so a busy

@@ -21,10 +21,6 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   them in 2-4 groups that each re-read the weights (measured, docs/operations.md). A session that is
   late against its pace is not waited for beyond ``window_s``, and one that stops
   stepping (stalled caller) is not expected after `LIVE_ROUNDS` rounds;
-- a lone session (nothing queued or running, and the owner's `expected()` count of open
-  sessions at most one) skips the rounds:
-  its job goes straight to the executor, so a single chat pays no batcher task, window
-  or extra hand-off; a second session's job then queues for a round behind it;
 - non-batchable jobs (prefill chunks, each ``tokens`` positions) join the round (mixed
   rounds, as vLLM's and Sarathi's chunked prefill): oldest first, as many as fit in
   ``mixed_budget`` positions beside decode rows, ``prefill_budget`` in a round without
@@ -94,7 +90,7 @@ class RoundBatcher(Generic[J, R]):
     """
 
     def __init__(self, run_batch: RunBatch, executor: Executor, *, window_s: float = 0.0,
-                 expected: Callable[[], int] | None = None, prefill_budget: int = 0,
+                 expected: Callable[[], int] = lambda: 1, prefill_budget: int = 0,
                  mixed_budget: int | None = None,
                  on_batch: Callable[[int, list[float]], None] | None = None,
                  on_progress: Callable[[], None] | None = None,
@@ -104,8 +100,7 @@ class RoundBatcher(Generic[J, R]):
         # positions of prefill chunks per round: without / beside decode rows
         self.prefill_budget = prefill_budget
         self.mixed_budget = prefill_budget if mixed_budget is None else mixed_budget
-        # open sessions, as the owner counts them; without a count no job is run alone
-        self._open = expected
+        self.expected = expected
         self.on_batch = on_batch  # (batch size, each job's wait in ms) for the metrics
         self.on_progress = on_progress  # the work goes on (module docstring)
         self._batch: deque[_Queued[J]] = deque()
@@ -115,16 +110,11 @@ class RoundBatcher(Generic[J, R]):
         self._round = 0
         self._seen: dict[Hashable, int] = {}  # session -> the last round it queued a job in
         self._pace: dict[Hashable, tuple[float, float | None]] = {}  # (last job at, cycle)
-        self._alone = 0  # jobs running outside the rounds (`_run_alone`)
         self.waited_out = 0  # rounds that started at the window's end, someone missing
 
     @property
     def queued(self) -> int:
         return len(self._batch) + len(self._solo)
-
-    def expected(self) -> int:
-        """The sessions a round waits for: the owner's count of open ones (1 without)."""
-        return 1 if self._open is None else self._open()
 
     def expected_changed(self) -> None:
         """A session ended (or began): a round waiting for its step re-checks `expected`."""
@@ -140,12 +130,6 @@ class RoundBatcher(Generic[J, R]):
             item.key = key = id(item)
         self._seen[key] = self._round
         self._keep_pace(key, item.queued_at)
-        if self._alone_now():
-            try:
-                return await self._run_alone(item, batchable)
-            except asyncio.CancelledError:
-                self._forget(key)
-                raise
         (self._batch if batchable else self._solo).append(item)
         self._arrived.set()
         if self._task is None or self._task.done():
@@ -154,55 +138,15 @@ class RoundBatcher(Generic[J, R]):
             result: R = await asyncio.shield(item.future)
             return result
         except asyncio.CancelledError:
-            self._forget(key)
+            self._seen.pop(key, None)  # its caller is gone: not waited for any more
+            self._pace.pop(key, None)
+            self._arrived.set()
             if item.running:  # its rows are being computed: let the round finish first
                 await asyncio.wait([item.future])
             if item.future.done() and not item.future.cancelled():
                 item.future.exception()  # retrieved: nobody else will
             item.future.cancel()
             raise
-
-    def _forget(self, key: Hashable) -> None:
-        """Its caller is gone: the session is not waited for any more."""
-        self._seen.pop(key, None)
-        self._pace.pop(key, None)
-        self._arrived.set()
-
-    def _alone_now(self) -> bool:
-        """Nothing queued or running and at most one session expected: a lone session's
-        job goes straight to the executor (no rounds task, no window)."""
-        return (not self._batch and not self._solo and self._alone == 0
-                and (self._task is None or self._task.done())
-                and self._open is not None and self._open() <= 1)
-
-    async def _run_alone(self, item: _Queued[J], batchable: bool) -> R:
-        """`item` as a round of its own, run directly: a job submitted meanwhile queues
-        for a round that the one-job executor runs after this one."""
-        self._alone += 1
-        item.running = True
-        if batchable and self.on_batch is not None:
-            self.on_batch(1, [0.0])
-        try:
-            # a task, as a round is: the loop's shutdown cancels it and so releases its
-            # caller (a bare executor future would hold the caller until the forward ends)
-            job = asyncio.get_running_loop().create_task(self._executor_job(item.job))
-            try:
-                (res,) = await asyncio.shield(job)
-            except asyncio.CancelledError:  # its cache is being written: let it finish
-                await asyncio.wait([job])
-                raise
-        finally:
-            self._alone -= 1
-            if self.on_progress is not None:
-                self.on_progress()
-        if isinstance(res, BaseException):
-            raise res
-        result: R = res
-        return result
-
-    async def _executor_job(self, job: J) -> list[Any]:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self.run_batch,
-                                                                [job])
 
     async def _rounds(self) -> None:
         while self._batch or self._solo:
