@@ -93,3 +93,15 @@ def family_reference():
         return cache[entry.weights_sha256]
 
     return get
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A home of its own (`models pull`'s tests): every model source's default location is
+    under it, and no environment variable points elsewhere."""
+    h = tmp_path / "home"
+    h.mkdir()
+    monkeypatch.setenv("HOME", str(h))
+    for var in ("OLLAMA_MODELS", "HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "HF_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    return h

@@ -34,16 +34,6 @@ def reference(tmp_path_factory) -> ModelEntry:
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    h = tmp_path / "home"
-    h.mkdir()
-    monkeypatch.setenv("HOME", str(h))
-    for var in ("OLLAMA_MODELS", "HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "HF_ENDPOINT"):
-        monkeypatch.delenv(var, raising=False)
-    return h
-
-
-@pytest.fixture
 def server() -> Iterator[FakeServer]:
     s = FakeServer()
     yield s

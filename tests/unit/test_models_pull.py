@@ -80,17 +80,6 @@ def fake_lmstudio(root: Path, repo: str, files: dict[str, Path]) -> Path:
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    """A home of its own: every source's default location is under it."""
-    h = tmp_path / "home"
-    h.mkdir()
-    monkeypatch.setenv("HOME", str(h))
-    for var in ("OLLAMA_MODELS", "HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "HF_ENDPOINT"):
-        monkeypatch.delenv(var, raising=False)
-    return h
-
-
-@pytest.fixture
 def files(tmp_path) -> dict[str, Path]:
     out = {}
     for name, data in {"a.gguf": b"GGUF-a" * 100, "b.gguf": b"GGUF-b" * 100,

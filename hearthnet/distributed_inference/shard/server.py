@@ -155,7 +155,6 @@ class ShardServer:
         self.stack: LayerStack | None = None
         self._load_lock = asyncio.Lock()
         self.active = 0
-        self.queue_depth = 0
         self.last_used = clock()
         self._latencies = LatencyWindow(256)
         self._streams: dict[ShardStream, str] = {}  # open session streams -> their caller
@@ -385,9 +384,8 @@ class ShardServer:
             inp = await stream.recv_step(deadline_s=self.settings.session_idle_timeout_s)
             if inp is None:
                 return
-            self.queue_depth += 1
-            self._m_queue.set(self.queue_depth)
             self._waiting[stream] = asyncio.get_running_loop().time()
+            self._m_queue.set(self.queue_depth)
             try:
                 t0 = time.perf_counter()
                 out = await self._forward_chunked(session, staging, inp.tensor,
@@ -410,12 +408,16 @@ class ShardServer:
                 raise self._forward_failed(inp.step, e) from e
             finally:
                 self._waiting.pop(stream, None)
-                self.queue_depth -= 1
                 self._m_queue.set(self.queue_depth)
             self._latencies.add(dt * 1000)
             self._m_forward.observe(dt * 1000)
             self.last_used = self.clock()
             await stream.send_step(inp.step, inp.start_pos, out, compute_us=int(dt * 1e6))
+
+    @property
+    def queue_depth(self) -> int:
+        """Steps received and not yet answered: one per session at most."""
+        return len(self._waiting)
 
     def _beat(self) -> None:
         """In the compute thread, after each layer of an eager forward: the work goes on, so
