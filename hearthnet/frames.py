@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias
 
-from hearthnet.errors import HearthNetError, PeerDataError, error_from_code
+from hearthnet.errors import CallerError, HearthNetError, PeerDataError, error_from_code
 
 __all__ = ["FRAME_TYPES", "Done", "ErrorFrame", "OtherFrame", "PipelineAborted",
            "ShardFailover", "ShardStatus", "StreamFrame", "TokenDelta", "WireWidened",
@@ -308,8 +308,12 @@ class ErrorFrame(_Wire):
 
     @classmethod
     def of(cls, err: HearthNetError, *, tokens_so_far: int | None = None) -> ErrorFrame:
-        """The frame of `err`: its code and message (its details stay in this node's log)."""
-        return cls(err.code, err.message, tokens_so_far=tokens_so_far)
+        """The frame of `err`: its code and message (its details stay in this node's log),
+        and for a caller's mistake the request field it names (``param``: a field's name,
+        never a value), so the HTTP API's 400 names it as OpenAI's does."""
+        param = err.details.get("param") if isinstance(err, CallerError) else None
+        return cls(err.code, err.message, details={"param": param} if isinstance(param, str)
+                   else None, tokens_so_far=tokens_so_far)
 
     def exception(self) -> HearthNetError:
         """The matching `hearthnet.errors` class, to raise at the caller."""

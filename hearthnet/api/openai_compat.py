@@ -25,6 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hearthnet.distributed_inference.engine.grammar import (
+    TOOL_CALL_STARTS,
+    Constraint,
+    check_schema,
+    check_tool_choice,
+    check_tools,
+    parse_tool_calls,
+    tool_constraint,
+)
 from hearthnet.distributed_inference.engine.sampling import MAX_LOGPROBS
 from hearthnet.distributed_inference.orchestrator.params import check_params, unknown_keys
 from hearthnet.errors import BadRequest
@@ -58,7 +67,7 @@ _STATUS: dict[str, tuple[int, str]] = {
 # and the CLI say ``eos`` where OpenAI's vocabulary has only ``stop``; a reason a newer node
 # adds reads as ``stop`` (the answer ended and is whole) rather than breaking a client
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
-_ROLES = {"system", "developer", "user", "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 def status_of(code: str) -> int:
@@ -94,6 +103,10 @@ class ParsedChat:
     include_usage: bool
     args: dict[str, Any]  # bus arguments of experimental.distributed_llm.chat
     logprobs: int | None = None  # the top alternatives asked per token; None: none at all
+    # the functions whose calls the answer's text may hold (OpenAI ``tool_calls``); None:
+    # no tools rendered (``tool_choice`` "none", or none given); `parallel`: more than one
+    tools: frozenset[str] | None = None
+    parallel_tools: bool = True
 
 
 # a JSON string, or an unterminated one to the end (so that no quote is scanned twice)
@@ -159,15 +172,17 @@ def _text(content: Any, i: int) -> str:
 
 
 # what an OpenAI message may carry besides role and content: a client echoes an earlier
-# answer back with these set to null (the `openai` package's model_dump); a set one is
-# refused, since the chat template is given each message's role and content only
+# answer back with these set to null (the `openai` package's model_dump); `tool_calls` (an
+# assistant's) and `tool_call_id` (a tool result's) are rendered by the chat template, any
+# other set one is refused, since the template is given nothing else
 _MESSAGE_EXTRAS = frozenset({"name", "refusal", "annotations", "audio", "function_call",
                              "tool_calls", "tool_call_id"})
 
 
 def _message_extras(m: dict[Any, Any], i: int) -> None:
     for k, v in m.items():
-        if k in ("role", "content"):
+        if k in ("role", "content") or (k == "tool_calls" and m["role"] == "assistant") \
+                or (k == "tool_call_id" and m["role"] == "tool"):
             continue
         name = f"messages[{i}].{str(k)[:64]}"
         if k not in _MESSAGE_EXTRAS:
@@ -175,11 +190,39 @@ def _message_extras(m: dict[Any, Any], i: int) -> None:
                              "rather than ignored", param=name)
         if v not in (None, "", []):
             raise BadRequest(f"{name} is not supported: the model's chat template is given "
-                             "each message's role and content only; leave it out",
+                             "each message's role, content, an assistant's tool_calls and "
+                             "a tool result's tool_call_id only; leave it out", param=name)
+
+
+def _tool_calls(raw: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI ``tool_calls`` as the templates read them: each
+    call's ``arguments`` (a JSON string) as a map."""
+    name = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list) or len(raw) > 128:
+        raise BadRequest(f"{name} must be an array of calls", param=name)
+    out = []
+    for j, c in enumerate(raw):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(f, dict) and c.get("type", "function") == "function"
+                and isinstance(f.get("name"), str) and isinstance(f.get("arguments"), str)):
+            raise BadRequest(f"{name}[{j}] must be {{\"type\": \"function\", \"function\": "
+                             "{\"name\", \"arguments\": a JSON string}}", param=name)
+        try:
+            args = json.loads(f["arguments"], parse_constant=_no_constant)
+        except ValueError as e:
+            raise BadRequest(f"{name}[{j}].function.arguments is not JSON: {e}",
+                             param=name) from e
+        if not isinstance(args, dict):
+            raise BadRequest(f"{name}[{j}].function.arguments must be a JSON object",
                              param=name)
+        call = {"type": "function", "function": {"name": f["name"], "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
 
 
-def _messages(raw: Any, limits: Limits) -> list[dict[str, str]]:
+def _messages(raw: Any, limits: Limits) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty array", param="messages")
     if len(raw) > limits.max_messages:
@@ -193,7 +236,15 @@ def _messages(raw: Any, limits: Limits) -> list[dict[str, str]]:
                              param=f"messages[{i}].role")
         _message_extras(m, i)
         role = "system" if m["role"] == "developer" else str(m["role"])
-        out.append({"role": role, "content": _text(m.get("content"), i)})
+        calls = m.get("tool_calls") if role == "assistant" else None
+        # an assistant's turn that only called tools has null content (OpenAI's shape)
+        content = "" if calls and m.get("content") is None else _text(m.get("content"), i)
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            msg["tool_calls"] = _tool_calls(calls, i)
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"][:256]
+        out.append(msg)
     return out
 
 
@@ -279,8 +330,8 @@ class Unhonoured:
 
 
 _NO_PENALTY = "the sampler applies no frequency or presence penalty"
-_NO_TOOLS = "this server produces no tool calls (the answer is the model's text; no " \
-            "chat template's tool calls are parsed)"
+_LEGACY = "the deprecated functions / function_call are not supported: send tools and " \
+          "tool_choice"
 
 # Nothing accepted and ignored: each OpenAI chat-completions field the server does not
 # honour, with the values that leave the answer as it is without the field
@@ -290,18 +341,9 @@ UNHONOURED: dict[str, Unhonoured] = {
     "frequency_penalty": Unhonoured(_zero, "0", _NO_PENALTY),
     "presence_penalty": Unhonoured(_zero, "0", _NO_PENALTY),
     "logit_bias": Unhonoured(lambda v: v == {}, "{}", "the sampler applies no logit bias"),
-    "tools": Unhonoured(lambda v: v == [], "[]", _NO_TOOLS),
-    # checked after `tools` (and `function_call` after `functions`): with no tools, "auto"
-    # and "none" both call none, and there is nothing to run in parallel
-    "tool_choice": Unhonoured(lambda v: v in ("none", "auto"), '"none" or "auto"', _NO_TOOLS),
-    "parallel_tool_calls": Unhonoured(lambda v: isinstance(v, bool), "true or false",
-                                      "with no tools there are no calls to run in parallel"),
-    "functions": Unhonoured(lambda v: v == [], "[]", _NO_TOOLS),
-    "function_call": Unhonoured(lambda v: v in ("none", "auto"), '"none" or "auto"',
-                                _NO_TOOLS),
-    "response_format": Unhonoured(lambda v: v == {"type": "text"}, '{"type": "text"}',
-                                  "json_object and json_schema need constrained decoding, "
-                                  "which this server does not do (the answer is free text)"),
+    # checked after `functions`: with none, "auto" and "none" both call none
+    "functions": Unhonoured(lambda v: v == [], "[]", _LEGACY),
+    "function_call": Unhonoured(lambda v: v in ("none", "auto"), '"none" or "auto"', _LEGACY),
     "modalities": Unhonoured(lambda v: v == ["text"], '["text"]', "only text is produced"),
     "audio": Unhonoured(_never, "null", "only text is produced"),
     "prediction": Unhonoured(_never, "null", "predicted outputs are not used"),
@@ -318,7 +360,8 @@ UNHONOURED: dict[str, Unhonoured] = {
 # cache to OpenAI (abuse monitoring, prompt caching) and change nothing in an answer
 HONOURED = frozenset({"model", "messages", "stream", "stream_options", "max_tokens",
                       "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-                      "logprobs", "top_logprobs", "hearthnet"})
+                      "logprobs", "top_logprobs", "hearthnet", "response_format", "tools",
+                      "tool_choice", "parallel_tool_calls"})
 IDENTIFIERS = frozenset({"user", "safety_identifier", "prompt_cache_key"})
 
 # the same for the legacy text completions (``POST /v1/completions``)
@@ -428,6 +471,47 @@ def _sampling(body: dict[str, Any], limits: Limits, logprobs: int | None,
     return sampling
 
 
+def _response_format(v: Any) -> Constraint | None:
+    """OpenAI ``response_format``: ``text`` (None), ``json_object`` or ``json_schema``
+    (``{"name", "schema", "strict"?, "description"?}``), the schema compiled here to refuse a
+    bad one before any work (M26 §5.4)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        raise BadRequest('response_format must be {"type": "text" | "json_object" | '
+                         '"json_schema", ...}', param="response_format")
+    extra = sorted(str(k)[:64] for k in v if k not in ("type", "json_schema"))
+    if extra or (v["type"] != "json_schema" and "json_schema" in v):
+        raise BadRequest(f"response_format: unexpected {(extra or ['json_schema'])[0]}",
+                         param="response_format")
+    if v["type"] == "text":
+        return None
+    if v["type"] == "json_object":
+        return Constraint.from_wire({"type": "json_object"}, "response_format")
+    js = v.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(js, dict) or not isinstance(js.get("name"), str) or \
+            set(js) - {"name", "schema", "strict", "description"}:
+        raise BadRequest(f'{where} must be {{"name", "schema", "strict"?, "description"?}}',
+                         param=where)
+    if js.get("strict") is not None and not isinstance(js["strict"], bool):
+        raise BadRequest(f"{where}.strict must be true or false", param=f"{where}.strict")
+    # strict or not, the schema is enforced: a grammar matches it or it is refused
+    schema = check_schema(js.get("schema", {"type": "object"}), f"{where}.schema")
+    return Constraint.from_wire({"type": "json_schema", "schema": schema}, where)
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """(the tools the template renders, None for none; the forced function's name,
+    ``"required"``, or None when the model may answer in text)."""
+    # no tools (null or [], as a client that has none sends) render nothing
+    tools = check_tools(body["tools"]) if body.get("tools") not in (None, []) else None
+    choice = check_tool_choice(body.get("tool_choice"), tools)
+    if not tools or choice == "none":
+        return None, None
+    return tools, None if choice in (None, "auto") else choice
+
+
 def parse_chat_request(body: Any, limits: Limits) -> ParsedChat:
     """Validate an OpenAI chat-completions body; raises `BadRequest` (with ``param``)."""
     model = _model(body)
@@ -435,10 +519,29 @@ def parse_chat_request(body: Any, limits: Limits) -> ParsedChat:
     stream = _flag(body, "stream")
     include_usage = _stream_options(body.get("stream_options"))
     logprobs = _chat_logprobs(body)
-    args = {"request": {"model": model, "messages": _messages(body.get("messages"), limits)},
-            "params": {"sampling": _sampling(body, limits, logprobs),
-                       **_extension(body.get("hearthnet"))}}
-    return ParsedChat(model, stream, include_usage, args, logprobs)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest("parallel_tool_calls must be true or false",
+                         param="parallel_tool_calls")
+    grammar = _response_format(body.get("response_format"))
+    tools, forced = _tools(body)
+    if forced is not None and tools is not None:
+        if grammar is not None:
+            raise BadRequest("response_format and a forced tool_choice both constrain the "
+                             "answer; send one of them", param="response_format")
+        grammar = tool_constraint(tools, forced)
+    request: dict[str, Any] = {"model": model,
+                               "messages": _messages(body.get("messages"), limits)}
+    if tools is not None:
+        request["tools"] = tools
+    sampling = _sampling(body, limits, logprobs)
+    if grammar is not None:
+        sampling["grammar"] = grammar.to_wire()
+    args = {"request": request,
+            "params": {"sampling": sampling, **_extension(body.get("hearthnet"))}}
+    names = None if tools is None else frozenset(t["function"]["name"] for t in tools)
+    return ParsedChat(model, stream, include_usage, args, logprobs, names,
+                      parallel is not False)
 
 
 def _prompt(v: Any) -> str:
@@ -511,7 +614,7 @@ class _Builder:
     def first_chunk(self) -> Json | None:
         return None
 
-    def _token_chunk(self, frame: TokenDelta) -> Json:
+    def _token_chunk(self, frame: TokenDelta) -> Json | None:
         raise NotImplementedError
 
     def feed(self, frame: StreamFrame) -> Json | None:
@@ -555,6 +658,10 @@ class _Builder:
                 "fallback": d.fallback, "timings": d.timings, "formats": d.formats or {},
                 "speculative": d.speculative, "events": self.events}
 
+    def pending_chunks(self) -> list[Json]:
+        """Chunks held back while streaming, sent before `last_chunk`."""
+        return []
+
     def usage_chunk(self) -> Json:
         """The ``stream_options.include_usage`` chunk: no choices, the usage."""
         raise NotImplementedError
@@ -586,9 +693,21 @@ def chat_logprobs(frames: list[TokenDelta]) -> Json:
 @dataclass
 class CompletionBuilder(_Builder):
     """One chat call: OpenAI ``chat.completion.chunk``s while streaming, or one
-    ``chat.completion``."""
+    ``chat.completion``.
+
+    With tools (`tools`, the functions' names) the model's text may hold tool calls, in its
+    template's format (`grammar.parse_tool_calls`): text that may be the start of one is held
+    back from the stream until it is whole, then sent as ``tool_calls`` deltas (or, when it
+    is not a call after all, as content); ``finish_reason`` is ``tool_calls`` then.
+    """
 
     id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
+    tools: frozenset[str] | None = None
+    parallel_tools: bool = True  # False: only the first call is returned
+    _held: str = ""  # text not streamed yet: it may be (the start of) a tool call
+    _held_frames: list[TokenDelta] = field(default_factory=list)
+    _streamed: bool = False  # some content went out: only a <tool_call> tag opens a call
+    _calls: tuple[str, list[tuple[str, str]]] | None = None
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None,
                logprobs: Json | None = None) -> Json:
@@ -600,9 +719,70 @@ class CompletionBuilder(_Builder):
     def first_chunk(self) -> Json:
         return self._chunk({"role": "assistant", "content": ""})
 
-    def _token_chunk(self, frame: TokenDelta) -> Json:
-        lp = chat_logprobs([frame]) if self.logprobs is not None else None
-        return self._chunk({"content": frame.text}, logprobs=lp)
+    def _token_chunk(self, frame: TokenDelta) -> Json | None:
+        if self.tools is None:
+            lp = chat_logprobs([frame]) if self.logprobs is not None else None
+            return self._chunk({"content": frame.text}, logprobs=lp)
+        self._held += frame.text
+        self._held_frames.append(frame)
+        cut = self._releasable()
+        if cut == 0:
+            return None
+        text, self._held = self._held[:cut], self._held[cut:]
+        frames, self._held_frames = self._held_frames, []
+        self._streamed = True
+        lp = chat_logprobs(frames) if self.logprobs is not None else None
+        return self._chunk({"content": text}, logprobs=lp)
+
+    def _releasable(self) -> int:
+        """How much of the held text is surely content (not a tool call's)."""
+        held = self._held
+        lead = held.lstrip()
+        if not self._streamed and (not lead or any(
+                st.startswith(lead) or lead.startswith(st) for st in TOOL_CALL_STARTS)):
+            return 0  # a bare-JSON or [TOOL_CALLS] call is the whole answer
+        at = held.find("<tool_call>")
+        if at >= 0:
+            return at
+        tag = "<tool_call>"
+        part = max((k for k in range(1, len(tag)) if held.endswith(tag[:k])), default=0)
+        return len(held) - part
+
+    def calls(self) -> tuple[str, list[tuple[str, str]]] | None:
+        """(content besides the calls, [(name, arguments JSON)]) of the answer's held
+        text, or None when it holds no tool call."""
+        if self.tools is None or self.done is None:
+            return None
+        if self._calls is None:
+            self._calls = parse_tool_calls(self._held, self.tools)
+            if self._calls is not None and not self.parallel_tools:
+                self._calls = (self._calls[0], self._calls[1][:1])
+        return self._calls
+
+    @property
+    def finish_reason(self) -> str:
+        reason = super().finish_reason
+        return "tool_calls" if reason == "stop" and self.calls() is not None else reason
+
+    def _openai_calls(self, calls: list[tuple[str, str]]) -> list[Json]:
+        return [{"id": f"call_{self.id[-12:]}_{i}", "type": "function",
+                 "function": {"name": name, "arguments": args}}
+                for i, (name, args) in enumerate(calls)]
+
+    def pending_chunks(self) -> list[Json]:
+        """At the end of a stream, the held text: ``tool_calls`` deltas, or content."""
+        if self.tools is None or not self._held:
+            return []
+        lp = chat_logprobs(self._held_frames) if self.logprobs is not None else None
+        found = self.calls()
+        if found is None:
+            return [self._chunk({"content": self._held}, logprobs=lp)]
+        content, calls = found
+        out = [self._chunk({"content": content})] if content else []
+        for i, call in enumerate(self._openai_calls(calls)):
+            out.append(self._chunk({"tool_calls": [{"index": i, **call}]},
+                                   logprobs=lp if i == 0 else None))
+        return out
 
     def last_chunk(self) -> Json:
         chunk = self._chunk({}, self.finish_reason)
@@ -617,11 +797,17 @@ class CompletionBuilder(_Builder):
     def response(self) -> Json:
         """The non-streaming ``chat.completion`` object."""
         lp = chat_logprobs(self.tokens) if self.logprobs is not None else None
+        message: Json = {"role": "assistant", "content": "".join(self.text), "refusal": None}
+        if self.tools is not None:
+            self._held, self._calls = message["content"], None
+            found = self.calls()
+            if found is not None:
+                message["content"] = found[0] or None
+                message["tool_calls"] = self._openai_calls(found[1])
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "system_fingerprint": None,
                 "choices": [{"index": 0, "logprobs": lp, "finish_reason": self.finish_reason,
-                             "message": {"role": "assistant", "content": "".join(self.text),
-                                         "refusal": None}}],
+                             "message": message}],
                 "usage": self.usage(), "hearthnet": self.extension()}
 
 

@@ -350,6 +350,8 @@ class ApiServer:
             return _error("rate_limit_exceeded", "every pipeline slot of this node is busy "
                           "(max_concurrent_pipelines); retry shortly")
         out = builder(parsed.model, parsed.logprobs)
+        if isinstance(out, CompletionBuilder):  # the tool calls its text may hold
+            out.tools, out.parallel_tools = parsed.tools, parsed.parallel_tools
         async with contextlib.aclosing(self.host.chat(parsed.args)) as frames:
             return await self._answer(request, parsed, out, frames)
 
@@ -396,6 +398,8 @@ class ApiServer:
             except HearthNetError as e:  # mid-stream: OpenAI's error event, no [DONE]
                 await _sse(resp, openai_error(e.code, e.message)[1])
                 return resp
+            for chunk in out.pending_chunks():  # held-back text: tool calls, or content
+                await _sse(resp, chunk)
             await _sse(resp, out.last_chunk())
             if parsed.include_usage:
                 await _sse(resp, out.usage_chunk())

@@ -27,6 +27,7 @@ from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.errors import BadRequest
 from hearthnet.mesh.launcher import LocalMesh, NodeSpec
 from tests.helpers.browser import Browser, chromium_path
+from tests.unit.test_tools import WEATHER
 
 pytestmark = pytest.mark.slow
 
@@ -118,8 +119,15 @@ async def test_openai_client_model_objects_and_refused_fields(oai, reference):
     assert e.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError) as e:
         await oai.chat.completions.create(model="smollm2", messages=msgs, max_tokens=N,
-                                          response_format={"type": "json_object"})
-    assert e.value.body["param"] == "response_format"
+                                          frequency_penalty=0.5)
+    assert e.value.body["param"] == "frequency_penalty"
+    with pytest.raises(openai.BadRequestError) as e:  # SmolLM2's template has no tools
+        await oai.chat.completions.create(model="smollm2", messages=msgs, max_tokens=N,
+                                          tools=[WEATHER])
+    # the node's refusal crosses the bus as code and message (ErrorFrame.of keeps no param)
+    assert e.value.body["code"] == "bad_request"
+    assert "tools are not supported" in e.value.body["message"]
+    assert "chat template does not support tools" in e.value.body["message"]
     r = await oai.chat.completions.create(
         model="smollm2", messages=msgs, max_tokens=N, temperature=0, logprobs=False,
         frequency_penalty=0, presence_penalty=0, response_format={"type": "text"}, n=1,
@@ -165,6 +173,39 @@ async def test_openai_chat_logprobs_are_the_model_s(oai, reference):
         assert c.top_logprobs[0].token == c.token
         assert c.top_logprobs[0].logprob == pytest.approx(c.logprob)
     assert bytes(b for c in content for b in c.bytes).decode().startswith(text)
+
+
+CAPITAL = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Lyon", "Marseille"]},
+    "capital": {"type": "boolean"}}, "required": ["city", "capital"],
+    "additionalProperties": False}
+
+
+async def test_openai_response_format_is_enforced_through_the_mesh(oai):
+    """M26 §5.4: ``json_schema`` answers validate (checked by hand: keys and types),
+    ``json_object`` answers parse — served by the mesh, the head masking at node-a."""
+    msgs = [{"role": "user", "content": "Is Paris the capital of France? Answer in JSON."}]
+    r = await oai.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=32, temperature=0, logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "capital", "schema": CAPITAL, "strict": True}})
+    out = json.loads(r.choices[0].message.content)
+    assert set(out) == {"city", "capital"} and r.choices[0].finish_reason == "stop"
+    assert out["city"] in ("Paris", "Lyon", "Marseille") and isinstance(out["capital"], bool)
+    # log-probabilities stay the model's raw ones, one per token (a forced token's too)
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == r.usage.completion_tokens and all(c.logprob <= 0 for c in lps)
+    assert len(r.model_extra["hearthnet"]["pipeline"]) == 2  # the mesh served it
+    stream = await oai.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=48, temperature=0, stream=True,
+        response_format={"type": "json_object"})
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    if chunks[-1].choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:  # cut by max_tokens: an object begun, as OpenAI's json mode leaves it
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert text.lstrip().startswith("{")
 
 
 async def test_disconnect_mid_stream_closes_shard_sessions(mesh, oai):

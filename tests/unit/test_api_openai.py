@@ -238,15 +238,12 @@ REFUSED = [
     ("top_logprobs", 1.0, "top_logprobs"),
     ("frequency_penalty", 0.5, "frequency_penalty"),
     ("presence_penalty", -1, "presence_penalty"),
-    ("logit_bias", {"50256": -100}, "logit_bias"), ("tools", [TOOL], "tools"),
-    ("tool_choice", "required", "tool_choice"),
+    ("logit_bias", {"50256": -100}, "logit_bias"),
+    ("tool_choice", "required", "tool_choice"),  # without tools
     ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice"),
     ("parallel_tool_calls", "yes", "parallel_tool_calls"),
     ("functions", [TOOL["function"]], "functions"),
     ("function_call", {"name": "f"}, "function_call"),
-    ("response_format", {"type": "json_object"}, "response_format"),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
-     "response_format"),
     ("n", 2, "n"), ("n", 1.0, "n"), ("n", True, "n"),
     ("modalities", ["text", "audio"], "modalities"),
     ("audio", {"voice": "alloy", "format": "wav"}, "audio"),
@@ -312,8 +309,7 @@ def test_a_message_field_beyond_role_and_content_is_refused_unless_empty():
 async def test_refusals_reach_the_openai_client_before_any_work(served):
     node, client = await served([tok("a", 0), DONE])
     for kw, param in (({"logit_bias": {"1": 5}}, "logit_bias"),
-                      ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
-                      ({"response_format": {"type": "json_object"}}, "response_format"),
+                      ({"functions": [TOOL["function"]]}, "functions"),
                       ({"frequency_penalty": 1.0}, "frequency_penalty")):
         with pytest.raises(openai.BadRequestError) as e:
             await client.chat.completions.create(model="smollm2", messages=MSG, **kw)
@@ -366,7 +362,7 @@ def test_parse_rejects_bad_values_before_work():
     assert ok.args["params"]["sampling"]["stop"] == ["x"]
     assert ok.args["params"]["sampling"]["max_tokens"] == 16  # default capped to the bound
     for bad in ({}, {"model": "m"}, {"model": "m", "messages": []},
-                {"model": "m", "messages": [{"role": "tool", "content": "x"}]},
+                {"model": "m", "messages": [{"role": "function", "content": "x"}]},
                 {"model": "m", "messages": [{"role": "user", "content": [{"type": "image"}]}]},
                 {"model": "m", "messages": [{"role": "user", "content": "x"}],
                  "temperature": 3},

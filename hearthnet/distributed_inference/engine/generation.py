@@ -10,17 +10,29 @@ the raw logits a token was sampled (or verified) from, before temperature, top-k
 — what OpenAI reports. They are computed only for a call that asks (the default path does
 no extra work), for every token taken, a speculative pass's included: each accepted token
 from the row that verified it, so they are exact whatever the proposer.
+
+A call with a ``grammar`` (`SamplingParams.grammar`: OpenAI ``response_format`` or a forced
+tool call, M26 §5.4) has its sampler mask every row it picks from — one step's, or each row
+of a speculative pass — to the tokens the grammar allows after the tokens taken so far: a
+disallowed token's logit is -inf before temperature, top-k, top-p and the argmax, so the
+mask only removes (where the unconstrained pick is allowed, the constrained one is the
+same). The grammar's matcher advances only when `Generation.accept` takes a token, so a
+rejected speculative proposal never touches it and verification stays exact with no
+rollback: each proposal is verified against the mask of the tokens accepted before it. The
+answer ends (``stop``) when the grammar is complete; log-probabilities stay the raw ones.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hearthnet.distributed_inference.engine.grammar import GrammarState, matcher
 from hearthnet.distributed_inference.engine.sampling import SamplingParams
 from hearthnet.errors import BadRequest
 
@@ -33,8 +45,13 @@ class Sampler:
     a speculative pass verifying proposals row by row — picks it through here first.
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, grammar: GrammarState | None = None) -> None:
+        """`grammar`: the answer's place in its grammar (None: no constraint), advanced by
+        `Generation.accept`."""
         self.params = params
+        self.grammar = grammar
+        self._bits = torch.arange(32, dtype=torch.int32)
+        self._mask_words: torch.Tensor | None = None
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -46,10 +63,34 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """`logits`: (vocab,) fp32."""
         if self.keep_rows:
-            self.row = logits
+            self.row = logits  # raw: log-probabilities are the model's own
+        if self.grammar is not None:
+            logits = self.masked(logits)
         if self.params.greedy:
             return int(torch.argmax(logits))
         return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (vocab,) with every token the grammar does not allow next at -inf.
+
+        The row may be longer than the tokenizer (a model's padded vocabulary): those ids
+        are no token at all and are masked too.
+        """
+        g = self.grammar
+        if g is None:
+            return logits
+        vocab = int(logits.shape[-1])
+        if self._mask_words is None:
+            self._mask_words = torch.zeros(g.words, dtype=torch.int32)
+        words = self._mask_words
+        g.fill(words.data_ptr(), words.numel() * 4)
+        allowed = ((words.unsqueeze(-1) >> self._bits) & 1).flatten().bool()  # (32·words,)
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        n = min(vocab, g.vocab_size)
+        keep[:n] = allowed[:n]
+        if not bool(keep.any()):  # the grammar failed: nothing it allows is a token
+            raise RuntimeError(f"the grammar allows no token: {g.error or 'stopped'}")
+        return logits.masked_fill(~keep, float("-inf"))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution this sampler draws from: `logits` (vocab,) after temperature,
@@ -76,6 +117,8 @@ class Sampler:
         would draw it."""
         if self.keep_rows:
             self.row = logits
+        if self.grammar is not None:  # the mask of the tokens taken before this position
+            logits = self.masked(logits)
         if self.params.greedy:
             return int(torch.argmax(logits))
         probs = self.probs(logits)
@@ -187,7 +230,9 @@ class Generation:
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:
-        self.sampler = Sampler(self.params)
+        grammar = None if self.params.grammar is None else \
+            matcher(self.tokenizer, self.eos_ids, self.params.grammar)
+        self.sampler = Sampler(self.params, grammar)
         self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         self._held = ""  # text held back because it may be the start of a stop string
         self._bytes: dict[int, bytes] = {}
@@ -210,12 +255,18 @@ class Generation:
         """Take `tid`, picked by `self.sampler` (`step`, or a speculative pass's `verify`)."""
         lp = self._logprobs(tid) if self.sampler.keep_rows else None
         self.tokens.append(tid)
+        grammar = self.sampler.grammar
+        if grammar is not None and tid not in self.eos_ids:
+            grammar.consume(tid)
         if tid in self.eos_ids:
             self.finish_reason = "eos"
             return TokenEvent(tid, self._release(final=True), len(self.tokens) - 1, lp)
         delta = self._held + self.detok.push(tid)
         self._held = ""
         out = self._apply_stop(delta)
+        if not self.done and grammar is not None and grammar.stopped:
+            self.finish_reason = "stop"  # the grammar is complete: nothing may follow
+            out += self._release(final=True)
         if not self.done and len(self.tokens) >= self.params.max_tokens:
             self.finish_reason = "length"
             out += self._release(final=True)
@@ -288,6 +339,11 @@ class PromptLimits:
         else:
             size = sum(len(m["content"].encode("utf-8", "replace")) for m in messages
                        if isinstance(m, dict) and isinstance(m.get("content"), str))
+            # the tools and earlier calls the template renders count as prompt too
+            extra = [getattr(messages, "tools", None) or [],
+                     [m.get("tool_calls") for m in messages if isinstance(m, dict)]]
+            size += len(json.dumps(extra, default=str).encode()) if any(extra[1]) \
+                or extra[0] else 0
         if size > self.max_prompt_bytes:
             raise BadRequest(f"the prompt is {size} bytes; this node's limit is "
                              f"max_prompt_bytes = {self.max_prompt_bytes}",

@@ -24,6 +24,7 @@ from hearthnet.distributed_inference.engine.families import (
     load_config,
     meta_base_model,
 )
+from hearthnet.distributed_inference.engine.grammar import template_has_tools
 from hearthnet.distributed_inference.engine.quant import (
     Int8Linear,
     compute_dtype_of,
@@ -129,19 +130,28 @@ class LayeredHead:
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` with the model's chat template and a generation prompt."""
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of `messages` with the model's chat template and a generation prompt;
+        with the tools of a `Conversation` rendered by the template (OpenAI ``tools``).
+
+        Raises:
+            BadRequest: a malformed message, or tools for a template that renders none
+                (naming ``tools``).
+        """
         for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
-                    or m.get("role") not in ("system", "user", "assistant"):
-                raise BadRequest("each message needs a role (system|user|assistant) and "
-                                 "string content")
+            _check_message(m)
+        tools = getattr(messages, "tools", None)
+        if tools is not None and not template_has_tools(self.tokenizer.chat_template):
+            raise BadRequest(f"tools are not supported by {self.entry.alias}: the model's chat "
+                             "template does not support tools (it renders no tools "
+                             "variable); leave tools out or use a model whose template "
+                             "has them", param="tools", model=self.entry.alias)
         if not self.tokenizer.chat_template:
             text = "".join(m["content"] + "\n" for m in messages)
             return list(self.tokenizer(text)["input_ids"])
         try:
-            out: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                          tokenize=True)
+            out: Any = self.tokenizer.apply_chat_template(
+                list(messages), tools=tools, add_generation_prompt=True, tokenize=True)
         except TemplateSyntaxError:
             raise  # the model's template is broken: not the caller's doing (internal)
         except (TemplateError, ValueError) as e:
@@ -212,3 +222,22 @@ class LayeredHead:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return list(torch.split(logits.float().cpu(), sizes))
+
+
+def _check_message(m: Any) -> None:
+    """A message the templates take: a role (system, user, assistant, tool) and string
+    content; an assistant's earlier ``tool_calls`` (each ``{"function": {"name", "arguments":
+    a map}}``) and a tool result's ``tool_call_id`` as transformers' templates read them."""
+    if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
+            or m.get("role") not in ("system", "user", "assistant", "tool"):
+        raise BadRequest("each message needs a role (system|user|assistant|tool) and "
+                         "string content")
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if m["role"] != "assistant" or not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments"), dict) for c in calls):
+        raise BadRequest("tool_calls belong to an assistant message, each with a function "
+                         "name and its arguments as a map", param="messages")

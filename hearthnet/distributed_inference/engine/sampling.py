@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hearthnet.distributed_inference.engine.grammar import Constraint
 from hearthnet.errors import BadRequest
 
 MAX_LOGPROBS = 20  # OpenAI's bound on chat ``top_logprobs``
@@ -26,6 +27,9 @@ class SamplingParams:
     # None: no log-probabilities (the default path computes none); k in 0..MAX_LOGPROBS:
     # each token's log-probability and its k likeliest alternatives (`generation.Sampler`)
     logprobs: int | None = None
+    # None: free text; else what the answer must match, enforced by masking each logits row
+    # with the grammar's allowed tokens (`generation.Sampler`, M26 §5.4)
+    grammar: Constraint | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -77,6 +81,8 @@ def _check_types(p: SamplingParams) -> None:
         raise BadRequest(f"seed must be an integer in 0..2**63-1 or null, got {p.seed!r}"[:200])
     if not isinstance(p.stop, tuple):
         raise BadRequest("stop must be a list of strings")
+    if p.grammar is not None and not isinstance(p.grammar, Constraint):
+        raise BadRequest("grammar must be a Constraint or null", param="grammar")
     if p.logprobs is not None and not _is_int(p.logprobs):
         raise BadRequest(f"logprobs must be an integer or null, got {p.logprobs!r}"[:200],
                          param="logprobs")

@@ -13,6 +13,7 @@ from typing import Any
 
 from hearthnet.constants import DEFAULT_TIMEOUT_S
 from hearthnet.distributed_inference.directory.formats import DEFAULT_POLICY, check_policy
+from hearthnet.distributed_inference.engine.grammar import Constraint, Conversation, check_tools
 from hearthnet.distributed_inference.engine.sampling import SamplingParams, check_speculate
 from hearthnet.distributed_inference.orchestrator.params import (
     CALL_PARAMS,
@@ -26,10 +27,13 @@ from hearthnet.errors import BadRequest
 @dataclass(frozen=True)
 class ChatRequest:
     """An `experimental.distributed_llm.chat` request: `messages` through the model's chat
-    template, or a raw `prompt` continued as it is (a text completion; `messages` empty)."""
+    template, or a raw `prompt` continued as it is (a text completion; `messages` empty).
+
+    A chat's ``tools`` (OpenAI function tools, rendered by the template) ride with its
+    messages (`Conversation.tools`), so that every path that renders them renders both."""
 
     model: str
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     prompt: str | None = None
 
     @classmethod
@@ -39,16 +43,22 @@ class ChatRequest:
         if not isinstance(d, dict) or not isinstance(d.get("model", "smollm2"), str):
             raise BadRequest("request must be a map with a model name")
         model = d.get("model", "smollm2")
-        msgs, prompt = d.get("messages"), d.get("prompt")
+        msgs, prompt, tools = d.get("messages"), d.get("prompt"), d.get("tools")
         if (msgs is None) == (prompt is None):
             raise BadRequest("request needs exactly one of messages (a chat) and prompt "
                              "(raw text to continue)", param="request")
         if prompt is not None:
+            if tools is not None:
+                raise BadRequest("tools need messages (a chat): a raw prompt is continued "
+                                 "without the chat template", param="tools")
             if not isinstance(prompt, str):
                 raise BadRequest("prompt must be a string", param="prompt")
             return cls(model=model, prompt=prompt)
         if not isinstance(msgs, list) or not msgs or len(msgs) > 256:
             raise BadRequest("messages must be a non-empty list of {role, content}")
+        if tools is not None:
+            return cls(model=model, messages=Conversation.of(msgs, check_tools(
+                tools, "request.tools")))
         return cls(model=model, messages=msgs)
 
 
@@ -97,14 +107,18 @@ def _sampling(s: Any) -> SamplingParams:
         return SamplingParams()
     if not isinstance(s, dict):
         raise BadRequest("params.sampling must be a map", param="params.sampling")
-    known = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs"}
+    known = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs",
+             "grammar"}
     unknown = unknown_keys(s, known)
     if unknown:
         raise BadRequest(f"unknown sampling keys {unknown[:8]}", param="params.sampling")
     if not isinstance(s.get("stop", []), list):
         raise BadRequest("params.sampling.stop must be a list of strings",
                          param="params.sampling.stop")
+    grammar = s.get("grammar")
+    if grammar is not None:  # compiled at the door: a bad schema is refused before any work
+        grammar = Constraint.from_wire(grammar)
     try:
-        return SamplingParams(**{**s, "stop": tuple(s.get("stop", ()))})
+        return SamplingParams(**{**s, "stop": tuple(s.get("stop", ())), "grammar": grammar})
     except TypeError as e:
         raise BadRequest(f"bad params.sampling: {e}", param="params.sampling") from e
