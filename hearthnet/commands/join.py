@@ -3,9 +3,11 @@
 ``invite --config C`` asks the running node, over its loopback admin listener, for a
 one-time code (expiring, single use, held only in that node's memory) and prints it.
 ``join CODE --config C`` (the new node's config from ``hearthnet init``) dials the
-inviter at the code's ``host:port`` and runs the SPAKE2 exchange of
-`hearthnet.security.joining` with it: the inviter adds this node as ``trusted``, and this
-node writes the community's member list (the inviter's key pinned) to
+inviter at the code's ``host:port`` — or, for the short code without an address, at the
+address the inviter announces for that invite by mDNS (`hearthnet.mesh.join_announce`:
+an announcement is only an address, the exchange authenticates) — and runs the SPAKE2
+exchange of `hearthnet.security.joining` with it: the inviter adds this node as
+``trusted``, and this node writes the community's member list (the inviter's key pinned) to
 ``<data_dir>/members.toml`` and the inviter to ``[node] peers``. A wrong, reused or
 expired code admits nobody and says so here and in the inviter's log.
 """
@@ -13,6 +15,7 @@ expired code admits nobody and says so here and in the inviter's log.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import re
 import tomllib
@@ -29,6 +32,7 @@ from hearthnet.security.joining import (
     Card,
     JoinCode,
     Welcome,
+    WrongCode,
     dial_join,
     merge_member_file,
     parse_code,
@@ -50,8 +54,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inv.add_argument("--json", action="store_true", help="print JSON")
     inv.set_defaults(func=_invite)
     join = sub.add_parser("join", help="join a community with a code from `hearthnet invite`")
-    join.add_argument("code", help="the code, e.g. 7KQ2M-XD4RA@192.168.1.20:41234")
+    join.add_argument("code", help="the code: 7KQ2M-XD4RA (the inviter is found on the LAN "
+                      "by mDNS) or 7KQ2M-XD4RA@192.168.1.20:41234")
     join.add_argument("--config", required=True, help="this new node's TOML (hearthnet init)")
+    join.add_argument("--find-timeout", type=duration, default=None,
+                      help="how long to look for the inviter by mDNS when the code has no "
+                           "@host:port (default 10s)")
     join.add_argument("--json", action="store_true", help="print JSON")
     join.set_defaults(func=_join)
 
@@ -88,10 +96,17 @@ def _invite(args: argparse.Namespace) -> int:
         print(json.dumps(got))
         return 0
     ttl = float(got.get("expires_in_s", args.ttl))
+    short = str(got.get("short") or "") if got.get("announced") else ""
     print(f"invite code for {got.get('node_id')}'s community (works once, for "
-          f"{_human(ttl)}):\n\n    {got['code']}\n")
-    print("on the new machine:\n    hearthnet init\n"
-          f"    hearthnet join {got['code']} --config <its node.toml>")
+          f"{_human(ttl)}):\n\n    {short or got['code']}\n")
+    if short:  # announced by mDNS: the joiner finds the address on the LAN
+        print("on the new machine (it finds this node on the LAN by mDNS):\n"
+              f"    hearthnet init\n    hearthnet join {short} --config <its node.toml>\n"
+              "where mDNS does not reach (another subnet, a VPN), the long form names "
+              f"the address:\n    hearthnet join {got['code']} --config <its node.toml>")
+    else:
+        print("on the new machine:\n    hearthnet init\n"
+              f"    hearthnet join {got['code']} --config <its node.toml>")
     return 0
 
 
@@ -111,7 +126,12 @@ def _join(args: argparse.Namespace) -> int:
     data = cfg.effective_data_dir()
     key = NodeKey.load_or_create(data)
     card = Card(cfg.node.id, key.public_key_raw)
-    welcome = parse_welcome(run(_exchange(code, card)), card)
+    if code.located:
+        reply = run(_exchange(code, card))
+    else:
+        from hearthnet.mesh.join_announce import FIND_TIMEOUT_S
+        code, reply = run(_find_and_exchange(code, card, args.find_timeout or FIND_TIMEOUT_S))
+    welcome = parse_welcome(reply, card)
     members = merge_member_file(data, welcome.members,
                                 f"the community {welcome.inviter} let {cfg.node.id} join "
                                 "(`hearthnet join`)")
@@ -142,6 +162,56 @@ async def _exchange(code: JoinCode, card: Card) -> dict[str, Any]:
     except ConnectionClosed:
         raise ConnectionLost(f"the inviting node at {where} closed the join; its log "
                              "says why") from None
+
+
+async def _find_and_exchange(code: JoinCode, card: Card, timeout_s: float
+                             ) -> tuple[JoinCode, dict[str, Any]]:
+    """Find the inviter of a short code by mDNS and run the exchange with it: the code
+    with the address that worked, and the welcome.
+
+    Each announcer of the code's invite id is dialled in turn (at most `MAX_CANDIDATES`:
+    anyone can announce any id, and each dial lets the announcer test one guess), until
+    one admits this node.
+
+    Raises:
+        AuthError: no announcer of the invite answered in `timeout_s` (``invite_not_found``),
+            or the last one dialled refused (wrong code, used, ...).
+        ConnectionLost: the last announcer dialled could not be reached.
+    """
+    from hearthnet.mesh.join_announce import JOIN_SERVICE_TYPE, MAX_CANDIDATES, InviterSearch
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    tried: list[str] = []
+    last: AuthError | ConnectionLost | None = None
+    async with InviterSearch(code.invite_id) as search:
+        while len(tried) < MAX_CANDIDATES:
+            # after a failed dial, only the announcers resolved by now are worth a try
+            wait = deadline - loop.time() if last is None else min(1.0, deadline - loop.time())
+            inviter = await search.next(max(0.0, wait))
+            if inviter is None:
+                break
+            located = code.at(inviter.host, inviter.port)
+            try:
+                return located, await _exchange(located, card)
+            except (AuthError, ConnectionLost) as e:
+                tried.append(f"{inviter.node_id} at {_host(inviter.host)}:{inviter.port}")
+                last = e
+                if not isinstance(e, WrongCode | ConnectionLost) \
+                        and e.details.get("reason") not in ("unknown_invite", "invite_busy"):
+                    raise  # the inviter refused this node itself (its name is taken)
+        seen = search.seen
+    if last is not None:
+        if len(tried) > 1:
+            last.message = f"{last.message} (tried {len(tried)} announcers: {', '.join(tried)})"
+        raise last
+    others = f"; {seen} other invite(s) were announced" if seen else ""
+    raise AuthError(f"no node announced invite {code.invite_id}… on this LAN within "
+                    f"{timeout_s:g} s (mDNS {JOIN_SERVICE_TYPE}{others}): the code was used "
+                    "already, expired, was burnt, or is mistyped — or mDNS does not reach "
+                    "from here to the inviter; use the long form `hearthnet join "
+                    "CODE@HOST:PORT` that `hearthnet invite` printed, or ask for a new code",
+                    reason="invite_not_found")
 
 
 def _host(host: str) -> str:

@@ -197,6 +197,13 @@ class LanDiscovery:
                 await self._zc.async_unregister_all_services()
             await self._zc.async_close()
 
+    @property
+    def zeroconf(self) -> AsyncZeroconf | None:
+        """The running mDNS responder (None before `start`): this node's other
+        announcements (`join_announce.JoinAnnouncer`) share it, and `stop` withdraws
+        them with the node's own."""
+        return self._zc
+
     def current(self) -> dict[str, str]:
         """``{member id: uri}`` of the addresses discovered and held now."""
         return self.peers.current()

@@ -102,6 +102,7 @@ from hearthnet.mesh.gossip import (
     GossipPeerLink,
     handle_gossip_connection,
 )
+from hearthnet.mesh.join_announce import JoinAnnouncer
 from hearthnet.mesh.links import VIA_AD, VIA_MDNS, Known, LinkKeeper, OnEnd
 from hearthnet.models.store import HeadKey, ModelEntry, ModelStore
 from hearthnet.node.capabilities import CHAT_CAPABILITY, SERVED_MODELS_CAPABILITY
@@ -186,6 +187,8 @@ class Node:
         self.invites = InviteBook()
         self.join_server: Server | None = None
         self._join_port = 0
+        self._join_ads: JoinAnnouncer | None = None  # the invites' mDNS announcements
+        self._join_ad_tasks: set[asyncio.Task[bool]] = set()
 
     # ---- lifecycle ----
 
@@ -960,9 +963,22 @@ class Node:
         await self._open_join_door()
         asyncio.get_running_loop().call_later(float(ttl) + 0.1, self._close_join_door)
         code = JoinCode(secret, self._join_host(), self._join_port)
-        log.info("invite_issued", expires_in_s=ttl, pending=len(self.invites))
-        yield {"type": "invite", "code": code.text(), "node_id": self.node_id,
-               "expires_in_s": ttl}
+        announced = await self._announce_invites()
+        log.info("invite_issued", expires_in_s=ttl, pending=len(self.invites),
+                 announced=announced)
+        yield {"type": "invite", "code": code.text(), "short": code.short(),
+               "announced": announced, "node_id": self.node_id, "expires_in_s": ttl}
+
+    async def _announce_invites(self) -> bool:
+        """Announce the pending invites by mDNS and withdraw the others (used, burnt,
+        expired), where the node uses mDNS discovery (mesh/join_announce.py: the
+        announcement carries the invite's public id only); whether it announces now."""
+        zc = self.discovery.zeroconf if self.discovery is not None else None
+        if zc is None or self.discovery is None:
+            return False
+        if self._join_ads is None:
+            self._join_ads = JoinAnnouncer(zc, self.node_id, self.discovery.ip)
+        return await self._join_ads.sync(self.invites.pending_ids(), self._join_port)
 
     def _join_host(self) -> str:
         """The address a joiner on the LAN dials: the advertised host, else (a wildcard
@@ -983,6 +999,11 @@ class Node:
     def _close_join_door(self) -> None:
         """Close the join listener once no invite is pending (used, burnt or expired)."""
         self.invites.expire(time.monotonic())
+        if self._join_ads is not None and self._join_ads.announced != \
+                self.invites.pending_ids():  # withdraw the announcements of gone invites
+            task = asyncio.get_running_loop().create_task(self._announce_invites())
+            self._join_ad_tasks.add(task)
+            task.add_done_callback(self._join_ad_tasks.discard)
         if self.join_server is not None and not len(self.invites):
             self.join_server.close()
             self.join_server = None

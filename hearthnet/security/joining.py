@@ -3,7 +3,10 @@
 A member runs ``hearthnet invite``: its node issues an invite (`InviteBook.issue`), held
 only in its memory, and prints a code such as ``7KQ2M-XD4RA@192.168.1.20:41234``: ten
 Crockford base32 characters (50 random bits from `secrets`) and where the inviter listens
-for joiners. ``hearthnet join CODE`` on the new machine runs the exchange below with it.
+for joiners. Where the inviter announces its invites by mDNS
+(`hearthnet.mesh.join_announce`), the short form ``7KQ2M-XD4RA`` is enough: the joiner
+finds the address on the LAN. ``hearthnet join CODE`` on the new machine runs the exchange
+below with it.
 
 The exchange is SPAKE2 (Brian Warner's ``spake2``) over the whole code, so the code is a
 password: a listener learns nothing from the messages, a man in the middle without the
@@ -64,8 +67,10 @@ from hearthnet.security.provision import load_toml, render_members, write_atomic
 INVITE_CAPABILITY = "hearthnet.admin.invite"  # admin listener only: a local user's call
 JOIN_PATH = "/join"
 ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32: no I, L, O, U
-CODE_CHARS = 10  # 50 bits; with MAX_TRIES guesses per invite an attacker's odds are ~2^-48
-ID_CHARS = 2  # the first characters name the invite among those pending (not secret alone)
+CODE_CHARS = 10  # 50 bits, of which the ID_CHARS below are public: 40 secret bits,
+# tested only online, MAX_TRIES per invite: an attacker's odds are ~2^-38
+ID_CHARS = 2  # the first characters name the invite among those pending (not secret:
+# message 1 sends them in clear, and the mDNS announcement carries them)
 MAX_TRIES = 3
 MAX_PENDING = 16
 DEFAULT_TTL_S = 600.0
@@ -84,21 +89,38 @@ class WrongCode(AuthError):
 
 @dataclass(frozen=True, slots=True)
 class JoinCode:
-    """A parsed invite code: the secret characters and where the inviter listens."""
+    """A parsed invite code: the secret characters and where the inviter listens (host
+    ``""`` and port 0 for the short form: the joiner finds the inviter by mDNS)."""
 
     secret: str = field(repr=False)
-    host: str
-    port: int
+    host: str = ""
+    port: int = 0
 
     @property
     def invite_id(self) -> str:
         return self.secret[:ID_CHARS]
 
-    def text(self) -> str:
-        """What a person types: ``XXXXX-XXXXX@host:port`` (IPv6 hosts in brackets)."""
+    @property
+    def located(self) -> bool:
+        """Whether the code says where the inviter listens (the long form)."""
+        return bool(self.host and self.port)
+
+    def at(self, host: str, port: int) -> JoinCode:
+        """The same code with the inviter's address (found by mDNS)."""
+        return JoinCode(self.secret, host, port)
+
+    def short(self) -> str:
+        """The code without an address: ``XXXXX-XXXXX``."""
         half = CODE_CHARS // 2
+        return f"{self.secret[:half]}-{self.secret[half:]}"
+
+    def text(self) -> str:
+        """What a person types: ``XXXXX-XXXXX@host:port`` (IPv6 hosts in brackets), or
+        the short form when no address is known."""
+        if not self.located:
+            return self.short()
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.secret[:half]}-{self.secret[half:]}@{host}:{self.port}"
+        return f"{self.short()}@{host}:{self.port}"
 
 
 def new_secret() -> str:
@@ -122,17 +144,21 @@ def normalise_secret(text: str) -> str:
 
 
 def parse_code(text: str) -> JoinCode:
-    """Parse ``XXXXX-XXXXX@host:port``.
+    """Parse ``XXXXX-XXXXX@host:port``, or the short ``XXXXX-XXXXX`` (no address: the
+    joiner looks for the inviter by mDNS).
 
     Raises:
         BadRequest: malformed, saying what a code looks like.
     """
+    if "@" not in text:
+        return JoinCode(normalise_secret(text))
     secret, at, where = text.strip().rpartition("@")
     host, colon, port_text = where.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not (at and colon and host and port_text.isdigit() and 0 < int(port_text) < 65536):
-        raise BadRequest("an invite code looks like 7KQ2M-XD4RA@192.168.1.20:41234 (code, "
-                         "then @ and where the inviting node listens); copy it whole")
+        raise BadRequest("an invite code looks like 7KQ2M-XD4RA (the inviter found on the "
+                         "LAN by mDNS) or 7KQ2M-XD4RA@192.168.1.20:41234 (code, then @ and "
+                         "where the inviting node listens); copy it whole")
     return JoinCode(normalise_secret(secret), host, int(port_text))
 
 
@@ -222,6 +248,11 @@ class InviteBook:
         for k, inv in list(self._by_id.items()):
             if inv.expires_at <= now and not inv.busy:
                 del self._by_id[k]
+
+    def pending_ids(self) -> set[str]:
+        """The ids (`ID_CHARS` first characters) of the invites pending now, as the last
+        `expire` left them: what the node announces by mDNS (public, see `ID_CHARS`)."""
+        return set(self._by_id)
 
     def next_expiry(self) -> float | None:
         return min((i.expires_at for i in self._by_id.values()), default=None)

@@ -4,7 +4,12 @@ is fresh from ``hearthnet init``. ``hearthnet invite`` on A and ``hearthnet join
 B make B a member (a wrong code first is refused on both sides, the used code afterwards
 is refused); A's live member list shows B at once and C's once A's signed member event
 reaches it; then B starts, links to A over mutual TLS pinned to the exchanged keys, and a
-chat through B answers from A's shard."""
+chat through B answers from A's shard.
+
+Below it, the short code's search in process (no mDNS: the announcers are given): a
+spoofed announcement of the invite costs the joiner one dial and the spoofer one failed
+guess, a flood gets three dials, and finding nobody says what was searched. The real mDNS
+path, across two network namespaces, is tests/netns/test_join_netns.py."""
 
 from __future__ import annotations
 
@@ -20,6 +25,19 @@ from typing import Any
 
 import pytest
 
+from hearthnet.errors import AuthError
+from hearthnet.security.joining import (
+    CODE_CHARS,
+    ID_CHARS,
+    Card,
+    Invite,
+    InviteBook,
+    WrongCode,
+    parse_code,
+    serve_join,
+    welcome_map,
+)
+from hearthnet.security.keys import NodeKey, encode_public_key
 from tests.helpers.waiting import wait_for
 
 CLI = [sys.executable, "-m", "hearthnet.cli"]
@@ -190,3 +208,119 @@ enabled = false
     frames = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert frames[-1]["type"] == "done", frames[-3:]
     assert sum(f["type"] == "token_delta" for f in frames) >= 1
+
+
+# ---- the short code: the inviter found by mDNS (hearthnet/mesh/join_announce.py) ----
+
+class _Inviters:
+    """`join_announce.InviterSearch` stand-in: these announcers, in this order (what mDNS
+    would resolve), and nothing after them."""
+
+    def __init__(self, found: list[Any]) -> None:
+        self.found, self.asked = list(found), 0
+
+    def __call__(self, invite_id: str) -> _Inviters:
+        self.invite_id = invite_id
+        return self
+
+    async def __aenter__(self) -> _Inviters:
+        self.seen = len(self.found)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def next(self, timeout_s: float) -> Any:
+        self.asked += 1
+        return self.found.pop(0) if self.found else None
+
+
+async def _door(secret: str, admitted: list[Card]) -> tuple[Any, InviteBook, int]:
+    """A join listener on 127.0.0.1 holding one invite of `secret` (the node's, or a
+    spoofer's: it knows the id, announced in clear, and guesses the rest)."""
+    import time
+
+    from websockets.asyncio.server import serve
+
+    book = InviteBook()
+    book._by_id[secret[:ID_CHARS]] = Invite(secret, time.monotonic() + 60)
+
+    async def admit(card: Card) -> dict[str, Any]:
+        admitted.append(card)
+        return welcome_map("node-a", [{"node_id": card.node_id, "trust": "trusted",
+                                       "public_key": encode_public_key(card.public_key)}],
+                           7700, False)
+
+    async def handler(ws: Any) -> None:
+        await serve_join(ws, book, admit, time.monotonic)
+
+    server = await serve(handler, "127.0.0.1", 0)
+    return server, book, server.sockets[0].getsockname()[1]
+
+
+async def test_a_spoofed_announcement_of_the_invite_gets_one_failed_guess_and_the_join_goes_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone can announce a code's invite id (it is public): the joiner dials the
+    spoofer, whose guess fails without seeing the joiner's card, then the real inviter."""
+    from hearthnet.commands import join as join_cmd
+    from hearthnet.mesh import join_announce
+    from hearthnet.mesh.join_announce import Inviter
+
+    code = parse_code("7KQ2M-XD4RA")
+    spoofed: list[Card] = []
+    admitted: list[Card] = []
+    spoof, spoof_book, spoof_port = await _door("7K" + "0" * (CODE_CHARS - 2), spoofed)
+    real, real_book, real_port = await _door(code.secret, admitted)
+    found = _Inviters([Inviter("node-a", "127.0.0.1", spoof_port),
+                       Inviter("node-a", "127.0.0.1", real_port)])
+    monkeypatch.setattr(join_announce, "InviterSearch", found)
+    card = Card("node-b", NodeKey.generate().public_key_raw)
+    try:
+        located, welcome = await join_cmd._find_and_exchange(code, card, 5.0)
+    finally:
+        spoof.close()
+        real.close()
+    assert found.invite_id == "7K" and (located.host, located.port) == ("127.0.0.1", real_port)
+    assert welcome["node_id"] == "node-a" and admitted == [card] and spoofed == []
+    assert spoof_book._by_id["7K"].tries == 1  # the spoofer's one guess, spent and failed
+    assert len(real_book) == 0  # the real invite is used
+
+
+async def test_a_join_dials_at_most_three_announcers_then_says_why(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each dial lets the announcer test one guess: a flood of spoofed announcements gets
+    three, and the joiner says what it tried (the long form still works)."""
+    from hearthnet.commands import join as join_cmd
+    from hearthnet.mesh import join_announce
+    from hearthnet.mesh.join_announce import MAX_CANDIDATES, Inviter
+
+    code = parse_code("7KQ2M-XD4RA")
+    doors = [await _door("7K" + c * (CODE_CHARS - 2), []) for c in "0123"]
+    found = _Inviters([Inviter(f"spoof-{i}", "127.0.0.1", port)
+                       for i, (_, _, port) in enumerate(doors)])
+    monkeypatch.setattr(join_announce, "InviterSearch", found)
+    try:
+        with pytest.raises(WrongCode) as e:
+            await join_cmd._find_and_exchange(code, Card("node-b", bytes(32)), 5.0)
+    finally:
+        for server, _, _ in doors:
+            server.close()
+    assert MAX_CANDIDATES == 3 and len(found.found) == 1  # the fourth was never dialled
+    assert "wrong invite code" in e.value.message
+    assert "tried 3 announcers: spoof-0 at 127.0.0.1:" in e.value.message
+
+
+async def test_no_announcement_of_the_invite_says_what_was_searched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from hearthnet.commands import join as join_cmd
+    from hearthnet.mesh import join_announce
+
+    monkeypatch.setattr(join_announce, "InviterSearch", _Inviters([]))
+    with pytest.raises(AuthError) as e:
+        await join_cmd._find_and_exchange(parse_code("7KQ2M-XD4RA"), Card("node-b", bytes(32)),
+                                          2.0)
+    assert e.value.details["reason"] == "invite_not_found"
+    msg = e.value.message
+    assert "invite 7K" in msg and "within 2 s" in msg and "_hearthnet-join._tcp.local." in msg
+    assert "XD4RA" not in msg  # the secret part is not echoed
+    assert "CODE@HOST:PORT" in msg

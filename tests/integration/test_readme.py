@@ -124,13 +124,16 @@ ELSEWHERE: dict[str, list[str]] = {
     ],
     "make test": [".ci/run"],  # CI itself
     # two machines joining: the user's own config folder and a second machine, so the
-    # join test runs the same commands with a temporary folder, a second node on this one
+    # join tests run the same commands with temporary folders: a second node on this one,
+    # and two network namespaces where the short code finds the inviter by mDNS
     **{cmd: ["tests/integration/test_join.py::"
-             "test_invite_join_then_b_is_a_member_and_chats_through_a"]
+             "test_invite_join_then_b_is_a_member_and_chats_through_a",
+             "tests/netns/test_join_netns.py::"
+             "test_init_invite_join_by_mdns_then_a_chat_runs_through_both"]
        for cmd in ("hearthnet init",
                    "hearthnet node --config ~/.config/hearthnet/node.toml &",
                    "hearthnet invite --config ~/.config/hearthnet/node.toml",
-                   "hearthnet join CODE --config ~/.config/hearthnet/node.toml")},
+                   "hearthnet join 7KQ2M-XD4RA --config ~/.config/hearthnet/node.toml")},
 }
 
 

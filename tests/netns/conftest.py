@@ -153,6 +153,13 @@ class NetnsLan:
             # multicast (mDNS discovery, issue 17) leaves by the bridge
             _ip("-n", n.ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
 
+    def add_default_routes(self) -> None:
+        """A default route out of each namespace's ``eth0``, as a home LAN's router gives:
+        what `hearthnet init` reads the machine's LAN address from (no gateway answers;
+        the nodes only talk on the bridge)."""
+        for n in self.nodes.values():
+            _ip("-n", n.ns, "route", "add", "default", "dev", "eth0")
+
     def down(self) -> None:
         """Kill every process in the namespaces, delete them and the bridge, and remove the
         LAN's folder (configs, keys, node data and logs) (idempotent)."""

@@ -91,9 +91,11 @@ def test_typed_codes_are_forgiving_about_case_dashes_and_lookalikes() -> None:
     assert parse_code(" 7kq2m-xd4ra@host:1 ").secret == "7KQ2MXD4RA"
     assert parse_code("1KQ2M XD0RA@host:1").secret == parse_code("lkq2m-xdora@host:1").secret
     assert parse_code("7KQ2MXD4RA@[fe80::1]:9").host == "fe80::1"
+    short = parse_code(" 7kq2m-xd4ra ")  # no address: the joiner looks for it by mDNS
+    assert (short.secret, short.located, short.text()) == ("7KQ2MXD4RA", False, "7KQ2M-XD4RA")
 
 
-@pytest.mark.parametrize("bad", ["7KQ2M-XD4RA", "7KQ2M@host:1", "7KQ2M-XD4RA@host",
+@pytest.mark.parametrize("bad", ["7KQ2M-XD4R", "7KQ2M@host:1", "7KQ2M-XD4RA@host",
                                  "7KQ2M-XD4RA@host:0", "7KQ2M-XD4R!@host:1", "@host:1"])
 def test_malformed_codes_are_refused_saying_what_a_code_looks_like(bad: str) -> None:
     with pytest.raises(BadRequest, match="invite code"):
