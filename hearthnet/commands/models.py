@@ -135,13 +135,16 @@ def _synth(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     entries = _store(args).entries()
     if args.json:
-        print(json.dumps([e.to_json() for e in entries], indent=2))
+        print(json.dumps([e.to_json(tensors=False) for e in entries], indent=2))
         return 0
     if not entries:
         print("no models; import one with `hearthnet models import smollm2`")
     for e in entries:
         size = sum(int(f["size"]) for f in e.files.values()) / 2**20
         tag = " synthetic" if e.synthetic else ""
+        if e.partial:  # fetched from members: only these layers (DESIGN.md decision 17)
+            tag += " partial: layers " + ", ".join(f"{a}-{b}" for a, b in e.held_layers) + (
+                " + head" if e.holds_head else "")
         print(f"{e.alias:<14} {e.model_id:<40} layers={e.num_layers:<3} {e.stored_as:<9} "
               f"{size:>8.0f} MB sha256={e.weights_sha256[:16]}…{tag}  {e.path}")
     return 0

@@ -84,7 +84,27 @@ def render(st: dict[str, Any]) -> str:
             lines.append(f"  layers {a:>2}-{b:<2}  {', '.join(row['hosts']) or '-'}")
     if st.get("placement") and st["placement"].get("in_use", True):
         lines += render_placement(st)
+    lines += render_fetches(st)
     return "\n".join(lines)
+
+
+def render_fetches(st: dict[str, Any]) -> list[str]:
+    """Weights this node fetches (or fetched) from members (DESIGN.md decision 17)."""
+    out = []
+    for f in st.get("fetches") or []:
+        what = []
+        if f.get("layers"):
+            what.append(f"layers {f['layers'][0]}-{f['layers'][1]}")
+        if f.get("head"):
+            what.append("head")
+        total = int(f.get("bytes_total") or 0)
+        done = int(f.get("bytes_done") or 0)
+        pct = f"{100 * done / total:.0f} %" if total else "-"
+        line = (f"fetch {f['model']} {' + '.join(what) or '-'}: {f['state']} {pct} "
+                f"({done / 1e6:.1f} of {total / 1e6:.1f} MB) from "
+                f"{', '.join(f.get('sources') or []) or '-'}")
+        out.append(line + (f"  {f['detail']}" if f.get("detail") else ""))
+    return ["", *out] if out else []
 
 
 def render_nodes(st: dict[str, Any]) -> list[str]:

@@ -18,6 +18,12 @@ Two folders with the same tensor names, dtypes, shapes and values have the same 
 changing any value, name, dtype or shape changes it. Shards of a pipeline must report the
 same hash (M26 §2, §6 `weights_mismatch`).
 
+A tensor's own hash (`tensor_sha256`, the manifest's `tensors` table) is the SHA-256 of
+that same record for that one tensor: ``name | 0x00 | dtype | 0x00 | shape | 0x00 |
+bytes``. A node holding a part of a model (the layers it fetched, DESIGN.md decision 17)
+checks each tensor it receives against it before the tensor is kept; `weights_sha256`
+itself can be checked only by a holder of every tensor.
+
 `file_sha256` is the plain SHA-256 of a file's bytes; the manifest records it per file so
 `verify` can name the file that changed.
 """
@@ -27,7 +33,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from hearthnet.errors import WeightsMismatch
 
@@ -105,8 +113,36 @@ def read_safetensors_header_and_metadata(path: Path) -> tuple[
     return header, data_start, metadata
 
 
+def tensor_prefix(name: str, dtype: str, shape: Sequence[int]) -> bytes:
+    """What a tensor's record hashes before its bytes (the module docstring); `dtype` is
+    the hash dtype (`hash_dtype`)."""
+    return f"{name}\0{dtype}\0{','.join(str(int(d)) for d in shape)}\0".encode()
+
+
+def tensor_table(folder: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's `tensors` table of the safetensors files in `folder`:
+    {name: {sha256, bytes, dtype, shape, file}} (+ `logical_shape` of a GGUF block
+    tensor), `sha256` as `tensor_sha256` in the module docstring, `dtype` the hash dtype."""
+    return hash_folder(folder)[1]
+
+
+def tensor_record(sha256: str, nbytes: int, dtype: str, shape: Sequence[int], file: str,
+                  logical_shape: Sequence[int] | None = None) -> dict[str, Any]:
+    """One row of the manifest's `tensors` table."""
+    rec: dict[str, Any] = {"sha256": sha256, "bytes": int(nbytes), "dtype": dtype,
+                           "shape": [int(d) for d in shape], "file": file}
+    if logical_shape is not None:
+        rec["logical_shape"] = [int(d) for d in logical_shape]
+    return rec
+
+
 def weights_sha256(folder: Path) -> str:
     """The model's `weights_sha256` as defined in this module's docstring."""
+    return hash_folder(folder)[0]
+
+
+def hash_folder(folder: Path) -> tuple[str, dict[str, dict[str, Any]]]:
+    """`weights_sha256` and the `tensors` table of `folder`, reading every byte once."""
     entries: list[tuple[str, Path, dict[str, object], int]] = []
     ggml: dict[str, tuple[str, tuple[int, ...]]] = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -115,15 +151,18 @@ def weights_sha256(folder: Path) -> str:
         entries.extend((name, f, info, start) for name, info in header.items())
     entries.sort(key=lambda e: e[0])
     h = hashlib.sha256()
+    table: dict[str, dict[str, Any]] = {}
     handles: dict[Path, object] = {}
     try:
         for name, f, info, start in entries:
             fh = handles.get(f)
             if fh is None:
                 fh = handles[f] = f.open("rb")
-            shape = ",".join(str(d) for d in info["shape"])  # type: ignore[attr-defined]
+            shape = [int(d) for d in info["shape"]]  # type: ignore[attr-defined]
             dtype = hash_dtype(str(info["dtype"]), ggml[name][0] if name in ggml else None)
-            h.update(f"{name}\0{dtype}\0{shape}\0".encode())
+            prefix = tensor_prefix(name, dtype, shape)
+            h.update(prefix)
+            t = hashlib.sha256(prefix)
             lo, hi = (int(x) for x in info["data_offsets"])  # type: ignore[attr-defined]
             fh.seek(start + lo)  # type: ignore[attr-defined]
             remaining = hi - lo
@@ -132,8 +171,11 @@ def weights_sha256(folder: Path) -> str:
                 if not chunk:
                     raise WeightsMismatch(f"{f}: truncated safetensors file", file=str(f))
                 h.update(chunk)
+                t.update(chunk)
                 remaining -= len(chunk)
+            table[name] = tensor_record(t.hexdigest(), hi - lo, dtype, shape, f.name,
+                                        ggml[name][1] if name in ggml else None)
     finally:
         for fh in handles.values():
             fh.close()  # type: ignore[attr-defined]
-    return h.hexdigest()
+    return h.hexdigest(), table

@@ -10,7 +10,8 @@ import resumes after the last complete file (`resume`).
 
 While writing, the writer hashes each file's bytes (`file_sha256`) and — because tensors go
 out in ascending name order — the model's `weights_sha256` as `hearthnet.models.hashing`
-defines it, so a multi-GB model is not read back to be hashed.
+defines it, and each tensor's own hash (`hashing.tensor_record`: the manifest's `tensors`
+table), so a multi-GB model is not read back to be hashed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import BinaryIO
 import torch
 
 from hearthnet.errors import ModelStoreError
-from hearthnet.models.hashing import GGML_METADATA, hash_dtype
+from hearthnet.models.hashing import GGML_METADATA, hash_dtype, tensor_record
 
 # torch dtype → safetensors dtype name (the ones a model store holds).
 ST_DTYPES: dict[torch.dtype, str] = {
@@ -65,11 +66,13 @@ class TensorPlan:
 
 @dataclass
 class WrittenModel:
-    """What the writer produced: file name → sha256, and the model's weights_sha256."""
+    """What the writer produced: file name → sha256, the model's weights_sha256 and its
+    `tensors` table (name → `hashing.tensor_record`)."""
 
     file_sha256: dict[str, str] = field(default_factory=dict)
     weights_sha256: str = ""
     total_bytes: int = 0
+    tensors: dict[str, dict[str, object]] = field(default_factory=dict)
 
 
 def _split(plan: Sequence[TensorPlan], max_file_bytes: int) -> list[list[TensorPlan]]:
@@ -125,6 +128,7 @@ class SafetensorsWriter:
         self._fh: BinaryIO | None = None
         self._fhash = hashlib.sha256()
         self._whash = hashlib.sha256()
+        self._thash = hashlib.sha256()  # the tensor being written (`tensor_record`)
         self._file_idx = -1
         self.result = WrittenModel(total_bytes=sum(t.nbytes for t in plan))
         if n > 1:
@@ -151,12 +155,15 @@ class SafetensorsWriter:
                 fhash = hashlib.sha256(head)
                 for t in group:
                     self._whash.update(t.hash_prefix)
+                    thash = hashlib.sha256(t.hash_prefix)
                     left = t.nbytes
                     while left:
                         chunk = fh.read(min(left, 8 << 20))
                         fhash.update(chunk)
                         self._whash.update(chunk)
+                        thash.update(chunk)
                         left -= len(chunk)
+                    self._record(t, fname, thash.hexdigest())
             self.result.file_sha256[fname] = fhash.hexdigest()
             self._pos += len(group)
             done.update(t.name for t in group)
@@ -184,8 +191,10 @@ class SafetensorsWriter:
         self._fh.write(data)
         self._fhash.update(data)
         self._whash.update(data)
+        self._thash.update(data)
         self._done_bytes += data.nbytes
         if self._done_bytes == t.nbytes:
+            self._record(t, self._queue[self._file_idx][0], self._thash.hexdigest())
             self._pos += 1
             self._done_bytes = 0
             if self._pos == len(self._order) or self._file_of(self._pos) != self._file_idx:
@@ -209,6 +218,12 @@ class SafetensorsWriter:
             self._fh.write(head)
             self._fhash.update(head)
         self._whash.update(t.hash_prefix)
+        self._thash = hashlib.sha256(t.hash_prefix)
+
+    def _record(self, t: TensorPlan, fname: str, sha256: str) -> None:
+        self.result.tensors[t.name] = tensor_record(
+            sha256, t.nbytes, hash_dtype(ST_DTYPES[t.dtype], t.ggml_type or None), t.shape,
+            fname, t.logical_shape if t.ggml_type else None)
 
     def _finish_file(self) -> None:
         assert self._fh is not None

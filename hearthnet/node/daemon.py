@@ -5,7 +5,9 @@ One asyncio process per machine (DESIGN.md decision 6). One WebSocket server on
 
 - `/shard`  tensor sessions on a hosted shard (transport `ServerStream`)
 - `/gossip` the event-log feed (`mesh.gossip`)
-- `/bus`    capability calls (`experimental.distributed_llm.chat`)
+- `/bus`    capability calls (`experimental.distributed_llm.chat`; for authenticated
+            members only, `hearthnet.weights.manifest` / `.read`: the tensors of a stored
+            model, `node.fetch`)
 - plain HTTP `GET /metrics` (Prometheus), `GET /health`, `GET /status` (JSON)
 
 Security (M26 §5.8, §5.9; `node.guard`): the listener is ``wss://`` with mutual TLS pinned to
@@ -47,7 +49,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from hearthnet.background import cancel_and_wait, detach
-from hearthnet.config import NodeConfig
+from hearthnet.config import NodeConfig, ShardSection
 from hearthnet.constants import CloseCode
 from hearthnet.distributed_inference.directory.descriptors import (
     ADVERTISED,
@@ -92,7 +94,7 @@ from hearthnet.errors import (
     WeightsMismatch,
 )
 from hearthnet.frames import StreamFrame, is_incident
-from hearthnet.mesh.bus import BUS_PATH, CapabilityBus
+from hearthnet.mesh.bus import BUS_PATH, CapabilityBus, bus_call
 from hearthnet.mesh.discovery import DiscoveredPeers, LanDiscovery
 from hearthnet.mesh.eventlog import EVENT_TYPES, Event, EventLog, EventType
 from hearthnet.mesh.gossip import (
@@ -106,6 +108,16 @@ from hearthnet.mesh.join_announce import JoinAnnouncer
 from hearthnet.mesh.links import VIA_AD, VIA_MDNS, Known, LinkKeeper, OnEnd
 from hearthnet.models.store import HeadKey, ModelEntry, ModelStore
 from hearthnet.node.capabilities import CHAT_CAPABILITY, SERVED_MODELS_CAPABILITY
+from hearthnet.node.fetch import (
+    HELD,
+    MANIFEST_CAPABILITY,
+    READ_CAPABILITY,
+    WEIGHTS_CAPABILITIES,
+    HeldModels,
+    WeightsFetcher,
+    WeightsService,
+    held_payload,
+)
 from hearthnet.node.guard import NodeGuard, remove_state, write_state
 from hearthnet.node.supervise import Supervisor
 from hearthnet.node.threads import serial_torch_here
@@ -163,6 +175,8 @@ class Node:
         self.admin_uri = ""
         self.port = cfg.node.listen_port
         self._tasks: list[asyncio.Task[Any]] = []
+        self._to_fetch: list[ShardSection] = []  # configured [[shards]] waiting for their weights
+        self._held_said: dict[str, dict[str, Any]] = {}  # weights_sha256 -> last held event
         # a task that failed within three heartbeats is unhealthy, not silently dead
         self.supervisor = Supervisor(
             self.metrics, failing_window_s=max(5.0, 3 * cfg.di.heartbeat_interval_s))
@@ -209,6 +223,9 @@ class Node:
         await self._start_shards()
         self._build_orchestrator()
         await self._join_mesh()
+        self._announce_held()
+        if self._to_fetch:
+            self.supervisor.spawn("fetch", self._fetch_and_host)  # retried: it resumes
         self.supervisor.spawn("heartbeat", self._heartbeat_loop)  # restarts if it dies
         self.supervisor.spawn("liveness", self.liveness.run)
         self._start_metrics()
@@ -221,7 +238,9 @@ class Node:
         if cfg.auto_hosting:  # shards = "auto" (DESIGN.md decision 14)
             self.auto = AutoHost(cfg, log_=self.log, store=self.store, models=self.models,
                                  host=self, view=self.placement, liveness=self.liveness,
-                                 executor=self.executor, usable=self.shard_usable)
+                                 executor=self.executor, usable=self.shard_usable,
+                                 remote=self._remote_model,
+                                 fetch_rate=lambda: self.fetcher.rate)
             self.auto.start()
 
     def _open_event_log(self) -> None:
@@ -263,6 +282,15 @@ class Node:
         self.placement.rebuild(self.log.all_events())
         self.log.subscribe(self.placement.apply)
         self.models = ModelStore(cfg.effective_models_dir())
+        # who holds which layers of which model, and the fetch of missing ones (DESIGN.md
+        # decision 17)
+        self.held = HeldModels()
+        self.held.rebuild(self.log.all_events())
+        self.log.subscribe(self.held.apply)
+        self.weights = WeightsService(self.models)
+        self.fetcher = WeightsFetcher(self.models, self.held, self._weights_call,
+                                      node_id=self.node_id, registry=self.metrics.registry,
+                                      on_stored=self._announce_held)
 
     def _withdraw_earlier_incarnations(self) -> None:
         """An earlier process of this node (crashed, or stopped with its gossip down) may
@@ -336,6 +364,9 @@ class Node:
         self.admin_bus.register(CHAT_CAPABILITY, self._chat_capability)
         self.admin_bus.register(SERVED_MODELS_CAPABILITY, self._served_capability)
         self.admin_bus.register(INVITE_CAPABILITY, self._invite_capability)
+        # members only, on the main listener (`_authorize_bus`); the local CLI needs no bytes
+        self.bus.register(MANIFEST_CAPABILITY, self.weights.manifest)
+        self.bus.register(READ_CAPABILITY, self.weights.read)
         for peer in cfg.peer_uris():
             self._link(peer)
         keeper = self.keeper = LinkKeeper(
@@ -383,10 +414,91 @@ class Node:
         print(json.dumps(ready), flush=True)
 
     async def _start_shards(self) -> None:
+        """Host the configured ranges this node's store holds; the others are fetched from
+        the members that hold them once the node is in the mesh (`_fetch_and_host`)."""
+        self._to_fetch = []
         for spec in self.cfg.hosted_shards():
             lo, hi = spec.layers
+            if self.fetcher.needs(spec.model, lo, hi, head=False):
+                self._to_fetch.append(spec)
+                continue
             await self._host_shard(self.models.get(spec.model), lo, hi,
                                    spec.max_concurrent_streams, spec.weights, spec.device)
+
+    async def _fetch_and_host(self) -> None:
+        """Fetch each configured range the store lacks (and the head, when this node's API
+        serves the LAN: it orchestrates the household's chats), then host it (DESIGN.md
+        decision 17). A failed fetch is retried by the supervisor and resumes where it
+        stopped."""
+        while self._to_fetch:
+            spec = self._to_fetch[0]
+            lo, hi = spec.layers
+            head = self.cfg.api.enabled and not self.cfg.api.loopback
+            if self.fetcher.needs(spec.model, lo, hi, head):
+                entry = await self.fetcher.fetch(spec.model, [(lo, hi)], head)
+            else:
+                entry = self.models.get(spec.model)
+            await self._host_shard(entry, lo, hi, spec.max_concurrent_streams, spec.weights,
+                                   spec.device)
+            self._to_fetch.pop(0)
+
+    async def _remote_model(self, served: ServedModel) -> ModelEntry | None:
+        """Automatic hosting's view of a served model this store lacks: when a member holds
+        it, its manifest and config are fetched (a partial model holding no layer yet),
+        so it is placed like a stored one and its range fetched at load."""
+        if not self.held.holders(served.weights_sha256, exclude=self.node_id):
+            return None
+        try:
+            return await self.fetcher.fetch(served.weights_sha256, [], head=False, wait_s=0)
+        except HearthNetError:
+            return None  # logged by the fetcher; tried again on the next round
+
+    def _announce_held(self, entry: ModelEntry | None = None) -> None:
+        """Append what this node holds of each stored model (or of `entry`), so members
+        can fetch from it (`node.fetch.HELD`; superseded per model)."""
+        if not self.cfg.research.enable:
+            return
+        for e in [entry] if entry is not None else self.models.entries():
+            payload = held_payload(e, self.endpoint)
+            self.log.append(HELD, payload)
+            self._held_said[e.weights_sha256] = payload
+
+    def _announce_held_changes(self) -> None:
+        """At each heartbeat: a model imported, fetched or removed since is announced (a
+        removed one as holding nothing), so members never ask for what is gone."""
+        if not self.cfg.research.enable:
+            return
+        now = {e.weights_sha256: e for e in self.models.entries()}
+        for sha, e in now.items():
+            if self._held_said.get(sha) != held_payload(e, self.endpoint):
+                self._announce_held(e)
+        for sha in [x for x in self._held_said if x not in now]:
+            gone = {**self._held_said.pop(sha), "layers": [], "head": False}
+            self.log.append(HELD, gone)
+
+    async def _weights_call(self, node_id: str, capability: str, args: dict[str, Any]
+                            ) -> AsyncGenerator[dict[str, Any], None]:
+        """A weights call to member `node_id` at the endpoint of its held event, over TLS
+        pinned to that member (M26 §5.8)."""
+        holding = next((h for h in self.held.holders(str(args.get("model")))
+                        if h.node_id == node_id), None)
+        if holding is None:
+            raise ShardUnavailable(f"{node_id} no longer says it holds this model")
+        endpoint = holding.endpoint
+        scheme = "wss" if self.guard.tls else "ws"
+        uri = scheme + endpoint[endpoint.index("://"):]
+        async for frame in bus_call(uri, capability, args, ssl=self.guard.client_ssl(node_id)):
+            yield frame
+
+    def _authorize_bus(self, capability: str, caller: str | None) -> None:
+        """The main listener's bus policy: the guard's, and model bytes only to an
+        authenticated member (a plaintext mesh has no identities to tell one)."""
+        if capability in WEIGHTS_CAPABILITIES and caller is None:
+            err = AuthError(f"{capability} serves members over mutual TLS only",
+                            reason="unauthenticated")
+            note_refusal(self.metrics, err, capability=capability)
+            raise err
+        self.guard.authorize_bus(capability, caller)
 
     async def _host_shard(self, entry: ModelEntry, lo: int, hi: int,
                           max_concurrent_streams: int, weights: str | None = None,
@@ -394,6 +506,7 @@ class Node:
         """Load layers `lo..hi` of `entry` held as `weights` (default: the host's) on
         `device` (default: the host's), serve and advertise them."""
         host = self.cfg.di.host
+        entry.require_layers(lo, hi)  # a partial model: only the layers it holds
         # built off the event loop: planning reads the model's config, whose first read
         # imports transformers (seconds on a busy machine, and /status must keep answering)
         shard = await asyncio.to_thread(functools.partial(
@@ -445,6 +558,9 @@ class Node:
                 stop began while the layers loaded: the shard is never served.
         """
         self._refuse_when_stopping("loads no new shard")
+        if entry.missing_layers(lo, hi):  # a member holds them (DESIGN.md decision 17)
+            entry = await self.fetcher.fetch(entry.weights_sha256, [(lo, hi)], head=False)
+            self._refuse_when_stopping("loads no new shard")
         sid = make_shard_id(entry.model_id, lo, hi, self.node_id)
         self._placement[sid] = placement
         shard = await self._host_shard(entry, lo, hi, 8)
@@ -600,6 +716,8 @@ class Node:
             entries = self.models.entries()
             for e in entries:
                 key = e.head_key()
+                if not e.holds_head:  # a partial model of some layers: no head to prepare
+                    done.add(key)
                 if key in done or not self._runs_here(e):
                     continue
                 done.add(key)
@@ -646,6 +764,7 @@ class Node:
                     await shard.evict()
                 await self._advertise(shard)
             self.store.expire()
+            self._announce_held_changes()
 
     async def run(self) -> None:
         """Start, serve until SIGTERM/SIGINT, then stop cleanly."""
@@ -793,7 +912,7 @@ class Node:
                         self._gossip_ws.get(peer or "", set()).discard(ws)
                 elif path == BUS_PATH:  # a member's call, under the bus's own trust (§4)
                     await self.bus.serve_connection(ws, caller=peer,
-                                                    authorize=self.guard.authorize_bus)
+                                                    authorize=self._authorize_bus)
                 else:
                     await ws.close(CloseCode.POLICY_VIOLATION, "unknown path")
         except Refused as e:  # not a member, over a connection or rate limit

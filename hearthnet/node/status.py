@@ -98,7 +98,19 @@ async def mesh_status(node: Any) -> dict[str, Any]:
             "nodes": mesh_nodes(node, shards, links, now),
             "running_calls": running_calls(node),
             "shards": sorted(shards, key=lambda s: (s["model_id"], s["layers"], s["host"])),
-            "models": models, "placement": placement_status(node)}
+            "models": models, "placement": placement_status(node),
+            # weights fetched from members (DESIGN.md decision 17; node/fetch.py)
+            "fetches": fetcher.status() if (fetcher := getattr(node, "fetcher", None)) else [],
+            # what each member holds of each model (its held events), to fetch from
+            "held": [{"model": h.alias, "weights_sha256": h.weights_sha256, "node": h.node_id,
+                      "layers": [list(r) for r in h.layers], "head": h.head}
+                     for h in _held(node)]}
+
+
+def _held(node: Any) -> list[Any]:
+    """The members' holdings of models (`node.fetch.HeldModels`), if the node keeps them."""
+    held = getattr(node, "held", None)
+    return held.all() if held is not None else []
 
 
 def placement_status(node: Any) -> dict[str, Any]:

@@ -270,8 +270,11 @@ def _event(tmp: Any, origin: str, m: TestMesh, type: str, payload: dict[str, Any
 
 
 async def test_events_outside_the_registry_limits_are_refused(mesh, tmp_path):
+    # each case is its origin's first event (seq 1) in a fresh log: from a node that has
+    # appended none at node-a (node-o announces the models it holds), so it is not dropped
+    # as a duplicate; the size limit is checked before trust, so node-g meets it too
     cases = [("node-g", "experimental.invented", {"blob": "x" * 60_000}, "unknown_type"),
-             ("node-o", CAPACITY, {"blob": "x" * 20_000}, "too_large"),
+             ("node-g", CAPACITY, {"blob": "x" * 20_000}, "too_large"),
              ("node-g", CAPACITY, {"n": 1}, "insufficient_trust")]
     for origin, typ, payload, reason in cases:
         before = _metric(mesh, "node-a", "hearthnet_events_rejected_total", reason=reason)

@@ -28,7 +28,7 @@ from hearthnet.distributed_inference.engine.quant import (
     BLOCK_FORMATS,
     load_module,
 )
-from hearthnet.errors import BadRequest, WeightsMismatch
+from hearthnet.errors import BadRequest, ModelNotFound, WeightsMismatch
 from hearthnet.models.hashing import ggml_tensors
 
 _LAYER_KEY = re.compile(r"^(?P<prefix>.*?)layers\.(?P<idx>\d+)\.(?P<rest>.+)$")
@@ -62,6 +62,9 @@ class WeightsReader:
             m = _LAYER_KEY.match(k)
             if m:
                 return m.group("prefix")
+        for k in self.index:  # a partial model holding the head only (models/store.py)
+            if k.endswith("embed_tokens.weight"):
+                return k[:-len("embed_tokens.weight")]
         raise WeightsMismatch(f"{self.folder}: no decoder-layer tensors found")
 
     def keys_for_layer(self, idx: int) -> list[str]:
@@ -203,4 +206,13 @@ def refuse_meta(module: nn.Module, config: Any, where: str) -> None:
 
 
 def layer_keys(reader: WeightsReader, lo: int, hi: int) -> list[str]:
-    return [k for i in range(lo, hi + 1) for k in reader.keys_for_layer(i)]
+    """The tensors of layers `lo..hi`; `ModelNotFound` naming the layers the folder lacks
+    (a partial model's, models/store.py) before any is read."""
+    keys = {i: reader.keys_for_layer(i) for i in range(lo, hi + 1)}
+    missing = [i for i, ks in keys.items() if not ks]
+    if missing:
+        raise ModelNotFound(f"{reader.folder} holds no tensors of layers {missing[0]}.."
+                            f"{missing[-1]} of [{lo}, {hi}] (a partial model holds only the "
+                            f"layers it fetched); host a range it holds",
+                            layers=[lo, hi], missing=[missing[0], missing[-1]])
+    return [k for ks in keys.values() for k in ks]

@@ -24,6 +24,12 @@ refused ``host_probe_failures`` TCP probes in a row): a ``kill -9``ed host is no
 seconds, long before its advertisements expire (4 × the health timeout). The same probe
 makes the router skip its shards and the status show them offline, on every node.
 
+**A member has it like I have it** (DESIGN.md decision 17): a served model this node's store
+lacks but a member holds is placed all the same — the node's `remote` callback brings its
+manifest and config (a partial model holding no layer yet), costs come from the manifest's
+`tensors` table, and loading a range first fetches its layers (`ShardHost.load_shard`);
+each such decision records the estimated fetch time (`planner.fetch_seconds`).
+
 Stopping (`stop`, the node's SIGTERM): from that moment no claim or load begins — checked
 before every claim and load, also in a step whose cancellation an inner await swallowed —
 and the loop ends within `STOP_GRACE_S`; a stopping node hosts nothing new.
@@ -36,7 +42,7 @@ import contextlib
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -50,7 +56,7 @@ from hearthnet.distributed_inference.engine.memory import (
     _layer_tensor_shapes,
     layer_weight_bytes,
 )
-from hearthnet.distributed_inference.engine.quant import compute_dtype_of
+from hearthnet.distributed_inference.engine.quant import compute_dtype_of, held_nbytes
 from hearthnet.distributed_inference.placement.community import (
     CAPACITY,
     CLAIM,
@@ -67,6 +73,7 @@ from hearthnet.distributed_inference.placement.planner import (
     best_start,
     budget_layers,
     coverage,
+    fetch_seconds,
     gap_lengths,
     measure_speed,
     plan_move,
@@ -74,7 +81,7 @@ from hearthnet.distributed_inference.placement.planner import (
 )
 from hearthnet.errors import HearthNetError
 from hearthnet.mesh.eventlog import EventLog
-from hearthnet.models.store import ModelEntry, ModelStore
+from hearthnet.models.store import ModelEntry, ModelStore, decoder_prefix, layer_of
 from hearthnet.observability import get_logger
 
 log = get_logger("distributed_inference.autohost")
@@ -112,15 +119,41 @@ class ModelCost:
 
 def layer_params(entry: ModelEntry) -> int:
     """Parameters of one decoder layer (the mean over layers), from the safetensors headers
-    (no tensor is read)."""
-    shapes = _layer_tensor_shapes(entry, 0, entry.num_layers - 1)
+    (no tensor is read) — of a partial model, from its manifest's `tensors` table."""
+    if entry.partial:
+        shapes = [s for s, _ in _table_layer_tensors(entry)]
+    else:
+        shapes = _layer_tensor_shapes(entry, 0, entry.num_layers - 1)
     return sum(math.prod(s) for s in shapes) // max(1, entry.num_layers)
 
 
 def layer_bytes(entry: ModelEntry, fmt: str) -> int:
     """Held bytes of one decoder layer as `fmt` (as `engine.memory` counts it), rounded up."""
-    total = layer_weight_bytes(entry, 0, entry.num_layers - 1, fmt)
+    if entry.partial:
+        total = sum(held_nbytes(s, fmt, len(s) == 2, kind)
+                    for s, kind in _table_layer_tensors(entry))
+    else:
+        total = layer_weight_bytes(entry, 0, entry.num_layers - 1, fmt)
     return -(-total // max(1, entry.num_layers))
+
+
+def _table_layer_tensors(entry: ModelEntry) -> list[tuple[tuple[int, ...], str]]:
+    """(logical shape, GGML type or "") of every decoder-layer tensor of the whole model,
+    from the manifest's `tensors` table (a partial model's files lack most of them)."""
+    prefix = decoder_prefix(entry.tensors)
+    return [(tuple(int(d) for d in (rec.get("logical_shape") or rec["shape"])),
+             str(rec["dtype"]).partition(":")[2])
+            for name, rec in entry.tensors.items() if layer_of(name, prefix) is not None]
+
+
+def missing_bytes(entry: ModelEntry, lo: int, hi: int) -> int:
+    """Stored bytes of the layers of `lo..hi` this node's store lacks (to be fetched)."""
+    missing = set(entry.missing_layers(lo, hi))
+    if not missing:
+        return 0
+    prefix = decoder_prefix(entry.tensors)
+    return sum(int(rec["bytes"]) for name, rec in entry.tensors.items()
+               if layer_of(name, prefix) in missing)
 
 
 @dataclass
@@ -145,12 +178,19 @@ class AutoHost:
                  models: ModelStore, host: ShardHost, view: PlacementView,
                  liveness: HostLiveness, rng: random.Random | None = None,
                  executor: Executor | None = None,
-                 usable: Callable[[Advertisement, ModelEntry], bool] | None = None) -> None:
+                 usable: Callable[[Advertisement, ModelEntry], bool] | None = None,
+                 remote: Callable[[ServedModel], Awaitable[ModelEntry | None]] | None = None,
+                 fetch_rate: Callable[[], float | None] | None = None) -> None:
         """`executor`: where the speed probe computes — the node's compute thread, so the
         process keeps one OpenMP team (node/threads.py); None: asyncio's default.
         `usable`: whether a call may use an advertised shard (the node's
         `shard_usable`: trust, liveness, format); a shard no call may use covers nothing.
-        None: every advertisement whose host is not probed down."""
+        None: every advertisement whose host is not probed down.
+        `remote(served)`: the entry of a served model a member holds, its manifest and
+        config brought into this node's store (None: no member holds it); None: only
+        models in the store are placed. `fetch_rate()`: the last measured fetch rate in
+        bytes/s (None: `planner.DEFAULT_FETCH_BYTES_PER_S`)."""
+        self.remote, self.fetch_rate = remote, fetch_rate
         self.cfg, self.auto = cfg, cfg.di.auto
         self.executor = executor
         self.node_id = cfg.node.id
@@ -329,6 +369,11 @@ class AutoHost:
         """Look at every served model once and act on at most what it needs now."""
         for served in self.view.served():
             entry = self._local(served)
+            if entry is None and self.remote is not None:
+                self._check_running()
+                entry = await self.remote(served)  # a member holds it: as if it were here
+                if entry is not None:
+                    await self._announce()  # the other hosts split with us
             if entry is None:
                 continue
             await self._place_model(entry, rebalance)
@@ -400,6 +445,11 @@ class AutoHost:
     async def _load(self, entry: ModelEntry, cost: ModelCost, lo: int, hi: int, reason: str,
                     detail: str) -> HostedShard:
         self._check_running()  # the claim's settle time may have seen the stop begin
+        need = missing_bytes(entry, lo, hi)
+        if need:  # fetched from members before it loads (DESIGN.md decision 17)
+            rate = self.fetch_rate() if self.fetch_rate is not None else None
+            detail += (f"; fetches {need / 2**20:.0f} MB from members first "
+                       f"(about {fetch_seconds(need, rate):.0f} s)")
         info = placement_info(model_id=entry.model_id, speed=cost.speed,
                               max_layers=self._max_layers(entry, cost), reason=reason,
                               detail=detail)

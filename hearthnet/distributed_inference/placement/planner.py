@@ -32,6 +32,16 @@ from dataclasses import dataclass
 import torch
 
 EPS = 1e-9
+# DESIGN.md decision 17: a range a member holds is fetched before it is hosted; until this
+# node has measured a fetch, a plan assumes a wired household LAN's practical rate
+DEFAULT_FETCH_BYTES_PER_S = 30e6
+
+
+def fetch_seconds(nbytes: int, bytes_per_s: float | None = None) -> float:
+    """Estimated seconds to fetch `nbytes` of weights from members at `bytes_per_s` (the
+    last measured rate, or `DEFAULT_FETCH_BYTES_PER_S`)."""
+    rate = bytes_per_s if bytes_per_s and bytes_per_s > 0 else DEFAULT_FETCH_BYTES_PER_S
+    return max(0, nbytes) / rate
 
 
 @dataclass(frozen=True, slots=True)
