@@ -20,6 +20,7 @@ _COMMAND_MODULES = (
     "hearthnet.commands.bench",
     "hearthnet.commands.node",
     "hearthnet.commands.status",
+    "hearthnet.commands.plan",
     "hearthnet.commands.demo",
     "hearthnet.commands.keys",
     "hearthnet.commands.init",

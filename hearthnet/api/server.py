@@ -13,6 +13,10 @@ shard sessions at once. Routes:
 - ``POST /v1/completions`` — the legacy text completion: a raw prompt continued without the
   chat template, in OpenAI's ``text_completion`` shape, streaming or not;
 - ``GET /api/status`` — the node's `mesh_status` JSON, polled by the page;
+- ``GET /api/plan`` — the live nodes' facts a plan needs (budgets, speeds, layers held, the
+  measured hop cost), and with ``?model=NAME`` (a model of this node's store) the plan
+  itself: who would host which layers, what each fetches, whether it fits, predicted tok/s
+  (`distributed_inference.placement.predict`; `hearthnet plan`);
 - ``GET /`` and ``/static/*`` — the status page (plain HTML/CSS/JS, no build step, no CDN).
 
 Who may call (DESIGN.md decision 13): on a loopback address anyone on this machine; on any other
@@ -188,6 +192,7 @@ class ApiServer:
         self.policy = HostPolicy.build(listen_host, listen_port)  # its port once bound
         self._runner: web.AppRunner | None = None
         self.port = 0
+        self._sizes: dict[tuple[str, str], Any] = {}  # /api/plan: headers read once
 
     @property
     def url(self) -> str:
@@ -205,6 +210,7 @@ class ApiServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/api/status", self._status)
+        app.router.add_get("/api/plan", self._plan)
         return app
 
     async def start(self) -> None:
@@ -304,6 +310,16 @@ class ApiServer:
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(await self.host.status())
+
+    async def _plan(self, request: web.Request) -> web.Response:
+        """The facts of a plan, and the plan of ``?model=`` (a stored model) on them."""
+        name = request.query.get("model")
+        try:
+            return web.json_response(await plan_body(self.host, name, self._sizes))
+        except ModelNotFound as e:
+            return _error("model_not_found", e.message, "model")
+        except HearthNetError as e:
+            return _error("bad_request", e.message, "model")
 
     async def _models(self, request: web.Request) -> web.Response:
         st = await self.host.status()
@@ -411,6 +427,71 @@ class ApiServer:
             log.info("api_client_gone", id=out.id)
             raise
         return resp
+
+
+async def plan_body(host: Any, name: str | None, cache: dict[tuple[str, str], Any]
+                    ) -> dict[str, Any]:
+    """``/api/plan``'s answer (see the module docstring) from what `host` knows: its
+    status, the capacity events (`PlacementView`), its model store's headers, its own
+    hop-overhead histogram. Headers are read (once per weights hash) off the event loop."""
+    from hearthnet.distributed_inference.placement import predict
+
+    status = await host.status()
+    models = getattr(host, "models", None)
+    view = getattr(host, "placement", None)
+    cfg = getattr(host, "cfg", None)
+    auto = getattr(host, "auto", None)
+    loop = asyncio.get_running_loop()
+    entries = models.entries() if models is not None else []
+    costs: dict[str, Any] = {}
+    for e in entries:
+        key = (e.model_id, e.weights_sha256)
+        if key not in cache:
+            cache[key] = await loop.run_in_executor(None, _entry_sizes, e)
+        costs[e.model_id] = predict.layer_costs(cache[key], "native")
+    fresh = cfg.di.advertisement_expiry_s if cfg is not None else 3600.0
+    caps: dict[str, dict[str, tuple[float, int]]] = {}
+    for mid in costs:
+        for h, c in (view.capacities(mid, fresh) if view is not None else {}).items():
+            caps.setdefault(h, {})[mid] = (c.speed, c.max_layers)
+    samples = [(s.name, s.labels, s.value)
+               for m in host.metrics.hop_overhead_ms.collect() for s in m.samples]
+    hop = predict.hop_from_histogram(samples) or predict.Sourced(
+        predict.DEFAULT_HOP_MS, predict.DEFAULT_HOP_SOURCE)
+    shapes = {mid: (c.params_per_layer, c.mean_held) for mid, c in costs.items()}
+    budget = auto.budget_mb * 2**20 if auto is not None else None
+    nodes = predict.mesh_facts(status, caps, shapes, hop, own_budget_bytes=budget)
+    body: dict[str, Any] = {"node_id": host.node_id, "nodes": nodes,
+                            "hop": {"ms": round(hop.value, 3), "source": hop.source}}
+    if name is None:
+        return body
+    if models is None:
+        raise ModelNotFound(f"unknown model {name[:200]!r}: this node has no model store")
+    entry = models.get(name)
+    c = costs[entry.model_id]
+    probe = await loop.run_in_executor(None, _probe_speed, c, cache[
+        (entry.model_id, entry.weights_sha256)].hidden_size)
+    fallback = predict.Sourced(probe * c.params_per_layer, "measured by this node now: "
+                               "matrix-vector probe of a layer (no speed published)")
+    facts = predict.node_facts(nodes, c, entry.model_id, fallback)
+    plan = predict.plan(c, facts, hop)
+    body["plan"] = plan.to_dict()
+    body["plan_text"] = predict.describe(plan)
+    return body
+
+
+def _entry_sizes(entry: Any) -> Any:
+    from hearthnet.models.sizes import safetensors_sizes
+
+    return safetensors_sizes(entry.path, source=entry.alias)
+
+
+def _probe_speed(costs: Any, hidden: int) -> float:
+    from hearthnet.distributed_inference.engine.quant import compute_dtype_of
+    from hearthnet.distributed_inference.placement.planner import measure_speed
+
+    return measure_speed(costs.params_per_layer, hidden, dtype=compute_dtype_of(costs.fmt),
+                         repeats=5)
 
 
 async def _sse(resp: web.StreamResponse, obj: Json) -> None:

@@ -142,6 +142,161 @@ def split_layers(num_layers: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
+def layer_step_speed(entry: Any, weights: str, *, layers: int = 2, steps: int = 48,
+                     threads: int | None = None) -> float:
+    """Decoder-layer steps per second of a real one-token decode step of `entry`'s first
+    `layers` layers held as `weights`, in the engine, eager, on `threads` torch threads
+    (default: as set): the median step of `steps` after a 16-token prefill — the median,
+    not the best, so a machine other processes share is timed as loaded as the run it
+    predicts will be.
+
+    What `planner.measure_speed` (a matrix-vector product over a layer's weights) leaves
+    out — attention over the cache, norms, rotary, per-layer Python — is in this figure."""
+    import torch
+
+    from hearthnet.distributed_inference.engine.layers import LayeredStack
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        hi = min(entry.num_layers, layers) - 1
+        stack = LayeredStack(entry, 0, hi, weights)
+        session = stack.open_session(0, hi, 16 + steps + 1)
+        times = []
+        with torch.inference_mode():
+            session.forward(torch.randn(1, 16, stack.hidden_size), 0)
+            for i in range(steps):
+                x = torch.randn(1, 1, stack.hidden_size)
+                t0 = time.perf_counter()
+                session.forward(x, 16 + i)
+                times.append(time.perf_counter() - t0)
+        session.close()
+        return float((hi + 1) / median(times))
+    finally:
+        torch.set_num_threads(before)
+
+
+def head_step_ms(entry: Any, weights: str, *, steps: int = 24, threads: int | None = None
+                 ) -> float:
+    """The orchestrator's own part of a decode step, timed: embed a token, norm + lm_head
+    of a hidden state, greedy pick (median of `steps`, ms)."""
+    import torch
+
+    from hearthnet.distributed_inference.engine.head import LayeredHead
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        head = LayeredHead(entry, weights)
+        times = []
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            head.embed([i])
+            int(head.logits(torch.randn(1, 1, entry.hidden_size)).argmax())
+            times.append(time.perf_counter() - t0)
+        return float(median(times[1:]) * 1000)
+    finally:
+        torch.set_num_threads(before)
+
+
+def predict_run(entry: Any, args: argparse.Namespace, ranges: list[tuple[int, int]]
+                ) -> dict[str, Any]:
+    """The plan's prediction for this run's mesh (node A orchestrates, one shard node per
+    range), before it starts: every node is this machine at ``--node-threads`` threads,
+    timed two ways — a real decoder layer in the engine, and the matrix-vector probe the
+    automatic hosts advertise — with the default hop cost. The head: its real step timed
+    (embed, norm + lm_head, greedy pick) beside the engine's layers, the probe's matmul
+    beside the probe's."""
+    from hearthnet.distributed_inference.engine.quant import compute_dtype_of
+    from hearthnet.distributed_inference.placement import predict
+    from hearthnet.distributed_inference.placement.planner import measure_speed
+    from hearthnet.models.sizes import safetensors_sizes
+
+    costs = predict.layer_costs(safetensors_sizes(entry.path, entry.alias), args.weights)
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(args.node_threads)
+    try:
+        probe = measure_speed(costs.params_per_layer, entry.hidden_size,
+                              dtype=compute_dtype_of(costs.fmt))
+    finally:
+        torch.set_num_threads(before)
+    engine = layer_step_speed(entry, costs.fmt, threads=args.node_threads)
+    head_ms = head_step_ms(entry, costs.head_fmt, threads=args.node_threads)
+    # the timed head step as layer steps per second of the head's matmul
+    head_speed = costs.head_matmul_params / max(1, costs.params_per_layer) / (head_ms / 1000)
+    out: dict[str, Any] = {"layer_steps_per_s": {"engine": round(engine, 1),
+                                                 "probe": round(probe, 1)},
+                           "head_step_ms": round(head_ms, 3)}
+    for name, speed, source in (
+            ("engine", engine, "a real decoder layer, one-token steps, eager"),
+            ("probe", probe, "matrix-vector probe (as automatic hosts advertise)")):
+        s = predict.Sourced(speed, f"measured here, {args.node_threads} thread(s): {source}")
+        nodes = [predict.NodeFacts("node-a", s, orchestrator=True, head_held=True,
+                                   head_speed=head_speed if name == "engine" else probe)] + [
+            predict.NodeFacts(f"node-{chr(ord('b') + i)}", s, holds=(r,))
+            for i, r in enumerate(ranges)]
+        out[name] = predict.plan(costs, nodes).to_dict()
+    return out
+
+
+def predicted_beside_measured(pred: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:
+    """Predicted single-chat (and 8-chat where measured) tok/s beside the run's, and the
+    ratio predicted / measured (the goal: within ±25 %)."""
+    from hearthnet.distributed_inference.placement.predict import CHATS
+
+    out = dict(pred)
+    d = f.get("distributed")
+    levels = {c["concurrency"]: c for c in f.get("concurrency", [])}
+    for name in ("engine", "probe"):
+        p = pred[name]
+        row: dict[str, Any] = {"predicted_single": p["single_chat_tokens_per_s"]}
+        if d is not None and p["single_chat_tokens_per_s"]:
+            row["measured_single"] = d["tokens_per_second"]
+            row["ratio_single"] = round(p["single_chat_tokens_per_s"] /
+                                        max(d["tokens_per_second"], 1e-9), 3)
+            row["within_25_percent"] = abs(row["ratio_single"] - 1) <= 0.25
+            # the same formula with this run's measured hop overhead instead of the default
+            hops = d["hops"]
+            hop_ms = hops["overhead_p50_ms_max"]
+            step = p["step_ms"] - len(p["stages"]) * p["hop_ms"] + len(p["stages"]) * hop_ms
+            row["predicted_single_with_measured_hop"] = round(1000 / step, 2)
+            row["measured_hop_ms"] = hop_ms
+        if CHATS in levels and p[f"chats_{CHATS}_tokens_per_s"]:
+            m = levels[CHATS]["aggregate_tokens_per_second"]
+            row[f"predicted_{CHATS}_chats"] = p[f"chats_{CHATS}_tokens_per_s"]
+            row[f"measured_{CHATS}_chats"] = m
+            row[f"ratio_{CHATS}_chats"] = round(p[f"chats_{CHATS}_tokens_per_s"] /
+                                                max(m, 1e-9), 3)
+        out[f"{name}_vs_measured"] = row
+    return out
+
+
+def prediction_report(pred: dict[str, Any] | None) -> str:
+    """Predicted beside measured, one line per way of timing a layer."""
+    if not pred:
+        return ""
+    lines = ["plan's prediction (hearthnet plan) beside this run:"]
+    for name in ("engine", "probe"):
+        r = pred.get(f"{name}_vs_measured", {})
+        speed = pred["layer_steps_per_s"][name]
+        line = (f"  {name} speed {speed} layer steps/s: predicted single chat "
+                f"{r.get('predicted_single')} tok/s")
+        if "measured_single" in r:
+            line += (f", measured {r['measured_single']} (ratio {r['ratio_single']}, "
+                     f"{'within' if r['within_25_percent'] else 'NOT within'} ±25 %); "
+                     f"with this run's hop {r['measured_hop_ms']} ms: "
+                     f"{r['predicted_single_with_measured_hop']}")
+        if "predicted_8_chats" in r:
+            line += (f"; 8 chats predicted {r['predicted_8_chats']} vs measured "
+                     f"{r['measured_8_chats']} (ratio {r['ratio_8_chats']})")
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Start the mesh, measure, stop it; returns (figures, report). With ``--netem``, the
     same benchmark in a namespace whose loopback delays every packet (`bench.netem`)."""
@@ -207,6 +362,8 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     args.level_prompts = concurrency.level_prompts(
         LayeredHead(entry, lm_head=False).tokenizer if args.context else None, args.context)
     figures["settings"]["context_tokens"] = args.context
+    # the plan's prediction, made before the mesh starts (`hearthnet plan`, M26 §10)
+    predicted = predict_run(entry, args, ranges) if args.device == "cpu" else None
     engine = None if args.concurrency_only else LocalEngine(
         entry, args.weights, head_weights=head, device=args.device)
     figures["local_memory"] = proc_memory()  # this process: the local baseline's model
@@ -225,6 +382,8 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                                   if p.proc is not None}
 
     _on_mesh(args, ranges, figures, [entry], [], measure)
+    if predicted is not None:
+        figures["prediction"] = predicted_beside_measured(predicted, figures)
     gpu = args.goals == "gpu" if args.goals else args.device != "cpu"
     source, goals = goals_for(args.model, args.shards, gpu)
     figures["goals_source"] = source
@@ -486,6 +645,7 @@ def report(f: dict[str, Any]) -> str:
                 f"{f'prompts of about {ctx} tokens, ' if ctx else ''}{f['tokens']} tokens "
                 f"per chat, median of {f['runs']} runs, on {f['machine']['cpu']} "
                 f"({f['machine']['cpus']} CPUs)\n{conc}\npeak RSS: nodes {mem}"
+                f"\n{prediction_report(f.get('prediction'))}"
                 f"\nwritten to {f['results_file']}")
     lo = f["local"]
     rows = [["local (1 process)", f["settings"]["local_torch_threads"],
@@ -516,4 +676,5 @@ def report(f: dict[str, Any]) -> str:
             f"decode step {d['hops']['step_ms']} ms = stages {d['hops']['stages_rtt_p50_ms_sum']}"
             f" ms + orchestrator ≈{d['hops']['orchestrator_ms_per_step_est']} ms\n\n{conc}\n\n"
             f"tokens identical to local: {f['tokens_match_local']}\ngoals: {goals}\n"
+            f"{prediction_report(f.get('prediction'))}\n"
             f"written to {f['results_file']}")

@@ -116,6 +116,68 @@ def _running_call(b: Browser, *, fallback: bool, tokens: int, timeout: float) ->
                       f"}})()", timeout)
 
 
+def _get(url: str) -> tuple[int, Any]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_api_plan_on_the_live_mesh(mesh: LocalMesh, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``/api/plan``: the hand-placed hosts keep their layers, nothing to fetch, the head is
+    in node-a's store, every figure says where it came from; the page shows it when asked
+    and no fetches card while /api/status has none."""
+    api = mesh.nodes["node-a"].api
+    status, body = _get(api + "/api/plan?model=smollm2")
+    assert status == 200, body
+    p = body["plan"]
+    by = {n["node"]: n for n in p["nodes"]}
+    assert set(by) == set(RUNNING)  # node-d is offline
+    assert by["node-b"]["layers"] == [[0, 14]] and by["node-c"]["layers"] == [[15, 29]]
+    assert by["node-a"]["layers"] == [] and by["node-a"]["orchestrator"]
+    assert all(n["fetch_bytes"] == 0 for n in p["nodes"]) and p["fits"]
+    assert [s["node"] for s in p["stages"]] == ["node-b", "node-c"]
+    assert p["single_chat_tokens_per_s"] > 0 and p["hop_source"] and all(
+        n["speed_source"] for n in p["nodes"])
+    status, body = _get(api + "/api/plan?model=no-such")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    # `hearthnet plan --config`: the same live facts through the node's admin and API
+    import json
+
+    from hearthnet.cli import main
+
+    assert main(["plan", "smollm2", "--config", str(mesh.nodes["node-a"].config),
+                 "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)["plan"]
+    assert [n["layers"] for n in cli["nodes"]] == [n["layers"] for n in p["nodes"]]
+    with Browser(tmp_path / "profile") as b:
+        b.goto(api + "/")
+        b.wait_for("(document.getElementById('plan-model') || {}).value === 'smollm2'")
+        assert b.eval("document.getElementById('fetches-card').hidden") is True
+        b.eval("document.getElementById('plan-go').click()")
+        b.wait_for("document.getElementById('plan').dataset.state === 'done'", 60)
+        assert "smollm2 as bf16: fits" in b.eval(
+            "document.getElementById('plan-verdict').textContent")
+        assert b.eval("document.querySelector('#plan-nodes tr[data-node=node-b]')"
+                      ".textContent").startswith("node-b0–14")
+        assert "tok/s for one chat" in b.eval("document.getElementById('plan-speed')"
+                                              ".textContent")
+        # the fetches /api/status will list (another part's schema), drawn as they come
+        shown = b.eval("(renderFetches({fetches: [{model: 'smollm2', layers: [0, 14], "
+                       "head: true, bytes_done: 1048576, bytes_total: 4194304, sources: "
+                       "['node-b', 'node-c'], state: 'fetching', detail: ''}]}), "
+                       "[document.getElementById('fetches-card').hidden, "
+                       "document.getElementById('fetches').textContent])")
+        assert shown == [False, "smollm2 head + layers 0–14: fetching 1.0 / 4.0 MiB (25 %) "
+                                "from node-b, node-c"]
+
+
 def test_status_page_shows_what_is_happening(mesh: LocalMesh, tmp_path: Path) -> None:
     dirs = _shots(tmp_path)
     api = mesh.nodes["node-a"].api

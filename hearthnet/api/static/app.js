@@ -140,6 +140,69 @@ function renderPlacement(st) {
   $("placement").replaceChildren(...items);
 }
 
+function mib(b) { return b === null || b === undefined ? "–" : (b / 1048576).toFixed(1); }
+
+function renderFetches(st) {
+  // model fetches in progress or just ended (/api/status `fetches`): nothing when none
+  const fs = st.fetches || [];
+  $("fetches-card").hidden = fs.length === 0;
+  $("fetches").replaceChildren(...fs.map((f) => {
+    const what = f.head ? "head" + (f.layers ? ` + layers ${f.layers[0]}–${f.layers[1]}` : "")
+      : `layers ${f.layers[0]}–${f.layers[1]}`;
+    const share = f.bytes_total ? ` (${(100 * f.bytes_done / f.bytes_total).toFixed(0)} %)` : "";
+    return el("li", {class: "fetch", "data-state": f.state}, `${f.model} ${what}: ${f.state} ` +
+      `${mib(f.bytes_done)} / ${mib(f.bytes_total)} MiB${share} from ` +
+      `${(f.sources || []).join(", ") || "–"}` + (f.detail ? ` — ${f.detail}` : ""));
+  }));
+}
+
+function planModels(st) {
+  // the served list where a steward set one, else the stored models; the choice is kept
+  const p = st.placement || {}, sel = $("plan-model");
+  const names = (p.served_models || []).length ? p.served_models.map((m) => m.alias ||
+    m.model_id) : (st.models || []).map((m) => m.alias);
+  if (sel.dataset.names === names.join("\n")) return;
+  sel.dataset.names = names.join("\n");
+  const keep = sel.value;
+  sel.replaceChildren(...names.map((n) => el("option", {value: n}, n)));
+  if (names.includes(keep)) sel.value = keep;
+}
+
+async function plan(ev) {
+  // a plan only when asked: it reads headers and may time a layer on the node
+  ev.preventDefault();
+  const out = $("plan"), model = $("plan-model").value;
+  if (!model) return;
+  out.dataset.state = "planning"; out.replaceChildren(el("p", {class: "muted"}, "planning…"));
+  try {
+    const r = await fetch("/api/plan?model=" + encodeURIComponent(model),
+      {headers: headers(), cache: "no-store"});
+    const body = await r.json();
+    if (!r.ok) throw new Error(body.error ? body.error.message : r.status);
+    const p = body.plan;
+    const rows = p.nodes.map((n) => el("tr", {"data-node": n.node},
+      el("td", {}, n.node + (n.orchestrator ? " (head)" : "")),
+      el("td", {}, n.layers.map((r) => `${r[0]}–${r[1]}`).join(", ") || "–"),
+      el("td", {}, mib(n.held_bytes)), el("td", {}, mib(n.budget_bytes)),
+      el("td", {}, mib(n.fetch_bytes)), el("td", {title: n.speed_source}, fmt(n.speed, 0)),
+      el("td", {}, n.fits ? "yes" : "no")));
+    const table = el("table", {id: "plan-nodes"}, el("thead", {}, el("tr", {},
+      ...["Node", "Layers", "Holds MiB", "Budget MiB", "Fetch MiB", "Layer steps/s", "Fits"]
+        .map((h) => el("th", {}, h)))), el("tbody", {}, ...rows));
+    const verdict = p.fits ? "fits" : "does not fit: " + p.problems.join("; ");
+    const speed = p.single_chat_tokens_per_s === null ? p.chats_8_source :
+      `predicted ${fmt(p.single_chat_tokens_per_s, 1)} tok/s for one chat, ` +
+      `${fmt(p.chats_8_tokens_per_s, 1)} tok/s in all for 8 (${p.chats_8_source}); ` +
+      `hop ${fmt(p.hop_ms, 2)} ms (${p.hop_source})`;
+    out.replaceChildren(el("p", {id: "plan-verdict"}, `${model} as ${p.weights}: ${verdict}`),
+      el("div", {class: "scroll"}, table), el("p", {id: "plan-speed", class: "muted"}, speed));
+    out.dataset.state = "done";
+  } catch (e) {
+    out.dataset.state = "error";
+    out.replaceChildren(el("p", {}, "plan failed: " + e.message));
+  }
+}
+
 function renderNodes(st) {
   // every member node, not only this node's gossip links (a node known through a relay
   // has no link here)
@@ -229,7 +292,7 @@ async function refresh() {
       (st.api ? ` · API ${st.api}/v1` : "");
     running = (st.running_calls || []).length > 0;
     renderRunning(st); renderNodes(st); renderModels(st); renderShards(st);
-    renderPlacement(st); renderEvents(st);
+    renderPlacement(st); renderEvents(st); renderFetches(st); planModels(st);
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     document.body.dataset.refreshed = String(Date.now());
   } catch (e) {
@@ -288,6 +351,7 @@ async function chat(ev) {
 }
 
 $("chat-form").addEventListener("submit", chat);
+$("plan-form").addEventListener("submit", plan);
 $("auth-form").addEventListener("submit", (e) => {
   e.preventDefault(); apiKey = $("key").value.trim();
   localStorage.setItem("hearthnet-api-key", apiKey); refresh();
