@@ -73,8 +73,11 @@ bench: install
 	$(HN) bench failover --json
 	$(HN) bench api --json
 	$(HN) bench placement --json
+	$(HN) bench household --profile wifi --import-on one --compare-loopback --json  # SmolLM2 on 3 machines: network namespaces on tc netem Wi-Fi links (root and netem; else the loopback, said), budgets 0.4 of the model, imported on one node, the others fetch their layers
+# the household goal run (hours on 2 cores): the 7B shape, budgets < 45 %, wifi ≥ 0.85 × loopback
+#	$(HN) models synth qwen2.5-7b && $(HN) bench household --model qwen2.5-7b --weights int8 --profile wifi --import-on one --compare-loopback --tokens 32 --json
 	HEARTHNET_DATA_DIR=$(TEST_DATA_DIR) HEARTHNET_WIRE_REPORT=1 $(PY) -m pytest -q -s -p no:timeout tests/integration/test_wire_report.py  # first divergence of each wire dtype vs fp32
-	HEARTHNET_DATA_DIR=$(TEST_DATA_DIR) HEARTHNET_BENCH_TESTS=1 $(PY) -m pytest -q tests/integration/test_bench_runs.py tests/integration/test_compiled_decode.py tests/integration/test_mesh_chat.py tests/integration/test_models_pull.py  # the benchmark commands' long runs, the compiled variants, the three-shard SmolLM2 mesh and models pull from every source, checked
+	HEARTHNET_DATA_DIR=$(TEST_DATA_DIR) HEARTHNET_BENCH_TESTS=1 $(PY) -m pytest -q tests/integration/test_bench_runs.py tests/integration/test_compiled_decode.py tests/integration/test_mesh_chat.py tests/integration/test_models_pull.py tests/integration/test_bench_household.py tests/integration/test_fetch_mesh.py tests/integration/test_import_model.py  # the benchmark commands' long runs, the compiled variants, the three-shard SmolLM2 mesh, models pull from every source, the household bench, fetches that lose or distrust a holder, transformers' GGUF conversion as reference, checked
 	$(HN) bench quality --json
 	for w in fp32 bf16; do $(HN) bench pipeline --weights $$w --wire $$w --tokens 64 --concurrency 1 2 4 8 16 --concurrency-only --json; done  # continuous batching, SmolLM2
 	$(HN) models synth qwen2.5-1.5b

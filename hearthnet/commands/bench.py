@@ -88,6 +88,10 @@ BENCHMARKS: dict[str, tuple[str, AddArgs, RunBench]] = {
               "re-cover time", *_lazy("chaos")),
     "placement": ("automatic vs equal layer split on three hosts with different threads "
                   "and memory budgets", *_lazy("placement")),
+    "household": ("a household on an emulated home network: nodes in network namespaces "
+                  "on shaped links (gigabit, wifi, mixed), budgets below the model, "
+                  "coverage, first token, tok/s, 8 chats, a node killed mid-answer",
+                  *_lazy("household")),
     "anchor": ("HearthNet against llama.cpp (built once into a cache) on the same GGUF, "
                "machine and threads: local decode, prefill, RSS, store size; two shards vs "
                "llama.cpp RPC", *_lazy("anchor")),

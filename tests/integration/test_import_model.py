@@ -12,6 +12,7 @@ import torch
 from hearthnet.models import ModelStore, importer, writer
 from hearthnet.models.importer import import_folder, import_gguf, smollm2_gguf_path
 from hearthnet.models.synth import write_synthetic
+from tests.helpers.marks import IN_MAKE_BENCH
 from tests.helpers.tiny_models import TINY_QWEN2 as TINY
 
 
@@ -25,6 +26,10 @@ def _reuse_gguf_parsing(monkeypatch) -> None:
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
 
 
+# 40 s of transformers' own conversion of the real SmolLM2 GGUF: in `make bench`. `make test`
+# checks the same import against transformers' load of a GGUF for every family on tiny
+# models (test_gguf_import.py) and the kept Q4 blocks on SmolLM2 (test_gguf_blocks.py)
+@IN_MAKE_BENCH
 def test_gguf_imports_to_bf16_tensor_by_tensor_as_transformers_converts(tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

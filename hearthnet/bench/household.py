@@ -1,0 +1,734 @@
+"""`hearthnet bench household`: one model on a household's machines (M26 §1, §8.2, §10).
+
+N node processes (``--nodes``, default 3), each on its own emulated machine: a network
+namespace on a bridge whose link is shaped by ``--profile`` (`hearthnet.bench.lan`:
+``gigabit``, ``wifi``, ``mixed`` — the first node on gigabit, the others on Wi-Fi — or
+``loopback``: every node on 127.0.0.1). Every node hosts automatically (``shards =
+"auto"``) with a memory budget smaller than the model (``--budget-fraction`` of the
+model's layers as held in ``--weights``, or ``--budgets-mb``); the first node is the
+community's steward, puts the model on the served-model list and answers the chats.
+
+``--import-on all``: every node's store holds the model (as in every other benchmark).
+``--import-on one``: only the first node's does; the others start with empty stores and
+fetch their layers from the members (M26 §10's household: one import covers the house).
+The bench reads each node's fetches from its ``/status`` (``fetches``: bytes done per
+model) and reports them against the stored size of the layers it hosts.
+
+Measured, in order, on one mesh:
+
+1. coverage: from the start of the node processes until the first node sees every layer
+   hosted (fetches and loads included), each node's layers and bytes fetched; a model not
+   covered within ``--cover-timeout`` ends the run with the nodes that hold nothing;
+2. single chat: first token and decode tokens/s, the median of ``--runs`` greedy chats;
+3. ``--concurrency`` levels (default 1 and 8 chats at once, `hearthnet.bench.concurrency`);
+4. one node other than the first is killed (SIGKILL, its whole namespace on a LAN) after
+   ``--kill-after`` tokens of a chat: the chat must still end — through another host or
+   the first node's local engine — and its tokens are compared with the unkilled answer.
+
+``--compare-loopback`` builds the same household on the loopback beside the first (both
+stand at once, and their single chats alternate, so a change in the machine's load hits
+both) and gives the ratio of the single-chat tokens/s (the goal: Wi-Fi ≥ 0.85 ×
+loopback); its concurrency levels and kill follow the first's. Where namespaces
+cannot be made (not root, no iproute2, no netem qdisc) the output says why and the same
+runs on the loopback. Processes, namespaces, links, the bridge and temporary folders are
+removed at the end, also on failure, Ctrl-C and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hearthnet.argtypes import decode_tokens, positive
+from hearthnet.bench import (
+    PROMPTS,
+    concurrency,
+    machine,
+    median,
+    single_model_dir,
+    table,
+    write_results,
+)
+from hearthnet.bench.lan import PROFILES, Lan, LanUnavailable, Link, NsForward, links_for
+from hearthnet.distributed_inference.directory.formats import (
+    FORMATS,
+    head_format,
+    policy_for,
+    resolve_format,
+)
+from hearthnet.errors import BadRequest, HearthNetError, ShardUnavailable, error_from_code
+from hearthnet.mesh.launcher import LocalMesh, NodeProc, NodeSpec, node_toml
+from hearthnet.security.provision import provision
+
+GOALS = {"budget_fraction_max": 0.45, "fetch_ratio_max": 1.1, "wifi_ratio_min": 0.85}
+"""The issue's household: each budget below 45 % of the model, each node fetching at most
+1.1 × its layers, single-chat tokens/s on Wi-Fi ≥ 0.85 × the same mesh on loopback."""
+GOAL_SCENE = ("qwen2.5-7b", 3)  # the model and node count the goals were set for
+_MIB = 2**20
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _fraction(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {x}")
+    return x
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """Options of `hearthnet bench household`."""
+    p.add_argument("--model", default="smollm2", help="model alias in the store (any stored "
+                   "or synthetic model, e.g. `hearthnet models synth qwen2.5-7b`)")
+    p.add_argument("--weights", default="fp32", choices=FORMATS,
+                   help="format the hosts hold their layers in (default fp32)")
+    p.add_argument("--nodes", type=at_least_two, default=3, help="machines (default 3)")
+    p.add_argument("--profile", choices=PROFILES, default="wifi",
+                   help="the links: gigabit (0.2 ms, 1 Gbit/s), wifi (2 ms ± 0.5 ms, "
+                        "300 Mbit/s, 0.1 %% loss), mixed (the first node on gigabit, the "
+                        "others on wifi) or loopback; each link shapes both directions, so "
+                        "a packet between two nodes pays two links (default wifi)")
+    p.add_argument("--import-on", choices=["one", "all"], default="all",
+                   help="whose store holds the model: every node's, or only the first's "
+                        "(the others fetch their layers; default all)")
+    p.add_argument("--budget-fraction", type=_fraction, default=0.4,
+                   help="each node's memory budget as a fraction of the model's layers as "
+                        "held (default 0.4)")
+    p.add_argument("--budgets-mb", default=None,
+                   help="each node's budget in MiB, comma-separated (one per node; instead "
+                        "of --budget-fraction)")
+    p.add_argument("--tokens", type=decode_tokens, default=48, help="tokens per chat")
+    p.add_argument("--runs", type=positive, default=3,
+                   help="single chats measured (median) and rounds per concurrency level")
+    p.add_argument("--concurrency", type=positive, nargs="+", default=[1, 8],
+                   help="chats at once for the aggregate figure (default 1 8)")
+    p.add_argument("--kill-after", type=positive, default=12,
+                   help="kill a node after this many tokens of the faulted chat (default 12)")
+    p.add_argument("--cover-timeout", type=positive, default=900,
+                   help="seconds the model may take to be covered, fetches included "
+                        "(default 900)")
+    p.add_argument("--compare-loopback", action="store_true",
+                   help="then the same household on the loopback, and the tokens/s ratio")
+    p.add_argument("--node-threads", type=positive, default=1, help="torch threads per node")
+    p.add_argument("--wire", choices=["fp32", "bf16", "fp16"], default="fp16",
+                   help="wire dtype of the hidden states (default fp16)")
+    p.add_argument("--prompt", default=PROMPTS[0])
+    p.add_argument("--results-dir", default="bench-results",
+                   help="folder for household-<profile>.json (default bench-results)")
+
+
+def at_least_two(text: str) -> int:
+    """argparse type of ``--nodes``: a household of one machine shares nothing."""
+    n = positive(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"a household needs at least 2 nodes, not {n}")
+    return n
+
+
+# ---- pure parts --------------------------------------------------------------------------
+
+
+def budgets_mb(layers_held_bytes: int, num_layers: int, nodes: int, fraction: float,
+               explicit: str | None) -> list[int]:
+    """Each node's budget in MiB: `explicit` (comma-separated, one per node) or `fraction`
+    of the layers' held bytes.
+
+    Raises:
+        BadRequest: a malformed list, or budgets that together cannot hold every layer
+            (the model could never be covered: said before anything starts).
+    """
+    if explicit is not None:
+        try:
+            out = [int(x) for x in explicit.split(",")]
+        except ValueError:
+            out = []
+        if len(out) != nodes or min(out) < 1:
+            raise BadRequest(f"--budgets-mb must be {nodes} positive integers (one per "
+                             f"node), not {explicit!r}")
+    else:
+        out = [max(1, int(fraction * layers_held_bytes / _MIB))] * nodes
+    per_layer = -(-layers_held_bytes // max(1, num_layers))
+    held = sum(min(num_layers, b * _MIB // per_layer) for b in out)
+    if held < num_layers:
+        raise BadRequest(f"the budgets {out} MiB hold {held} of the model's {num_layers} "
+                         f"layers ({per_layer / _MIB:.1f} MiB each): it could never be "
+                         f"covered; raise --budget-fraction or --nodes")
+    return out
+
+
+def split_of(status: dict[str, Any], model_id: str) -> dict[str, list[list[int]]]:
+    """{host: its layer ranges} of `model_id`'s usable, online shards in a `/status`."""
+    out: dict[str, list[list[int]]] = {}
+    for s in status.get("shards", []):
+        if s.get("model_id") == model_id and s.get("state") != "offline" and \
+                s.get("usable", True):
+            out.setdefault(str(s["host"]), []).append(list(s["layers"]))
+    return {h: sorted(r) for h, r in sorted(out.items())}
+
+
+def covered(status: dict[str, Any], alias: str) -> bool:
+    return any(m.get("alias") == alias and m.get("fully_covered")
+               for m in status.get("models", []))
+
+
+def fetched_bytes(status: dict[str, Any], names: tuple[str, ...]
+                  ) -> tuple[int, list[Any]] | None:
+    """(bytes fetched, the fetch entries) of a model named any of `names` in a node's own
+    `/status`; None where the node reports no ``fetches`` at all (it cannot fetch)."""
+    if "fetches" not in status:
+        return None
+    rows = [f for f in status["fetches"] if f.get("model") in names]
+    return sum(int(f.get("bytes_done", 0)) for f in rows), rows
+
+
+def not_covered_message(timeout: float, nodes: list[str], split: dict[str, Any],
+                        fetch_reported: bool) -> str:
+    """Why the run ends when the model is not covered in time: the nodes holding nothing."""
+    empty = [n for n in nodes if not split.get(n)]
+    msg = f"the model was not covered within {timeout:.0f} s"
+    if empty:
+        msg += f": nodes {', '.join(empty)} hold nothing"
+    if not fetch_reported:
+        msg += " (no node reports fetches: these nodes cannot fetch layers they do not hold)"
+    return msg
+
+
+def layer_count(ranges: list[list[int]]) -> int:
+    return len({i for lo, hi in ranges for i in range(lo, hi + 1)})
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The single-chat figures: medians over runs of the `done` frames' timings and the
+    client's first token."""
+    return {"tokens_per_second": round(median([r["tokens_per_second"] for r in runs]), 2),
+            "tokens_per_second_runs": [round(r["tokens_per_second"], 2) for r in runs],
+            "first_token_ms": round(median([r["first_token_ms"] for r in runs]), 1),
+            "client_first_token_ms": round(median([r["client_first_token_ms"]
+                                                   for r in runs]), 1),
+            "completion_tokens": runs[-1]["completion_tokens"]}
+
+
+def goals(f: dict[str, Any]) -> dict[str, Any]:
+    """Each household goal the run measured: measured, goal, met."""
+    out: dict[str, Any] = {}
+    frac = f["budget_fraction_of_layers"]
+    out["budget_fraction"] = {"measured": frac, "goal": GOALS["budget_fraction_max"],
+                              "met": frac < GOALS["budget_fraction_max"]}
+    out["covered"] = {"measured": f["coverage"]["covered"], "goal": True,
+                      "met": f["coverage"]["covered"]}
+    ratios = [n["fetch_ratio"] for n in f["coverage"]["nodes"].values()
+              if n["fetch_ratio"] is not None and n["imported"] is False]
+    if f["import_on"] == "one" and ratios:
+        worst = max(ratios)
+        out["fetch_ratio"] = {"measured": worst, "goal": GOALS["fetch_ratio_max"],
+                              "met": worst <= GOALS["fetch_ratio_max"]}
+    answered = f.get("single", {}).get("completion_tokens", 0) > 0
+    out["chat_answered"] = {"measured": answered, "goal": True, "met": answered}
+    ratio = f.get("ratio_to_loopback")
+    if ratio is not None and f["link"]["profile"] == "wifi" and f["link"]["applied"]:
+        out["wifi_ratio_to_loopback"] = {"measured": ratio, "goal": GOALS["wifi_ratio_min"],
+                                         "met": ratio >= GOALS["wifi_ratio_min"]}
+    return out
+
+
+# ---- the mesh ----------------------------------------------------------------------------
+
+
+class HouseholdMesh(LocalMesh):
+    """`LocalMesh` with a models folder per node and, given a `Lan`, each node in its own
+    namespace listening on its LAN address (the client reaches it by `NsForward`)."""
+
+    def __init__(self, specs: list[NodeSpec], *, root: Path, model: str,
+                 models_dirs: dict[str, Path], lan: Lan | None, threads: int,
+                 timeout_s: float = 30.0) -> None:
+        super().__init__(specs, root=root, model=model, threads=threads, timeout_s=timeout_s,
+                         models=models_dirs[specs[0].node_id])
+        self.lan = lan
+        self.index = {s.node_id: i for i, s in enumerate(specs)}
+        self.forwards: dict[str, NsForward] = {}
+        first = self.nodes[specs[0].node_id]
+        for nid, n in self.nodes.items():
+            peers = [] if n is first else [f"wss://{self.host(specs[0].node_id)}:{first.port}"]
+            text = node_toml(n.spec, n.port, peers, self.root / nid, models_dirs[nid],
+                             model=model, timeout_s=timeout_s, threads=threads, members=specs)
+            n.config.write_text(text.replace('listen_host = "127.0.0.1"',
+                                             f'listen_host = "{self.host(nid)}"'))
+        provision(self.root)  # the keys made above stay; the member lists are written again
+
+    def host(self, node_id: str) -> str:
+        """The address node `node_id` listens on."""
+        return self.lan.addr(self.index[node_id]) if self.lan else "127.0.0.1"
+
+    def prefix(self, node_id: str) -> list[str]:
+        """The command prefix that runs a program on the node's machine."""
+        return self.lan.exec_prefix(self.index[node_id]) if self.lan else []
+
+    def node_argv(self, n: NodeProc) -> list[str]:
+        return self.prefix(n.spec.node_id) + super().node_argv(n)
+
+    def _wait_ready(self, n: NodeProc, timeout: float) -> None:
+        super()._wait_ready(n, timeout)
+        if self.lan is None:
+            return
+        nid = n.spec.node_id
+        old = self.forwards.pop(nid, None)
+        if old is not None:
+            old.close()
+        fwd = NsForward(self.lan.ns[self.index[nid]], int(n.admin.rsplit(":", 1)[1]))
+        self.forwards[nid] = fwd
+        n.admin = f"ws://127.0.0.1:{fwd.port}"
+
+    def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
+        super().kill(node_id, sig)
+        if self.lan is not None:  # the machine dies: nothing of it runs on
+            self.lan.kill_host(self.index[node_id])
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            for f in self.forwards.values():
+                f.close()
+            self.forwards.clear()
+
+
+@dataclass
+class Household:
+    """A started, covered household: its mesh, node ids (the first answers the chats) and
+    figures so far."""
+
+    mesh: HouseholdMesh
+    ids: list[str]
+    figures: dict[str, Any]
+
+    @property
+    def uri(self) -> str:
+        return self.mesh.nodes[self.ids[0]].uri
+
+    def scrape(self) -> dict[str, str]:
+        """Every node's /metrics text (the concurrency levels' batch sizes)."""
+        return {n: self.mesh.metrics(n) for n in self.ids}
+
+
+# ---- the run -----------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """The household on the profile's links (and, with --compare-loopback, on the
+    loopback); returns (figures, report)."""
+    from hearthnet.bench import lan as lanmod
+    from hearthnet.distributed_inference.placement.autohost import layer_bytes
+    from hearthnet.models import ModelStore
+
+    entry = ModelStore().get(args.model)
+    held = layer_bytes(entry, resolve_format(args.weights, entry.dtype)) * entry.num_layers
+    budgets = budgets_mb(held, entry.num_layers, args.nodes, args.budget_fraction,
+                         args.budgets_mb)
+    if not 1 <= args.kill_after <= args.tokens - 2:
+        raise BadRequest(f"--kill-after must be in 1..{args.tokens - 2} (tokens - 2), not "
+                         f"{args.kill_after}")
+    why = None if args.profile == "loopback" else lanmod.unavailable()
+    if why is not None:
+        print(f"--profile {args.profile}: {why}; running on the plain loopback",
+              file=sys.stderr)
+    links = [] if why is not None else links_for(args.profile, args.nodes)
+    figures: dict[str, Any] = {
+        "benchmark": "household", "model": args.model, "model_id": entry.model_id,
+        "nodes": args.nodes, "import_on": args.import_on, "tokens": args.tokens,
+        "runs": args.runs, "machine": machine(),
+        "budgets_mb": budgets, "layers_held_bytes": held,
+        "budget_fraction_of_layers": round(max(budgets) * _MIB / held, 3),
+        "link": {"profile": args.profile, "applied": bool(links), "why_not": why,
+                 "links": [lk.to_dict() for lk in links]},
+        "settings": {"weights": args.weights, "wire_dtype": args.wire,
+                     "node_torch_threads": args.node_threads, "sampling": "greedy",
+                     "prompt": args.prompt, "concurrency": args.concurrency,
+                     "kill_after_tokens": args.kill_after,
+                     "cover_timeout_s": args.cover_timeout,
+                     "placement": "every node shards = \"auto\" with its budget; the first "
+                                  "is the steward and serves the model; rebalancing off "
+                                  "during the run (one placement per measurement)"}}
+    with _terminate_as_interrupt(), contextlib.ExitStack() as stack:
+        # both households stand at once and their single chats alternate, so a change in
+        # the machine's load hits both sides of the ratio
+        built = [stack.enter_context(_built(args, entry, budgets, links))]
+        if args.compare_loopback:
+            built.append(stack.enter_context(_built(args, entry, budgets, [])))
+        measured = asyncio.run(_measure(built, args))
+    figures.update(measured[0])
+    if args.compare_loopback:
+        figures["loopback"] = measured[1]
+        lo = measured[1]["single"]["tokens_per_second"]
+        figures["ratio_to_loopback"] = round(
+            figures["single"]["tokens_per_second"] / lo, 3) if lo else None
+    scene = (args.model, args.nodes) == GOAL_SCENE
+    figures["goals_source"] = ("the issue's household: qwen2.5-7b on 3 nodes" if scene else
+                               f"the 7B household's goals, checked on {args.model} over "
+                               f"{args.nodes} nodes")
+    figures["goals"] = goals(figures)
+    name = f"household-{args.model}-{args.profile}-{args.import_on}"
+    figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
+    return figures, report(figures)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM as Ctrl-C while the household runs, so every `finally` cleans up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _specs(args: argparse.Namespace, budgets: list[int]) -> list[NodeSpec]:
+    """Every node hosts automatically; the first is the steward and orchestrates."""
+    head = head_format(args.weights)
+    # the first node is a host too (every machine of the house holds a part), so its
+    # pipelines may use its own shard (M26 §7 allow_self_as_shard, §10 "mixed local +
+    # distributed")
+    di: dict[str, Any] = {"head_weights": head, "speculate": "off",
+                          "weights": policy_for(args.weights), "allow_self_as_shard": True,
+                          "max_concurrent_pipelines": max(4, *args.concurrency)}
+    # one placement per measurement: a move mid-run would change what is measured
+    auto = {"rebalance_interval_s": 3600.0}
+    return [NodeSpec(f"node-{i + 1}", auto={**auto, "memory_mb": b},
+                     trust="steward" if i == 0 else "trusted",
+                     extra_host={"weights": args.weights},
+                     extra_di=di if i == 0 else {**di, "prepare_heads_at_start": False})
+            for i, b in enumerate(budgets)]
+
+
+@contextlib.contextmanager
+def _built(args: argparse.Namespace, entry: Any, budgets: list[int], links: list[Link]
+           ) -> Iterator[Household]:
+    """A household started and covered (its figures so far); stopped and removed on exit,
+    also on an error (which then carries the nodes' logs) or Ctrl-C."""
+    specs = _specs(args, budgets)
+    ids = [s.node_id for s in specs]
+    root = Path(tempfile.mkdtemp(prefix="hearthnet-household-"))
+    lan = Lan(links) if links else None
+    mesh: HouseholdMesh | None = None
+    try:
+        shared = single_model_dir([entry], root)
+        dirs = {nid: shared if args.import_on == "all" or i == 0 else _empty(root / nid)
+                for i, nid in enumerate(ids)}
+        if lan is not None:
+            try:
+                lan.up()
+            except LanUnavailable as e:
+                raise HearthNetError(f"the household's network could not be made: {e}") \
+                    from e
+        mesh = HouseholdMesh(specs, root=root, model=args.model, models_dirs=dirs, lan=lan,
+                             threads=args.node_threads)
+        t0 = time.monotonic()
+        mesh.start(wait_cover=False, timeout=1800.0)  # multi-GB models take minutes
+        _serve(mesh, ids[0], args.model)
+        figures: dict[str, Any] = {"coverage": _coverage(mesh, entry, args, ids, t0)}
+        figures["decode_steps"] = mesh.wait_decode_steps()
+        yield Household(mesh, ids, figures)
+    except HearthNetError as e:  # the same error, with the nodes' logs before they go
+        raise error_from_code(e.code, f"{e.message}\n{_log_tails(root)}") from e
+    finally:
+        if mesh is not None:
+            mesh.stop()
+        if lan is not None:
+            lan.down()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _empty(d: Path) -> Path:
+    """An empty models folder beside node folder `d` (a store that holds nothing)."""
+    d = d.parent / f"{d.name}-models"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _serve(mesh: HouseholdMesh, steward: str, model: str) -> None:
+    """Put the model on the served-model list through the steward (`hearthnet models serve`
+    on its machine)."""
+    r = subprocess.run([*mesh.prefix(steward), sys.executable, "-m", "hearthnet.cli", "models",
+                        "serve", model, "--config", str(mesh.nodes[steward].config)],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode:
+        raise HearthNetError(f"models serve failed: {r.stderr.strip()[-1000:]}")
+
+
+def stored_layer_bytes(entry: Any, ranges: list[list[int]]) -> int:
+    """Bytes of the layers in `ranges` as stored (what a fetch of them moves), from the
+    safetensors headers (no tensor is read)."""
+    from hearthnet.models.hashing import read_safetensors_header_and_metadata
+
+    want = {i for lo, hi in ranges for i in range(lo, hi + 1)}
+    total = 0
+    for f in sorted(entry.path.glob("*.safetensors")):
+        header, _, _ = read_safetensors_header_and_metadata(f)
+        for name, info in header.items():
+            m = _LAYER.search(name)
+            if m and int(m.group(1)) in want:
+                lo, hi = (int(x) for x in info["data_offsets"])  # type: ignore[attr-defined]
+                total += hi - lo
+    return total
+
+
+def wait_covered(status: Callable[[], dict[str, Any]], alias: str, model_id: str,
+                 timeout: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep, settle: float = 3.0
+                 ) -> tuple[float | None, dict[str, list[list[int]]]]:
+    """Poll `status` (the first node's) until `alias` is covered and the split holds still
+    for `settle` s; (seconds until first covered or None, the split)."""
+    start = clock()
+    first: float | None = None
+    split: dict[str, list[list[int]]] = {}
+    since = start
+    while clock() - start < timeout:
+        try:
+            st = status()
+        except OSError:
+            st = {}
+        now, new = clock(), split_of(st, model_id)
+        if covered(st, alias):
+            first = now - start if first is None else first
+            if new != split:
+                since = now
+            elif now - since >= settle:
+                return first, new
+        else:
+            since = now
+        split = new
+        sleep(0.5)
+    return first, split
+
+
+def _coverage(mesh: HouseholdMesh, entry: Any, args: argparse.Namespace, ids: list[str],
+              t0: float) -> dict[str, Any]:
+    """Wait for the model to be covered; each node's layers and fetched bytes."""
+    from hearthnet.distributed_inference.placement.autohost import layer_bytes
+
+    since_start = time.monotonic() - t0
+    first, split = wait_covered(lambda: mesh.status(ids[0]), entry.alias, entry.model_id,
+                                float(args.cover_timeout))
+    statuses = {n: _status(mesh, n) for n in ids}
+    names = (entry.alias, entry.model_id)
+    fetches = {n: fetched_bytes(st, names) for n, st in statuses.items()}
+    if first is None:
+        raise ShardUnavailable(not_covered_message(args.cover_timeout, ids, split, any(
+            f is not None for f in fetches.values())))
+    per_layer_held = layer_bytes(entry, resolve_format(args.weights, entry.dtype))
+    nodes: dict[str, Any] = {}
+    for i, n in enumerate(ids):
+        ranges = split.get(n, [])
+        stored = stored_layer_bytes(entry, ranges)
+        got = fetches[n]
+        nodes[n] = {"layers": ranges, "layer_count": layer_count(ranges),
+                    "imported": args.import_on == "all" or i == 0,
+                    "budget_mb": mesh.nodes[n].spec.auto["memory_mb"]  # type: ignore[index]
+                    if mesh.nodes[n].spec.auto else None,
+                    "layers_held_bytes": layer_count(ranges) * per_layer_held,
+                    "layers_stored_bytes": stored,
+                    "bytes_fetched": got[0] if got else None,
+                    "fetch_ratio": round(got[0] / stored, 3) if got and stored else None,
+                    "fetches": got[1] if got else None}
+    return {"covered": True, "covered_s": round(since_start + first, 1),
+            "serve_to_covered_s": round(first, 1),
+            "fetch_reported": any(f is not None for f in fetches.values()), "nodes": nodes}
+
+
+def _status(mesh: HouseholdMesh, node_id: str) -> dict[str, Any]:
+    try:
+        return mesh.status(node_id)
+    except OSError:
+        return {}
+
+
+async def _chat(uri: str, a: argparse.Namespace, tokens: int,
+                on_token: Callable[[list[tuple[float, dict[str, Any]]]], Any] | None = None
+                ) -> tuple[float, list[tuple[float, dict[str, Any]]]]:
+    """One greedy chat through `uri`: (its start, its frames with their arrival times).
+    `on_token(frames)` is awaited after each token (the frames so far)."""
+    from hearthnet.distributed_inference.engine.sampling import SamplingParams
+    from hearthnet.mesh.bus import bus_call
+    from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
+
+    call = chat_args(a.prompt, a.model, SamplingParams(max_tokens=tokens), wire_dtype=a.wire)
+    frames: list[tuple[float, dict[str, Any]]] = []
+    t0 = time.perf_counter()
+    async for f in bus_call(uri, CHAT_CAPABILITY, call):
+        frames.append((time.perf_counter(), f))
+        if on_token is not None and f.get("type") == "token_delta":
+            await on_token(frames)
+    if not frames or frames[-1][1].get("type") != "done":
+        raise HearthNetError(f"the chat did not finish: {[f for _, f in frames[-1:]]}")
+    return t0, frames
+
+
+def _tokens(frames: list[tuple[float, dict[str, Any]]]) -> list[int]:
+    return [int(f["token_id"]) for _, f in frames if f.get("type") == "token_delta"]
+
+
+def _distributed(frames: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
+    """The `done` frame of a chat that ran through the mesh to its end.
+
+    Raises:
+        HearthNetError: it fell back to the first node's local engine (with the reason).
+    """
+    done = frames[-1][1]
+    if done.get("fallback"):  # the local engine's figure is not the household's
+        why = next((f.get("reason") for _, f in frames if f.get("type") in (
+            "pipeline_aborted", "shard_failover")), "?")
+        raise HearthNetError(f"the chat fell back to the first node's local engine "
+                             f"({why}): no household figure to report")
+    return done
+
+
+async def _single(uri: str, a: argparse.Namespace) -> tuple[dict[str, Any], list[int]]:
+    """One measured chat: its figures and token ids."""
+    t0, frames = await _chat(uri, a, a.tokens)
+    done = _distributed(frames)
+    first = next(t for t, f in frames if f.get("type") == "token_delta")
+    ids = _tokens(frames)
+    return {"tokens_per_second": float(done["timings"]["tokens_per_second"]),
+            "first_token_ms": float(done["timings"]["first_token_ms"]),
+            "client_first_token_ms": (first - t0) * 1000, "completion_tokens": len(ids)}, ids
+
+
+async def _measure(built: list[Household], a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Single chats (alternating between the households), then each household's
+    concurrency levels and its kill; each household's figures."""
+    for h in built:
+        _distributed((await _chat(h.uri, a, 8))[1])  # warm-up
+    runs: list[list[dict[str, Any]]] = [[] for _ in built]
+    reference: list[list[int]] = [[] for _ in built]
+    for _ in range(a.runs):
+        for k, h in enumerate(built):
+            fig, reference[k] = await _single(h.uri, a)
+            runs[k].append(fig)
+    a.level_prompts = list(PROMPTS)
+    for k, h in enumerate(built):
+        h.figures["single"] = summary(runs[k])
+        h.figures.update(await concurrency.measure(
+            h.uri, a, h.scrape))
+        h.figures["kill"] = await _killed(h.mesh, h.ids, a, reference[k])
+    return [h.figures for h in built]
+
+
+async def _killed(mesh: HouseholdMesh, ids: list[str], a: argparse.Namespace,
+                  reference: list[int]) -> dict[str, Any]:
+    """A chat during which a node other than the first dies (see the module docstring)."""
+    kill: dict[str, Any] = {}
+
+    async def on_token(frames: list[tuple[float, dict[str, Any]]]) -> None:
+        if len(_tokens(frames)) == a.kill_after:
+            victim = _victim(frames, ids)
+            kill.update(node=victim, t=time.perf_counter())
+            await asyncio.to_thread(mesh.kill, victim)
+
+    t0, frames = await _chat(mesh.nodes[ids[0]].uri, a, a.tokens, on_token)
+    if not kill:
+        raise HearthNetError("the chat ended before the kill")
+    kinds = [f.get("type") for _, f in frames]
+    after = next((t for t, f in frames if t > kill["t"] and f.get("type") == "token_delta"),
+                 None)
+    done = frames[-1][1]
+    got = _tokens(frames)
+    how = "local fallback" if done.get("fallback") else (
+        "failover" if "shard_failover" in kinds else "no stage lost")
+    return {"node": kill["node"], "completed": done.get("type") == "done",
+            "completion_tokens": len(got), "tokens_identical": got == reference,
+            "how": how, "wall_ms": round((frames[-1][0] - t0) * 1000, 1),
+            "kill_to_next_token_ms": round((after - kill["t"]) * 1000, 1) if after else None,
+            "pipeline_after": done.get("pipeline"),
+            "frames": {k: kinds.count(k) for k in sorted({str(x) for x in kinds})}}
+
+
+def _victim(frames: list[tuple[float, dict[str, Any]]], ids: list[str]) -> str:
+    """The host of the call's last stage that is not the first node (else the last node)."""
+    stages = [f for _, f in frames if f.get("type") == "shard_status"
+              and f.get("status") == "ok"]
+    for f in sorted(stages, key=lambda f: f["layers"][0], reverse=True):
+        host = str(f["shard_id"]).rsplit("@", 1)[-1]
+        if host in ids[1:]:
+            return host
+    return ids[-1]
+
+
+def _log_tails(root: Path, chars: int = 2000) -> str:
+    """The end of every node's log (no tensor contents are ever logged)."""
+    return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-chars:]}"
+                     for f in sorted(root.glob("*.log")))
+
+
+# ---- the report --------------------------------------------------------------------------
+
+
+def _mb(x: int | None) -> str:
+    return "-" if x is None else f"{x / _MIB:.1f}"
+
+
+def _one_report(f: dict[str, Any], label: str) -> list[str]:
+    cov = f["coverage"]
+    rows = [[n, " ".join(f"{lo}-{hi}" for lo, hi in v["layers"]) or "nothing",
+             v["layer_count"], v["budget_mb"], "yes" if v["imported"] else "no",
+             _mb(v["layers_stored_bytes"]), _mb(v["bytes_fetched"]), v["fetch_ratio"]]
+            for n, v in cov["nodes"].items()]
+    s, k = f["single"], f["kill"]
+    lines = [f"{label}: covered in {cov['covered_s']} s from the nodes' start "
+             f"({cov['serve_to_covered_s']} s after serving)"
+             + ("" if cov["fetch_reported"] else "; no node reports fetches"),
+             table(["node", "layers", "count", "budget MiB", "imported", "layers MiB stored",
+                    "fetched MiB", "fetched / layers"], rows),
+             f"single chat: {s['tokens_per_second']} tok/s (runs {s['tokens_per_second_runs']}),"
+             f" first token {s['first_token_ms']} ms (client {s['client_first_token_ms']} ms)",
+             concurrency.report(f["concurrency"], f["concurrency_goals"]),
+             f"{k['node']} killed after the kill-after token: chat "
+             f"{'completed' if k['completed'] else 'FAILED'} ({k['how']}), "
+             f"{k['completion_tokens']} tokens, identical to the unkilled answer: "
+             f"{k['tokens_identical']}, {k['wall_ms']} ms, kill → next token "
+             f"{k['kill_to_next_token_ms']} ms"]
+    return lines
+
+
+def report(f: dict[str, Any]) -> str:
+    """The human-readable report of a `run` result."""
+    link = f["link"]
+    net = (f"{link['profile']} links ({', '.join(lk['name'] for lk in link['links'])})"
+           if link["applied"] else "the loopback" +
+           (f" (--profile {link['profile']} not applied: {link['why_not']})"
+            if link["why_not"] else ""))
+    lines = [f"bench household: {f['model_id']} on {f['nodes']} nodes over {net}, import on "
+             f"{f['import_on']}, budgets {f['budgets_mb']} MiB "
+             f"({f['budget_fraction_of_layers']} of the layers as held), weights "
+             f"{f['settings']['weights']}, {f['tokens']} tokens, median of {f['runs']}"]
+    lines += _one_report(f, "household")
+    if "loopback" in f:
+        lines += _one_report(f["loopback"], "the same on the loopback")
+        lines.append(f"single-chat tok/s / loopback's: {f['ratio_to_loopback']}" + (
+            "" if link["applied"] else " (both on the loopback: the profile was not "
+            "applied, so this ratio shows only the machine's noise)"))
+    lines.append(f"goals ({f['goals_source']}): " + ", ".join(
+        f"{k} {g['measured']} ({'met' if g['met'] else 'MISSED'}, goal {g['goal']})"
+        for k, g in f["goals"].items()))
+    lines.append(f"written to {f['results_file']}")
+    return "\n".join(lines)
