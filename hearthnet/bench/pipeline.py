@@ -142,41 +142,6 @@ def split_layers(num_layers: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
-def layer_step_speed(entry: Any, weights: str, *, layers: int = 2, steps: int = 48,
-                     threads: int | None = None) -> float:
-    """Decoder-layer steps per second of a real one-token decode step of `entry`'s first
-    `layers` layers held as `weights`, in the engine, eager, on `threads` torch threads
-    (default: as set): the median step of `steps` after a 16-token prefill — the median,
-    not the best, so a machine other processes share is timed as loaded as the run it
-    predicts will be.
-
-    What `planner.measure_speed` (a matrix-vector product over a layer's weights) leaves
-    out — attention over the cache, norms, rotary, per-layer Python — is in this figure."""
-    import torch
-
-    from hearthnet.distributed_inference.engine.layers import LayeredStack
-
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        hi = min(entry.num_layers, layers) - 1
-        stack = LayeredStack(entry, 0, hi, weights)
-        session = stack.open_session(0, hi, 16 + steps + 1)
-        times = []
-        with torch.inference_mode():
-            session.forward(torch.randn(1, 16, stack.hidden_size), 0)
-            for i in range(steps):
-                x = torch.randn(1, 1, stack.hidden_size)
-                t0 = time.perf_counter()
-                session.forward(x, 16 + i)
-                times.append(time.perf_counter() - t0)
-        session.close()
-        return float((hi + 1) / median(times))
-    finally:
-        torch.set_num_threads(before)
-
-
 def head_step_ms(entry: Any, weights: str, *, steps: int = 24, threads: int | None = None
                  ) -> float:
     """The orchestrator's own part of a decode step, timed: embed a token, norm + lm_head
@@ -211,7 +176,10 @@ def predict_run(entry: Any, args: argparse.Namespace, ranges: list[tuple[int, in
     beside the probe's."""
     from hearthnet.distributed_inference.engine.quant import compute_dtype_of
     from hearthnet.distributed_inference.placement import predict
-    from hearthnet.distributed_inference.placement.planner import measure_speed
+    from hearthnet.distributed_inference.placement.planner import (
+        measure_layer_speed,
+        measure_speed,
+    )
     from hearthnet.models.sizes import safetensors_sizes
 
     costs = predict.layer_costs(safetensors_sizes(entry.path, entry.alias), args.weights)
@@ -224,7 +192,7 @@ def predict_run(entry: Any, args: argparse.Namespace, ranges: list[tuple[int, in
                               dtype=compute_dtype_of(costs.fmt))
     finally:
         torch.set_num_threads(before)
-    engine = layer_step_speed(entry, costs.fmt, threads=args.node_threads)
+    engine = measure_layer_speed(entry, costs.fmt, threads=args.node_threads)
     head_ms = head_step_ms(entry, costs.head_fmt, threads=args.node_threads)
     # the timed head step as layer steps per second of the head's matmul
     head_speed = costs.head_matmul_params / max(1, costs.params_per_layer) / (head_ms / 1000)

@@ -141,10 +141,10 @@ def measure_here(costs: Any, entry: Any, hidden: int) -> Any:
     automatic hosts advertise (which leaves out attention, norms and per-layer overhead)."""
     from hearthnet.distributed_inference.placement.predict import Sourced
 
-    if entry is not None:
-        from hearthnet.bench.pipeline import layer_step_speed
+    if entry is not None and entry.held_layers:
+        from hearthnet.distributed_inference.placement.planner import measure_layer_speed
 
-        speed = layer_step_speed(entry, costs.fmt, threads=1)
+        speed = measure_layer_speed(entry, costs.fmt, threads=1)
         return Sourced(speed, f"measured on this machine, 1 torch thread: a real "
                               f"decoder layer of "
                               f"{entry.alias} as {costs.fmt}, one-token steps")

@@ -6,8 +6,10 @@ what the event log says and acts on the answer.
 The rule is Petals' block selection, restated for HearthNet's inclusive layer ranges:
 
 - **speed** of a host: decoder-layer steps per second it measured for one token
-  (`measure_speed`), or the number its config pins. A host serving ``k`` layers passes
-  ``speed / k`` tokens per second through its range: that is its **throughput**, and
+  (`measure_layer_speed`: real decoder layers of the model; the matrix-vector probe
+  `measure_speed` where the node holds none of its layers yet), or the number its config
+  pins. A host serving ``k`` layers passes ``speed / k`` tokens per second through its
+  range: that is its **throughput**, and
   every layer of its range gets it added to its **coverage**.
 - A host **places** a window of ``length`` layers where the sorted coverage of the window
   is lexicographically smallest (`best_start`): it raises the weakest layers first, and an
@@ -25,9 +27,11 @@ The rule is Petals' block selection, restated for HearthNet's inclusive layer ra
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -188,6 +192,46 @@ def plan_move(num_layers: int, spans: Sequence[Span], mine: Span, balance_qualit
         return None  # would open a gap, or gains nothing
     move = Move(mine, new_lo, before, after)
     return move if move.quality < balance_quality else None
+
+
+def measure_layer_speed(entry: Any, weights: str, *, layers: int = 2, steps: int = 48,
+                        threads: int | None = None) -> float:
+    """Decoder-layer steps per second of a real one-token decode step over `entry`'s first
+    held `layers` layers, held as `weights`, in the engine, eager, on `threads` torch
+    threads (default: as set): the median step of `steps` after a 16-token prefill — the
+    median, not the best, so a machine other processes share is timed as loaded as the
+    chats it predicts will be.
+
+    What `measure_speed` (a matrix-vector product over a layer's weights) leaves out —
+    attention over the cache, norms, rotary, per-layer Python — is in this figure: on
+    SmolLM2 the probe said 1,820 layer steps/s where real layers ran 748, so a plan from
+    the probe predicted 2.2x the measured tok/s and one from this figure 0.99x
+    (docs/benchmarks.md). Reads those layers' weights: `entry` must hold them.
+    """
+    from hearthnet.distributed_inference.engine.layers import LayeredStack
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        lo = entry.held_layers[0][0]
+        hi = min(entry.held_layers[0][1], lo + layers - 1)
+        stack = LayeredStack(entry, lo, hi, weights)
+        session = stack.open_session(lo, hi, 16 + steps + 1)
+        times = []
+        try:
+            with torch.inference_mode():
+                session.forward(torch.randn(1, 16, stack.hidden_size), 0)
+                for i in range(steps):
+                    x = torch.randn(1, 1, stack.hidden_size)
+                    t0 = time.perf_counter()
+                    session.forward(x, 16 + i)
+                    times.append(time.perf_counter() - t0)
+        finally:
+            session.close()
+        return float((hi - lo + 1) / statistics.median(times))
+    finally:
+        torch.set_num_threads(before)
 
 
 MEASURE_MAX_PARAMS = 16 * 2**20
