@@ -75,7 +75,6 @@ from hearthnet.distributed_inference.placement.planner import (
     coverage,
     fetch_seconds,
     gap_lengths,
-    measure_layer_speed,
     measure_speed,
     plan_move,
     split_lengths,
@@ -297,15 +296,12 @@ class AutoHost:
 
     @staticmethod
     def _measure(entry: ModelEntry, fmt: str, params: int) -> float:
-        """Layer steps per second here: real decoder layers of `entry` where this store
-        holds some (what a chat will run: the probe alone overstated SmolLM2's speed 2.4x,
-        and every plan built on it), else the matrix-vector probe (a partial model fetched
-        for planning holds no layer yet)."""
-        if entry.held_layers:
-            try:
-                return measure_layer_speed(entry, fmt)
-            except (HearthNetError, OSError, RuntimeError) as e:
-                log.warning("autohost_layer_speed_failed", model=entry.alias, error=str(e))
+        """Layer steps per second here, for the split: the matrix-vector probe on every
+        host, so hosts compare like with like. A host that holds the model could time its
+        real layers (`measure_layer_speed`, what `hearthnet plan` uses), but a host that
+        is to fetch its layers holds none to time: mixing the two gave the fetching hosts
+        11 layers each and the holder 8 in `bench household` (the probe overstates a
+        SmolLM2 layer's speed 2.4x)."""
         return measure_speed(params, entry.hidden_size, dtype=compute_dtype_of(fmt))
 
     def _max_layers(self, entry: ModelEntry, cost: ModelCost) -> int:

@@ -6,8 +6,8 @@ what the event log says and acts on the answer.
 The rule is Petals' block selection, restated for HearthNet's inclusive layer ranges:
 
 - **speed** of a host: decoder-layer steps per second it measured for one token
-  (`measure_layer_speed`: real decoder layers of the model; the matrix-vector probe
-  `measure_speed` where the node holds none of its layers yet), or the number its config
+  (`measure_speed`, a matrix-vector probe every host can run before it holds a layer;
+  `measure_layer_speed` times real layers, for predictions), or the number its config
   pins. A host serving ``k`` layers passes ``speed / k`` tokens per second through its
   range: that is its **throughput**, and
   every layer of its range gets it added to its **coverage**.
