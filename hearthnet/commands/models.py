@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hearthnet.constants import DEFAULT_GGUF_DTYPE
 from hearthnet.models.shapes import SHAPES
@@ -53,7 +53,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     syn.add_argument("--alias", default=None, help="store alias (default: SHAPE)")
     syn.add_argument("--seed", type=int, default=0)
     syn.set_defaults(func=_synth)
-    ls = msub.add_parser("list", help="list imported models")
+    ls = msub.add_parser("list", help="list imported models (with --config: and what each "
+                         "node of the mesh holds)")
+    ls.add_argument("--config", default=None,
+                    help="a running node's TOML: also list what every member holds of each "
+                         "model, from the node's view of the mesh")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_list)
     ver = msub.add_parser("verify", help="recompute a model's hashes")
@@ -134,8 +138,15 @@ def _synth(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     entries = _store(args).entries()
+    held: list[dict[str, Any]] | None = None
+    if args.config is not None:  # the members' held events, as the running node folds them
+        from hearthnet.commands.remote import http_get_json
+        from hearthnet.node.admin import node_uri
+
+        held = list(http_get_json(node_uri(args.config), "/status").get("held") or [])
     if args.json:
-        print(json.dumps([e.to_json(tensors=False) for e in entries], indent=2))
+        mine = [e.to_json(tensors=False) for e in entries]
+        print(json.dumps(mine if held is None else {"store": mine, "held": held}, indent=2))
         return 0
     if not entries:
         print("no models; import one with `hearthnet models import smollm2`")
@@ -147,7 +158,21 @@ def _list(args: argparse.Namespace) -> int:
                 " + head" if e.holds_head else "")
         print(f"{e.alias:<14} {e.model_id:<40} layers={e.num_layers:<3} {e.stored_as:<9} "
               f"{size:>8.0f} MB sha256={e.weights_sha256[:16]}…{tag}  {e.path}")
+    if held is not None:
+        print(render_held(held))
     return 0
+
+
+def render_held(held: list[dict[str, Any]]) -> str:
+    """What each member holds of each model (``/status`` ``held``), one line per holding."""
+    if not held:
+        return "\nheld in the mesh: no member has said it holds a model yet"
+    lines = ["", "held in the mesh (members fetch missing layers from these):"]
+    for h in sorted(held, key=lambda h: (str(h.get("model")), str(h.get("node")))):
+        layers = ", ".join(f"{a}-{b}" for a, b in h.get("layers") or []) or "none"
+        lines.append(f"  {h.get('model', '?'):<14} {h.get('node', '?'):<16} layers {layers}"
+                     + (" + head" if h.get("head") else ""))
+    return "\n".join(lines)
 
 
 def _remove(args: argparse.Namespace) -> int:

@@ -159,6 +159,13 @@ def test_a_node_fetches_only_its_layers_and_serves_them(tmp_path: Path, source: 
         # node-b now holds those layers and says so: another node could fetch from it
         assert any(h["node"] == "node-b" and h["layers"] == [list(LAYERS)]
                    for h in mesh.status("node-a")["held"])
+        # and `hearthnet models list --config` shows what each node holds
+        out = subprocess.run([sys.executable, "-m", "hearthnet.cli", "models", "list",
+                              "--config", str(a.config)], capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+        lo, hi = LAYERS
+        assert re.search(rf"smollm2\s+node-b\s+layers {lo}-{hi}\n", out), out
+        assert re.search(r"smollm2\s+node-a\s+layers 0-29 \+ head", out), out
         _non_member_gets_nothing(mesh, a)
         assert _chat_tokens(a.uri) == tokens  # node-a still serves
     finally:
