@@ -63,6 +63,7 @@ from hearthnet.bench import (
     write_results,
 )
 from hearthnet.bench.lan import PROFILES, Lan, LanUnavailable, Link, NsForward, links_for
+from hearthnet.bench.pipeline import prediction_report
 from hearthnet.distributed_inference.directory.formats import (
     FORMATS,
     head_format,
@@ -239,6 +240,10 @@ def goals(f: dict[str, Any]) -> dict[str, Any]:
                               "met": worst <= GOALS["fetch_ratio_max"]}
     answered = f.get("single", {}).get("completion_tokens", 0) > 0
     out["chat_answered"] = {"measured": answered, "goal": True, "met": answered}
+    plan = (f.get("prediction") or {}).get("engine_vs_measured", {})
+    if "ratio_single" in plan:  # the plan's single-chat tok/s against this run's
+        out["plan_ratio"] = {"measured": plan["ratio_single"], "goal": "0.75..1.25",
+                             "met": bool(plan["within_25_percent"])}
     ratio = f.get("ratio_to_loopback")
     if ratio is not None and f["link"]["profile"] == "wifi" and f["link"]["applied"]:
         out["wifi_ratio_to_loopback"] = {"measured": ratio, "goal": GOALS["wifi_ratio_min"],
@@ -376,6 +381,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         lo = measured[1]["single"]["tokens_per_second"]
         figures["ratio_to_loopback"] = round(
             figures["single"]["tokens_per_second"] / lo, 3) if lo else None
+    figures["prediction"] = _prediction(entry, args, figures)
     scene = (args.model, args.nodes) == GOAL_SCENE
     figures["goals_source"] = ("the issue's household: qwen2.5-7b on 3 nodes" if scene else
                                f"the 7B household's goals, checked on {args.model} over "
@@ -384,6 +390,36 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     name = f"household-{args.model}-{args.profile}-{args.import_on}"
     figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
     return figures, report(figures)
+
+
+def _prediction(entry: Any, args: argparse.Namespace, f: dict[str, Any]
+                ) -> dict[str, Any] | None:
+    """`hearthnet plan`'s prediction for the split the household chose (one stage per
+    node's range, the first node orchestrating; every node this machine at
+    ``--node-threads``), beside the single chat and 8 chats measured on the profile's
+    links (`bench.pipeline.predict_run`: a real decoder layer timed in the engine, and the
+    probe automatic hosts advertise). Overlapping ranges become consecutive stages, as a
+    chat's pipeline takes them; None when the split leaves a gap."""
+    from hearthnet.bench.pipeline import predict_run, predicted_beside_measured
+
+    stages: list[tuple[int, int]] = []
+    nxt = 0  # a chat's stages: each host's range from the layer after the previous stage
+    for lo, hi in sorted((int(r[0]), int(r[1])) for n in f["coverage"]["nodes"].values()
+                         for r in n["layers"]):
+        if hi < nxt:
+            continue  # wholly inside the stages before it
+        if lo > nxt:
+            return None  # a gap: no pipeline to predict
+        stages.append((nxt, hi))
+        nxt = hi + 1
+    if nxt != entry.num_layers:
+        return None
+    pred = predict_run(entry, args, stages)
+    # the household reports no per-hop overhead: the prediction keeps its default hop
+    run = {"distributed": {"tokens_per_second": f["single"]["tokens_per_second"],
+                           "hops": {"overhead_p50_ms_max": pred["engine"]["hop_ms"]}},
+           "concurrency": f.get("concurrency", [])}
+    return predicted_beside_measured(pred, run)
 
 
 @contextlib.contextmanager
@@ -727,6 +763,8 @@ def report(f: dict[str, Any]) -> str:
         lines.append(f"single-chat tok/s / loopback's: {f['ratio_to_loopback']}" + (
             "" if link["applied"] else " (both on the loopback: the profile was not "
             "applied, so this ratio shows only the machine's noise)"))
+    if f.get("prediction"):
+        lines.append(prediction_report(f["prediction"]))
     lines.append(f"goals ({f['goals_source']}): " + ", ".join(
         f"{k} {g['measured']} ({'met' if g['met'] else 'MISSED'}, goal {g['goal']})"
         for k, g in f["goals"].items()))

@@ -156,6 +156,16 @@ def test_goals_check_budgets_fetches_and_the_wifi_ratio():
     assert "wifi_ratio_to_loopback" not in g and "fetch_ratio" not in g
 
 
+def test_the_plans_prediction_is_a_goal_only_when_it_was_made():
+    f = _figures()
+    assert "plan_ratio" not in household.goals(f)  # no prediction (the split left a gap)
+    for ratio, met in ((0.99, True), (1.3, False)):
+        f["prediction"] = {"engine_vs_measured": {"ratio_single": ratio,
+                                                  "within_25_percent": abs(ratio - 1) <= .25}}
+        assert household.goals(f)["plan_ratio"] == {"measured": ratio, "goal": "0.75..1.25",
+                                                    "met": met}
+
+
 def test_household_options_refuse_a_one_node_household_and_bad_fractions():
     p = argparse.ArgumentParser(exit_on_error=False)
     household.add_args(p)
