@@ -69,7 +69,7 @@ def test_kept_blocks_held_as_int4_answer_as_the_fp32_dequantised_model(family, q
     # its Q4 blocks held as they are keep every stored weight: a default (lossless) call
     # takes int4 shards of this store, and fp32 ones; never int8 or bf16
     assert lossless_of(entry) == {"fp32", "int4"}
-    _list(argparse.Namespace(models_dir=str(tmp_path / "store"), json=False))
+    _list(argparse.Namespace(models_dir=str(tmp_path / "store"), json=False, config=None))
     listed = capsys.readouterr().out
     assert f" gguf:{quant} " in listed and "float32" not in listed
     size = sum(f.stat().st_size for f in entry.path.glob("*.safetensors"))
