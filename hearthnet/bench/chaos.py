@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hearthnet.argtypes import at_least, positive
+from hearthnet.argtypes import at_least, number_in, positive
 from hearthnet.bench import PROMPTS, machine, single_model_dir, table, write_results
 from hearthnet.distributed_inference.directory.formats import DEFAULT_POLICY, accepts
 from hearthnet.errors import BadRequest, HearthNetError
@@ -112,6 +112,9 @@ class Answer:
         return [int(f["token_id"]) for f in self.frames if f.get("type") == "token_delta"]
 
 
+_SECONDS = number_in(0, 600, "seconds")  # a bad one is a usage error before any node starts
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     """Options of `hearthnet bench chaos`."""
     p.add_argument("--model", default="smollm2", help="model alias in the store")
@@ -127,24 +130,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the fault comes after this many tokens reached the client")
     p.add_argument("--flood", type=positive, default=6,
                    help="chats node-f opens at once in `flood` (default 6)")
-    p.add_argument("--health-timeout", type=_seconds, default=6.0,
+    p.add_argument("--health-timeout", type=_SECONDS, default=6.0,
                    help="the nodes' shard_health_timeout_seconds (default 6)")
-    p.add_argument("--step-timeout", type=_seconds, default=3.0,
+    p.add_argument("--step-timeout", type=_SECONDS, default=3.0,
                    help="the calls' per-step deadline, params.timeout_s (default 3)")
     p.add_argument("--node-threads", type=positive, default=1, help="torch threads per node")
     p.add_argument("--results-dir", default="bench-results",
                    help="folder for chaos.json (default bench-results)")
-
-
-def _seconds(text: str) -> float:
-    """argparse type of a duration > 0: a bad one is a usage error before any node starts."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < v <= 600:
-        raise argparse.ArgumentTypeError(f"must be in (0, 600] seconds, not {v:g}")
-    return v
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

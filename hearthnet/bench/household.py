@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hearthnet.argtypes import decode_tokens, positive
+from hearthnet.argtypes import at_least, decode_tokens, number_in, positive
 from hearthnet.bench import (
     PROMPTS,
     concurrency,
@@ -82,23 +82,13 @@ _MIB = 2**20
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-def _fraction(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < x <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {x}")
-    return x
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     """Options of `hearthnet bench household`."""
     p.add_argument("--model", default="smollm2", help="model alias in the store (any stored "
                    "or synthetic model, e.g. `hearthnet models synth qwen2.5-7b`)")
     p.add_argument("--weights", default="fp32", choices=FORMATS,
                    help="format the hosts hold their layers in (default fp32)")
-    p.add_argument("--nodes", type=at_least_two, default=3, help="machines (default 3)")
+    p.add_argument("--nodes", type=at_least(2), default=3, help="machines (default 3)")
     p.add_argument("--profile", choices=PROFILES, default="wifi",
                    help="the links: gigabit (0.2 ms, 1 Gbit/s), wifi (2 ms ± 0.5 ms, "
                         "300 Mbit/s, 0.1 %% loss), mixed (the first node on gigabit, the "
@@ -107,7 +97,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import-on", choices=["one", "all"], default="all",
                    help="whose store holds the model: every node's, or only the first's "
                         "(the others fetch their layers; default all)")
-    p.add_argument("--budget-fraction", type=_fraction, default=0.4,
+    p.add_argument("--budget-fraction", type=number_in(0, 1), default=0.4,
                    help="each node's memory budget as a fraction of the model's layers as "
                         "held (default 0.4)")
     p.add_argument("--budgets-mb", default=None,
@@ -131,14 +121,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=PROMPTS[0])
     p.add_argument("--results-dir", default="bench-results",
                    help="folder for household-<profile>.json (default bench-results)")
-
-
-def at_least_two(text: str) -> int:
-    """argparse type of ``--nodes``: a household of one machine shares nothing."""
-    n = positive(text)
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"a household needs at least 2 nodes, not {n}")
-    return n
 
 
 # ---- pure parts --------------------------------------------------------------------------

@@ -74,7 +74,10 @@ class Sampler:
         """`logits` (vocab,) with every token the grammar does not allow next at -inf.
 
         The row may be longer than the tokenizer (a model's padded vocabulary): those ids
-        are no token at all and are masked too.
+        are no token at all and are masked too. The bits are unpacked here in eager torch
+        rather than by `llguidance.torch.apply_token_bitmask_inplace`, whose kernel is a
+        `torch.compile(dynamic=True)` function: a node would compile it (seconds of
+        inductor on a CPU) in the middle of the first constrained answer.
         """
         g = self.grammar
         if g is None:
