@@ -112,11 +112,13 @@ from hearthnet.node.fetch import (
     HELD,
     MANIFEST_CAPABILITY,
     READ_CAPABILITY,
+    STALE_STAGING_S,
     WEIGHTS_CAPABILITIES,
     HeldModels,
     WeightsFetcher,
     WeightsService,
     held_payload,
+    remove_stale_staging,
 )
 from hearthnet.node.guard import NodeGuard, remove_state, write_state
 from hearthnet.node.supervise import Supervisor
@@ -288,6 +290,9 @@ class Node:
         self.held.rebuild(self.log.all_events())
         self.log.subscribe(self.held.apply)
         self.weights = WeightsService(self.models)
+        for name in remove_stale_staging(self.models.root, time.time()):
+            log.info("weights_fetch_abandoned", folder=name,
+                     why=f"untouched for over {STALE_STAGING_S / 86400:.0f} days")
         self.fetcher = WeightsFetcher(self.models, self.held, self._weights_call,
                                       node_id=self.node_id, registry=self.metrics.registry,
                                       on_stored=self._announce_held)
@@ -354,7 +359,8 @@ class Node:
             batch_window_ms=cfg.di.batch_window_ms,
             local_weights=cfg.di.head_weights,
             head_device=str(resolve_device(cfg.di.head_device)),  # absent: start-up error
-            draft_models=cfg.di.draft_models, speculate_max_tokens=cfg.di.speculate_max_tokens)
+            draft_models=cfg.di.draft_models, speculate_max_tokens=cfg.di.speculate_max_tokens,
+            local_budget_mb=cfg.di.auto.memory_mb or cfg.di.host.shard_max_vram_mb)
 
     async def _join_mesh(self) -> None:
         """The bus capabilities, the links to configured peers, mDNS discovery, and the

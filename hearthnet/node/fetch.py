@@ -81,6 +81,7 @@ MAX_NAME = 512
 MAX_RANGES = 256  # ranges in one read call (a layer's small tensors go together)
 MANIFEST_QUORUM = 3  # holders whose tables are compared before a fetch
 WORKERS_PER_HOLDER = 2  # calls in flight to one holder: a link's latency is overlapped
+STALE_STAGING_S = 7 * 86400.0  # an unfinished fetch untouched this long is given up
 STATE = "fetch.json"
 DATA = "data.safetensors.partial"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -391,6 +392,25 @@ class _BadBytes(Exception):
 
 
 # ---- fetching ----
+
+def remove_stale_staging(root: Path, now: float, max_age_s: float = STALE_STAGING_S
+                         ) -> list[str]:
+    """Remove the staging folders of fetches untouched for `max_age_s` (a fetch for a
+    placement that never came back: its bytes would fill the disk unseen, since `models
+    list` hides folders being written); the names removed. A fetch asked for again within
+    the age resumes from its folder instead (`_fill`)."""
+    gone = []
+    for d in root.glob(f"*.fetch-*{IMPORTING}"):
+        try:
+            touched = max([d.stat().st_mtime,
+                           *(f.stat().st_mtime for f in d.iterdir() if f.is_file())])
+        except OSError:
+            continue  # removed meanwhile
+        if now - touched > max_age_s:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d.name)
+    return gone
+
 
 class WeightsFetcher:
     """Fetches parts of models from members into this node's store (module docstring)."""

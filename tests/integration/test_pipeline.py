@@ -88,6 +88,34 @@ async def test_fallback_to_local_continues_the_same_answer(smollm2, model_store,
     assert m.fallback_to_local_total._value.get() == 1
 
 
+async def test_no_fallback_past_the_budget_ends_with_why(smollm2, model_store, local_tokens):
+    """A node whose budget cannot hold the whole model does not load it to continue (the
+    household's model is one no machine holds): the answer ends with an error that says
+    why, after every token it gave."""
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    c = mesh.add("node-c", 15, 29)
+    c.fail_after_steps = 6
+    orch, m = _orch(mesh, model_store, local_budget_mb=100)  # SmolLM2's layers: 405 MB fp32
+    frames = await _run(orch)
+    ab, err = frames[-2], frames[-1]
+    assert ab["type"] == "pipeline_aborted" and ab["continuing"] is None
+    assert err["type"] == "error" and err["code"] == "shard_unavailable"
+    assert "over this node's budget of 100 MiB" in err["message"]
+    got = _tokens(frames)
+    assert 0 < len(got) < len(local_tokens) and got == local_tokens[:len(got)]
+    assert m.fallback_to_local_total._value.get() == 0 and not orch._locals
+
+
+def test_a_partial_model_never_continues_alone(smollm2, model_store):
+    import dataclasses
+
+    orch, _ = _orch(InProcessMesh(smollm2), model_store)
+    part = dataclasses.replace(smollm2, holds={"layers": [[0, 14]], "head": True})
+    assert "holds only layers [(0, 14)]" in orch._why_not_local(part)
+    assert orch._why_not_local(smollm2) is None  # no budget given: the whole model loads
+
+
 async def test_no_spare_no_fallback_aborts(smollm2, model_store):
     mesh = InProcessMesh(smollm2)
     mesh.add("node-b", 0, 14)

@@ -27,12 +27,14 @@ from hearthnet.node.fetch import (
     HELD,
     MANIFEST_CAPABILITY,
     MAX_READ_BYTES,
+    STALE_STAGING_S,
     STATE,
     FetchPlan,
     HeldModels,
     WeightsFetcher,
     WeightsService,
     held_payload,
+    remove_stale_staging,
 )
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -328,3 +330,19 @@ def test_a_node_says_what_it_holds_as_its_store_changes(tmp_path: Path, tiny: Pa
     store.remove("tiny")
     Node._announce_held_changes(node)
     assert holders() == []  # gone: members stop asking
+
+
+def test_an_abandoned_fetch_is_removed_after_a_week_and_a_recent_one_kept(
+        tmp_path: Path, tiny: Path) -> None:
+    only = Holder(_holder_store(tmp_path, "a", tiny), die_after=3)
+    fetcher, store, _ = _fetcher(tmp_path, Mesh(tmp_path, {"a": only}))
+    with pytest.raises(ShardUnavailable):
+        asyncio.run(fetcher.fetch("tiny", [(0, 5)], head=False))
+    stage = next(store.root.glob("tiny.fetch-*"))
+    touched = max(f.stat().st_mtime for f in [stage, *stage.iterdir()])
+    other = store.root / "tiny.importing"  # an import under way is not a fetch's
+    other.mkdir()
+    assert remove_stale_staging(store.root, touched + STALE_STAGING_S - 1) == []
+    assert stage.exists()
+    assert remove_stale_staging(store.root, touched + STALE_STAGING_S + 1) == [stage.name]
+    assert not stage.exists() and other.exists()

@@ -28,6 +28,7 @@ from hearthnet.distributed_inference.directory.formats import (
     call_formats,
     formats_for,
     lossless_of,
+    resolve_format,
 )
 from hearthnet.distributed_inference.directory.health import ShardHealthTracker
 from hearthnet.distributed_inference.directory.routing import ShardRouter
@@ -35,6 +36,7 @@ from hearthnet.distributed_inference.engine.base import ClientHead
 from hearthnet.distributed_inference.engine.generation import Generation, PromptLimits, TokenEvent
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.local import LocalEngine, LocalTimings
+from hearthnet.distributed_inference.engine.memory import layer_weight_bytes
 from hearthnet.distributed_inference.engine.speculation import (
     DEFAULT_MAX_PROPOSED,
     DraftProposer,
@@ -100,7 +102,8 @@ class PipelineOrchestrator:
                  local_weights: str = "fp32", limits: PromptLimits | None = None,
                  prefill_chunk_tokens: int = 256, head_device: str = "cpu",
                  batch_window_ms: float = 2.0, draft_models: dict[str, str] | None = None,
-                 speculate_max_tokens: int = DEFAULT_MAX_PROPOSED) -> None:
+                 speculate_max_tokens: int = DEFAULT_MAX_PROPOSED,
+                 local_budget_mb: int = 0) -> None:
         self.models, self.router, self.health, self.metrics = models, router, health, metrics
         self.connect, self.executor = connect, executor
         self.defaults = defaults or DistributedChatParams()
@@ -124,6 +127,7 @@ class PipelineOrchestrator:
         self.running = RunningCalls()  # calls in progress (the status page), counts only
         self._slots = asyncio.Semaphore(max_concurrent_pipelines)
         self.local_weights = local_weights  # the head's and local engine's format
+        self.local_budget_mb = local_budget_mb  # the local engine's layers; 0: unbounded
         self.head_device = head_device  # where the head (and fallback) run (DESIGN.md decision 11)
         self.limits = limits or PromptLimits()
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
@@ -471,11 +475,31 @@ class PipelineOrchestrator:
                        ) -> AsyncIterator[StreamFrame]:
         """The pipeline cannot go on: continue locally, or abort (M26 §5.4)."""
         if params.fallback_to_local and code != "weights_mismatch":
-            async for f in self._continue_locally(entry, gen, reason, t0, first_ms, spec):
-                yield f
-            return
+            why_not = self._why_not_local(entry)
+            if why_not is None:
+                async for f in self._continue_locally(entry, gen, reason, t0, first_ms, spec):
+                    yield f
+                return
+            reason = f"{reason}; {why_not}"
         yield PipelineAborted(reason, None, len(gen.tokens))
         yield ErrorFrame(code, reason)
+
+    def _why_not_local(self, entry: ModelEntry) -> str | None:
+        """Why this node cannot continue an answer on its own engine, or None (M26 §5.4's
+        fallback needs the whole model: a household's model is one no machine holds)."""
+        if entry.head_key() in self._locals:
+            return None
+        if entry.partial:
+            return (f"this node holds only layers {entry.held_layers} of {entry.alias}, so "
+                    f"it cannot continue the answer alone")
+        if self.local_budget_mb:
+            need = layer_weight_bytes(entry, 0, entry.num_layers - 1,
+                                      resolve_format(self.local_weights, entry.dtype))
+            if need > self.local_budget_mb * 2**20:
+                return (f"continuing alone needs all of {entry.alias}'s layers, "
+                        f"{need / 2**20:.0f} MiB as {self.local_weights}, over this node's "
+                        f"budget of {self.local_budget_mb} MiB")
+        return None
 
     async def _continue_locally(self, entry: ModelEntry, gen: Generation, reason: str,
                                 t0: float, first_ms: float | None,
