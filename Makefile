@@ -73,7 +73,7 @@ bench: install
 	$(HN) bench failover --json
 	$(HN) bench api --json
 	$(HN) bench placement --json
-	$(HN) bench household --profile wifi --import-on one --compare-loopback --json  # SmolLM2 on 3 machines: network namespaces on tc netem Wi-Fi links (root and netem; else the loopback, said), budgets 0.4 of the model, imported on one node, the others fetch their layers
+	$(HN) bench household --profile wifi --import-on one --compare-loopback --json  # SmolLM2 on 3 machines: network namespaces on shaped Wi-Fi links (root; tc netem, else the user-space link emulator; else the loopback, said), budgets 0.4 of the model, imported on one node, the others fetch their layers
 # the household goal run (hours on 2 cores): the 7B shape, budgets < 45 %, wifi ≥ 0.85 × loopback
 #	$(HN) models synth qwen2.5-7b && $(HN) bench household --model qwen2.5-7b --weights int8 --profile wifi --import-on one --compare-loopback --tokens 32 --json
 	HEARTHNET_DATA_DIR=$(TEST_DATA_DIR) HEARTHNET_WIRE_REPORT=1 $(PY) -m pytest -q -s -p no:timeout tests/integration/test_wire_report.py  # first divergence of each wire dtype vs fp32

@@ -22,15 +22,19 @@ Measured, in order, on one mesh:
 2. single chat: first token and decode tokens/s, the median of ``--runs`` greedy chats;
 3. ``--concurrency`` levels (default 1 and 8 chats at once, `hearthnet.bench.concurrency`);
 4. one node other than the first is killed (SIGKILL, its whole namespace on a LAN) after
-   ``--kill-after`` tokens of a chat: the chat must still end — through another host or
-   the first node's local engine — and its tokens are compared with the unkilled answer.
+   ``--kill-after`` tokens of a chat: the chat must still end — through another host,
+   the first node's local engine where its budget holds the whole model, or else with an
+   error naming the layers no live node holds — and its tokens are compared with the
+   unkilled answer.
 
 ``--compare-loopback`` builds the same household on the loopback beside the first (both
 stand at once, and their single chats alternate, so a change in the machine's load hits
 both) and gives the ratio of the single-chat tokens/s (the goal: Wi-Fi ≥ 0.85 ×
-loopback); its concurrency levels and kill follow the first's. Where namespaces
-cannot be made (not root, no iproute2, no netem qdisc) the output says why and the same
-runs on the loopback. Processes, namespaces, links, the bridge and temporary folders are
+loopback); its concurrency levels and kill follow the first's. The links are shaped by
+`tc netem` where the kernel has it, else by the user-space emulator
+(`hearthnet.bench.linkem`; ``--shaper`` picks one), and the report says which. Where
+namespaces cannot be made (not root, no iproute2, neither netem nor ``/dev/net/tun``) the
+output says why and the same runs on the loopback. Processes, namespaces, links, the bridge and temporary folders are
 removed at the end, also on failure, Ctrl-C and SIGTERM.
 """
 
@@ -62,7 +66,15 @@ from hearthnet.bench import (
     table,
     write_results,
 )
-from hearthnet.bench.lan import PROFILES, Lan, LanUnavailable, Link, NsForward, links_for
+from hearthnet.bench.lan import (
+    PROFILES,
+    SHAPERS,
+    Lan,
+    LanUnavailable,
+    Link,
+    NsForward,
+    links_for,
+)
 from hearthnet.bench.pipeline import prediction_report
 from hearthnet.distributed_inference.directory.formats import (
     FORMATS,
@@ -94,6 +106,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "300 Mbit/s, 0.1 %% loss), mixed (the first node on gigabit, the "
                         "others on wifi) or loopback; each link shapes both directions, so "
                         "a packet between two nodes pays two links (default wifi)")
+    p.add_argument("--shaper", choices=SHAPERS, default="auto",
+                   help="how the links are shaped: netem (the kernel's qdisc), userspace "
+                        "(an emulator process, for kernels without netem) or auto: netem "
+                        "where the kernel has it (default auto)")
     p.add_argument("--import-on", choices=["one", "all"], default="all",
                    help="whose store holds the model: every node's, or only the first's "
                         "(the others fetch their layers; default all)")
@@ -203,7 +219,36 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "first_token_ms": round(median([r["first_token_ms"] for r in runs]), 1),
             "client_first_token_ms": round(median([r["client_first_token_ms"]
                                                    for r in runs]), 1),
-            "completion_tokens": runs[-1]["completion_tokens"]}
+            "completion_tokens": runs[-1]["completion_tokens"],
+            # each stage's round trip and overhead p50 (median over the runs)
+            "stages": {sid: {"layers": st["layers"],
+                             **{k: round(median([r["stages"][sid][k] for r in runs
+                                                 if sid in r.get("stages", {})]), 3)
+                                for k in ("p50_ms", "overhead_p50_ms")}}
+                       for sid, st in runs[-1].get("stages", {}).items()}}
+
+
+def stage_lines(pred: dict[str, Any], measured: dict[str, Any]) -> list[str]:
+    """Each stage's predicted compute beside its measured round trip less overhead."""
+    got = {tuple(m["layers"]): m for m in measured.values()}
+    out = []
+    for st in pred.get("engine", {}).get("stages", []):
+        m = got.get(tuple(st["layers"]))
+        if m is not None:
+            out.append(f"  stage {st['layers'][0]}-{st['layers'][1]}: predicted {st['ms']} ms "
+                       f"of compute, measured {round(m['p50_ms'] - m['overhead_p50_ms'], 3)} "
+                       f"ms (round trip p50 {m['p50_ms']} ms, overhead {m['overhead_p50_ms']})")
+    return out
+
+
+def warmup_hop(done: dict[str, Any]) -> dict[str, Any] | None:
+    """The per-hop overhead the warm-up chat measured (the mean of its stages' p50s: a
+    step pays every stage's hop), or None when it went through no stage."""
+    per = done.get("timings", {}).get("per_shard", {})
+    if not per:
+        return None
+    return {"ms": round(sum(s["overhead_p50_ms"] for s in per.values()) / len(per), 3),
+            "stages": len(per)}
 
 
 def goals(f: dict[str, Any]) -> dict[str, Any]:
@@ -329,7 +374,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if not 1 <= args.kill_after <= args.tokens - 2:
         raise BadRequest(f"--kill-after must be in 1..{args.tokens - 2} (tokens - 2), not "
                          f"{args.kill_after}")
-    why = None if args.profile == "loopback" else lanmod.unavailable()
+    shaper = None if args.profile == "loopback" else lanmod.pick_shaper(args.shaper)
+    why = shaper.note if shaper is not None and shaper.name is None else None
     if why is not None:
         print(f"--profile {args.profile}: {why}; running on the plain loopback",
               file=sys.stderr)
@@ -341,6 +387,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "budgets_mb": budgets, "layers_held_bytes": held,
         "budget_fraction_of_layers": round(max(budgets) * _MIB / held, 3),
         "link": {"profile": args.profile, "applied": bool(links), "why_not": why,
+                 "shaper": shaper.name if shaper is not None and links else None,
+                 "shaper_note": shaper.note if shaper is not None and links else None,
                  "links": [lk.to_dict() for lk in links]},
         "settings": {"weights": args.weights, "wire_dtype": args.wire,
                      "node_torch_threads": args.node_threads, "sampling": "greedy",
@@ -396,10 +444,20 @@ def _prediction(entry: Any, args: argparse.Namespace, f: dict[str, Any]
         nxt = hi + 1
     if nxt != entry.num_layers:
         return None
-    pred = predict_run(entry, args, stages)
-    # the household reports no per-hop overhead: the prediction keeps its default hop
+    from hearthnet.distributed_inference.placement.predict import Sourced
+
+    warm = f.get("warmup_hop")
+    hop = None if not warm else Sourced(
+        warm["ms"], f"measured on this household before the measured chats: the warm-up "
+                    f"chat's per-hop overhead p50, mean of its {warm['stages']} stages")
+    pred = predict_run(entry, args, stages, hop)
+    stage_hops = [s["overhead_p50_ms"] for s in f["single"].get("stages", {}).values()]
+    # the measured chats' hop: the stages' mean, under the key `predicted_beside_measured`
+    # reads (bench pipeline's figure there is the largest stage's)
     run = {"distributed": {"tokens_per_second": f["single"]["tokens_per_second"],
-                           "hops": {"overhead_p50_ms_max": pred["engine"]["hop_ms"]}},
+                           "hops": {"overhead_p50_ms_max": round(
+                               sum(stage_hops) / len(stage_hops), 3) if stage_hops
+                               else pred["engine"]["hop_ms"]}},
            "concurrency": f.get("concurrency", [])}
     return predicted_beside_measured(pred, run)
 
@@ -447,7 +505,7 @@ def _built(args: argparse.Namespace, entry: Any, budgets: list[int], links: list
     specs = _specs(args, budgets)
     ids = [s.node_id for s in specs]
     root = Path(tempfile.mkdtemp(prefix="hearthnet-household-"))
-    lan = Lan(links) if links else None
+    lan = Lan(links, shaper=args.shaper) if links else None
     mesh: HouseholdMesh | None = None
     try:
         shared = single_model_dir([entry], root)
@@ -582,10 +640,12 @@ def _status(mesh: HouseholdMesh, node_id: str) -> dict[str, Any]:
 
 
 async def _chat(uri: str, a: argparse.Namespace, tokens: int,
-                on_token: Callable[[list[tuple[float, dict[str, Any]]]], Any] | None = None
+                on_token: Callable[[list[tuple[float, dict[str, Any]]]], Any] | None = None,
+                ends: tuple[str, ...] = ("done",)
                 ) -> tuple[float, list[tuple[float, dict[str, Any]]]]:
     """One greedy chat through `uri`: (its start, its frames with their arrival times).
-    `on_token(frames)` is awaited after each token (the frames so far)."""
+    `on_token(frames)` is awaited after each token (the frames so far); a last frame of a
+    type not in `ends` raises."""
     from hearthnet.distributed_inference.engine.sampling import SamplingParams
     from hearthnet.mesh.bus import bus_call
     from hearthnet.node.capabilities import CHAT_CAPABILITY, chat_args
@@ -597,7 +657,7 @@ async def _chat(uri: str, a: argparse.Namespace, tokens: int,
         frames.append((time.perf_counter(), f))
         if on_token is not None and f.get("type") == "token_delta":
             await on_token(frames)
-    if not frames or frames[-1][1].get("type") != "done":
+    if not frames or frames[-1][1].get("type") not in ends:
         raise HearthNetError(f"the chat did not finish: {[f for _, f in frames[-1:]]}")
     return t0, frames
 
@@ -629,14 +689,16 @@ async def _single(uri: str, a: argparse.Namespace) -> tuple[dict[str, Any], list
     ids = _tokens(frames)
     return {"tokens_per_second": float(done["timings"]["tokens_per_second"]),
             "first_token_ms": float(done["timings"]["first_token_ms"]),
-            "client_first_token_ms": (first - t0) * 1000, "completion_tokens": len(ids)}, ids
+            "client_first_token_ms": (first - t0) * 1000, "completion_tokens": len(ids),
+            "stages": {sid: {k: s[k] for k in ("layers", "p50_ms", "overhead_p50_ms")}
+                       for sid, s in done["timings"].get("per_shard", {}).items()}}, ids
 
 
 async def _measure(built: list[Household], a: argparse.Namespace) -> list[dict[str, Any]]:
     """Single chats (alternating between the households), then each household's
     concurrency levels and its kill; each household's figures."""
-    for h in built:
-        _distributed((await _chat(h.uri, a, 8))[1])  # warm-up
+    for h in built:  # warm-up; its hops are the plan's measured hop cost (M26 §10)
+        h.figures["warmup_hop"] = warmup_hop(_distributed((await _chat(h.uri, a, 8))[1]))
     runs: list[list[dict[str, Any]]] = [[] for _ in built]
     reference: list[list[int]] = [[] for _ in built]
     for _ in range(a.runs):
@@ -663,7 +725,10 @@ async def _killed(mesh: HouseholdMesh, ids: list[str], a: argparse.Namespace,
             kill.update(node=victim, t=time.perf_counter())
             await asyncio.to_thread(mesh.kill, victim)
 
-    t0, frames = await _chat(mesh.nodes[ids[0]].uri, a, a.tokens, on_token)
+    # a household whose remaining nodes cannot hold the killed one's layers ends the
+    # answer with an error after the tokens it gave (M26 §5.4), never silently
+    t0, frames = await _chat(mesh.nodes[ids[0]].uri, a, a.tokens, on_token,
+                             ends=("done", "error"))
     if not kill:
         raise HearthNetError("the chat ended before the kill")
     kinds = [f.get("type") for _, f in frames]
@@ -673,11 +738,16 @@ async def _killed(mesh: HouseholdMesh, ids: list[str], a: argparse.Namespace,
     got = _tokens(frames)
     how = "local fallback" if done.get("fallback") else (
         "failover" if "shard_failover" in kinds else "no stage lost")
+    if done.get("type") == "error":  # no live node holds the killed one's layers
+        how = f"ended with an error: {done.get('code')}"
     return {"node": kill["node"], "completed": done.get("type") == "done",
-            "completion_tokens": len(got), "tokens_identical": got == reference,
+            "completion_tokens": len(got),
+            "tokens_identical": got == reference[:len(got)] if done.get("type") == "error"
+            else got == reference,
             "how": how, "wall_ms": round((frames[-1][0] - t0) * 1000, 1),
             "kill_to_next_token_ms": round((after - kill["t"]) * 1000, 1) if after else None,
             "pipeline_after": done.get("pipeline"),
+            "error": str(done.get("message"))[:2000] if done.get("type") == "error" else None,
             "frames": {k: kinds.count(k) for k in sorted({str(x) for x in kinds})}}
 
 
@@ -721,17 +791,20 @@ def _one_report(f: dict[str, Any], label: str) -> list[str]:
              f" first token {s['first_token_ms']} ms (client {s['client_first_token_ms']} ms)",
              concurrency.report(f["concurrency"], f["concurrency_goals"]),
              f"{k['node']} killed after the kill-after token: chat "
-             f"{'completed' if k['completed'] else 'FAILED'} ({k['how']}), "
-             f"{k['completion_tokens']} tokens, identical to the unkilled answer: "
+             f"{'completed' if k['completed'] else 'did not complete'} ({k['how']}), "
+             f"{k['completion_tokens']} tokens, identical to the unkilled answer"
+             f"{'' if k['completed'] else ' as far as it went'}: "
              f"{k['tokens_identical']}, {k['wall_ms']} ms, kill → next token "
-             f"{k['kill_to_next_token_ms']} ms"]
+             f"{k['kill_to_next_token_ms']} ms"
+             + (f"\n  the error: {k['error']}" if k.get("error") else "")]
     return lines
 
 
 def report(f: dict[str, Any]) -> str:
     """The human-readable report of a `run` result."""
     link = f["link"]
-    net = (f"{link['profile']} links ({', '.join(lk['name'] for lk in link['links'])})"
+    net = (f"{link['profile']} links ({', '.join(lk['name'] for lk in link['links'])}"
+           f"{'; ' + link['shaper_note'] if link.get('shaper_note') else ''})"
            if link["applied"] else "the loopback" +
            (f" (--profile {link['profile']} not applied: {link['why_not']})"
             if link["why_not"] else ""))
@@ -747,6 +820,7 @@ def report(f: dict[str, Any]) -> str:
             "applied, so this ratio shows only the machine's noise)"))
     if f.get("prediction"):
         lines.append(prediction_report(f["prediction"]))
+        lines += stage_lines(f["prediction"], f["single"].get("stages", {}))
     lines.append(f"goals ({f['goals_source']}): " + ", ".join(
         f"{k} {g['measured']} ({'met' if g['met'] else 'MISSED'}, goal {g['goal']})"
         for k, g in f["goals"].items()))

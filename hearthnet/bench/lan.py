@@ -22,48 +22,49 @@ through `NsForward` (a port on this namespace's 127.0.0.1 whose connections are 
 thread that entered the node's namespace): the client stands on the node's own machine, as
 `hearthnet chat` does, and no shaped link lies between them.
 
+Two shapers give the same links (`pick_shaper`, ``--shaper``):
+
+- ``netem``: the veth pairs on a bridge above, shaped by ``tc netem`` in the kernel;
+- ``userspace``: for kernels built without the netem qdisc (some VMs and CI runners): each
+  namespace's ``eth0`` is a TUN device of one emulator process (`hearthnet.bench.linkem`)
+  that switches the packets between the nodes and applies both links' delay, jitter, loss
+  and rate itself; ``eth0`` gets an MTU of `MTU` so the kernel's TCP sends few, big
+  segments (Python cannot switch 1500-byte packets at 300 Mbit/s);
+- ``auto`` (the default): ``netem`` where the kernel has it, else ``userspace``.
+
 Names carry this process's pid (``hnh<pid>…``), so parallel runs do not collide;
-`Lan.down` removes every process in the namespaces, the namespaces, the veths and the
-bridge, and never raises (it runs on failure and on Ctrl-C). Namespaces need Linux, root
-and iproute2; `unavailable` says why they cannot be made, and the benchmark then runs on
-the plain loopback and says so.
+`Lan.down` removes every process in the namespaces, the emulator, the namespaces, the
+veths and the bridge, and never raises (it runs on failure and on Ctrl-C). Namespaces need
+Linux, root and iproute2 (and ``/dev/net/tun`` for ``userspace``); `pick_shaper` says why
+they cannot be made, and the benchmark then runs on the plain loopback and says so.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
+import json
 import os
+import select
 import signal
 import socket
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 
 from hearthnet.bench import netem
+from hearthnet.bench.linkem import MTU, Config
+from hearthnet.bench.linkem import Link as Link  # the emulator's link model, a profile's
+from hearthnet.bench.linkem import enter_netns as enter_netns
 
 SUBNET = "10.233.0"  # one bridge per run: runs with the same subnet never share a segment
 PROFILES = ("gigabit", "wifi", "mixed", "loopback")
-_CLONE_NEWNET = 0x40000000
+SHAPERS = ("auto", "netem", "userspace")
 
 
 class LanUnavailable(RuntimeError):
     """The namespaces or the shaping could not be set up here: nothing was measured."""
-
-
-@dataclass(frozen=True, slots=True)
-class Link:
-    """One node's link to the household's switch or access point, each direction."""
-
-    name: str
-    delay_ms: float
-    jitter_ms: float = 0.0
-    loss_pct: float = 0.0
-    rate_mbit: int = 0  # 0: not limited
-
-    def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "delay_ms": self.delay_ms, "jitter_ms": self.jitter_ms,
-                "loss_pct": self.loss_pct, "rate_mbit": self.rate_mbit}
 
 
 LINKS = {"gigabit": Link("gigabit", 0.2, rate_mbit=1000),
@@ -102,11 +103,23 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
 
 
 def unavailable() -> str | None:
-    """Why shaped namespaces cannot be made here, or None (Linux, root, iproute2, and a
-    kernel that makes a namespace and has the netem qdisc)."""
+    """Why network namespaces cannot be made here, or None (Linux, root, iproute2, and a
+    kernel that makes a namespace)."""
     why = netem.unavailable()
     if why is not None:
         return why
+    probe = f"hnh{os.getpid()}probe"
+    r = _run("ip", "netns", "add", probe)
+    if r.returncode != 0:
+        return f"`ip netns add` failed: {r.stderr.strip()}"
+    _run("ip", "netns", "del", probe)
+    return None
+
+
+@functools.cache
+def netem_missing() -> str | None:
+    """Why the kernel cannot shape with ``tc netem``, or None (asked once per process: a
+    namespace is made to try it)."""
     probe = f"hnh{os.getpid()}probe"
     r = _run("ip", "netns", "add", probe)
     if r.returncode != 0:
@@ -121,15 +134,67 @@ def unavailable() -> str | None:
     return None
 
 
-class Lan:
-    """A bridge and one shaped namespace per node; see the module docstring."""
+def tun_missing() -> str | None:
+    """Why the user-space shaper cannot make TUN devices here, or None."""
+    if not os.path.exists("/dev/net/tun"):
+        return "/dev/net/tun does not exist"
+    if not os.access("/dev/net/tun", os.R_OK | os.W_OK):
+        return "/dev/net/tun is not readable and writable"
+    return None
 
-    def __init__(self, links: list[Link], tag: str | None = None) -> None:
+
+@dataclass(frozen=True, slots=True)
+class ShaperChoice:
+    """The shaper a `Lan` uses, and what the report says about it."""
+
+    name: str | None  # "netem", "userspace", or None: no shaped namespaces here
+    note: str  # how the links are shaped, or why they cannot be
+
+
+def pick_shaper(requested: str = "auto") -> ShaperChoice:
+    """The shaper for `requested` (one of `SHAPERS`): ``auto`` takes netem where the
+    kernel has it, else the user-space emulator.
+
+    Raises:
+        ValueError: `requested` is not one of `SHAPERS`.
+    """
+    if requested not in SHAPERS:
+        raise ValueError(f"unknown shaper {requested!r}; known: {', '.join(SHAPERS)}")
+    why = unavailable()
+    if why is not None:
+        return ShaperChoice(None, why)
+    no_netem = netem_missing() if requested != "userspace" else None
+    if requested == "netem" or (requested == "auto" and no_netem is None):
+        if no_netem is not None:
+            return ShaperChoice(None, no_netem)
+        return ShaperChoice("netem", "links shaped by tc netem")
+    no_tun = tun_missing()
+    if no_tun is not None:
+        return ShaperChoice(None, no_tun if requested == "userspace"
+                            else f"{no_netem}; and {no_tun}")
+    return ShaperChoice("userspace", "links emulated in user space" + (
+        ": this kernel has no netem qdisc" if requested == "auto" else " (--shaper userspace)"))
+
+
+class Lan:
+    """One shaped namespace per node; see the module docstring."""
+
+    def __init__(self, links: list[Link], tag: str | None = None, shaper: str = "auto",
+                 seed: int | None = None) -> None:
+        """`shaper`: one of `SHAPERS`, chosen at `up`; `seed`: the user-space emulator's
+        random jitter and loss (None: a fresh one each run)."""
+        if shaper not in SHAPERS:
+            raise ValueError(f"unknown shaper {shaper!r}; known: {', '.join(SHAPERS)}")
         self.tag = tag or f"hnh{os.getpid()}"  # ≤ 15 characters with the suffixes below
         self.links = links
+        self.requested = shaper
+        self.shaper: str | None = None  # the one `up` used
+        self.seed = seed
         self.bridge = f"{self.tag}br"
         self.ns = [f"{self.tag}n{i}" for i in range(len(links))]
         self.veth = [f"{self.tag}v{i}" for i in range(len(links))]
+        self.emulator: subprocess.Popen[bytes] | None = None
+        self.emulator_stats: dict[str, float] = {}  # what it switched (`linkem.Switch.stats`)
 
     def addr(self, i: int) -> str:
         return f"{SUBNET}.{11 + i}"
@@ -139,33 +204,96 @@ class Lan:
         return ["ip", "netns", "exec", self.ns[i]]
 
     def up(self) -> None:
-        """Make the bridge, the namespaces and the shaped links.
+        """Make the namespaces and the shaped links with the shaper `pick_shaper` gives.
 
         Raises:
-            LanUnavailable: a step failed (no netem qdisc in the kernel, …); what was made
+            LanUnavailable: no shaper can be used here, or a step failed; what was made
                 is removed again.
         """
+        choice = pick_shaper(self.requested)
+        if choice.name is None:
+            raise LanUnavailable(choice.note)
+        self.shaper = choice.name
         try:
-            self._step("ip", "link", "add", self.bridge, "type", "bridge")
-            self._step("ip", "link", "set", self.bridge, "up")
-            for i, link in enumerate(self.links):
-                ns, veth = self.ns[i], self.veth[i]
-                self._step("ip", "netns", "add", ns)
-                self._step("ip", "-n", ns, "link", "set", "lo", "up")
-                self._step("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0",
-                           "netns", ns)
-                self._step("ip", "link", "set", veth, "master", self.bridge, "up")
-                self._step("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
-                self._step("ip", "-n", ns, "link", "set", "eth0", "up")
-                # multicast (mDNS discovery) leaves by the bridge, as on a real LAN
-                self._step("ip", "-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
-                self._step("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "netem",
-                           *netem_args(link))  # what the node sends
-                self._step("tc", "qdisc", "add", "dev", veth, "root", "netem",
-                           *netem_args(link))  # what it receives
+            if choice.name == "netem":
+                self._up_netem()
+            else:
+                self._up_userspace()
         except BaseException:
             self.down()
             raise
+
+    def _up_netem(self) -> None:
+        self._step("ip", "link", "add", self.bridge, "type", "bridge")
+        self._step("ip", "link", "set", self.bridge, "up")
+        for i, link in enumerate(self.links):
+            ns, veth = self.ns[i], self.veth[i]
+            self._step("ip", "netns", "add", ns)
+            self._step("ip", "-n", ns, "link", "set", "lo", "up")
+            self._step("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0",
+                       "netns", ns)
+            self._step("ip", "link", "set", veth, "master", self.bridge, "up")
+            self._step("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            self._step("ip", "-n", ns, "link", "set", "eth0", "up")
+            # multicast (mDNS discovery) leaves by the bridge, as on a real LAN
+            self._step("ip", "-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
+            self._step("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "netem",
+                       *netem_args(link))  # what the node sends
+            self._step("tc", "qdisc", "add", "dev", veth, "root", "netem",
+                       *netem_args(link))  # what it receives
+
+    def _up_userspace(self, ready_timeout: float = 30.0) -> None:
+        for ns in self.ns:
+            self._step("ip", "netns", "add", ns)
+            self._step("ip", "-n", ns, "link", "set", "lo", "up")
+        cfg = Config(self.ns, [self.addr(i) for i in range(len(self.ns))], self.links,
+                     seed=self.seed)
+        # stdin is the emulator's lifeline: it ends when `down` closes it or this process
+        # dies, however it dies; its own session keeps a terminal's Ctrl-C from cutting
+        # the links before the nodes are stopped
+        self.emulator = subprocess.Popen(
+            [sys.executable, "-m", "hearthnet.bench.linkem", cfg.to_json()],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True)
+        out = self.emulator.stdout
+        assert out is not None
+        ready, _, _ = select.select([out], [], [], ready_timeout)
+        line = out.readline() if ready else b""
+        if line.strip() != b"ready":
+            err = self._stop_emulator()
+            raise LanUnavailable(f"the link emulator did not start: {err or 'no answer'}")
+        for i, ns in enumerate(self.ns):
+            self._step("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            self._step("ip", "-n", ns, "link", "set", "eth0", "mtu", str(MTU), "up")
+            self._step("ip", "-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
+
+    def _stop_emulator(self) -> str:
+        """End the emulator (its TUNs go with it) and wait for it; what it wrote on
+        stderr (never raises)."""
+        p = self.emulator
+        if p is None:
+            return ""
+        with contextlib.suppress(OSError):
+            if p.stdin is not None:
+                p.stdin.close()  # the lifeline: it exits at once
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                p.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+        err = b""
+        with contextlib.suppress(OSError, ValueError):
+            if p.stderr is not None and p.returncode is not None:
+                err = p.stderr.read()
+            if p.stdout is not None and p.returncode == 0:
+                self.emulator_stats = json.loads(p.stdout.read() or b"{}")
+        for f in (p.stdout, p.stderr):
+            with contextlib.suppress(OSError):
+                if f is not None:
+                    f.close()
+        return err.decode(errors="replace").strip()
 
     @staticmethod
     def _step(*cmd: str) -> None:
@@ -181,27 +309,28 @@ class Lan:
                 os.kill(int(pid), signal.SIGKILL)
 
     def down(self) -> None:
-        """Kill every process in the namespaces, delete them, the veths and the bridge
-        (idempotent; never raises)."""
+        """Kill every process in the namespaces, stop the emulator, delete the namespaces,
+        the veths and the bridge (idempotent; raises nothing of its own: a Ctrl-C while
+        it waits for the emulator kills the emulator, removes the rest and goes on up)."""
         for i in range(len(self.ns)):
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 self.kill_host(i)
-                _run("ip", "netns", "del", self.ns[i])  # takes the veth pair with it
-                _run("ip", "link", "del", self.veth[i])
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            _run("ip", "link", "del", self.bridge)
-
-
-def _enter_netns(ns: str) -> None:
-    """Move the calling thread into namespace `ns` (sockets it makes from now on are there)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into {ns}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
+        try:
+            self._stop_emulator()
+        except BaseException:  # a second Ctrl-C: kill it, never leave it behind
+            if self.emulator is not None:
+                with contextlib.suppress(OSError):
+                    self.emulator.kill()
+            raise
+        finally:
+            for i in range(len(self.ns)):
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    _run("ip", "netns", "del", self.ns[i])  # takes the veth pair with it
+                    if self.shaper != "userspace":
+                        _run("ip", "link", "del", self.veth[i])
+            if self.shaper != "userspace":
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    _run("ip", "link", "del", self.bridge)
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:
@@ -234,7 +363,7 @@ class NsForward:
 
     def _serve(self, ns: str, target: int) -> None:
         try:
-            _enter_netns(ns)  # this thread only: accepted sockets stay where they were made
+            enter_netns(ns)  # this thread only: accepted sockets stay where they were made
         except OSError as e:
             self._error = str(e)
             self._ready.set()

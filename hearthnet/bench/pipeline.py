@@ -166,19 +166,22 @@ def head_step_ms(entry: Any, weights: str, *, steps: int = 24, threads: int | No
         torch.set_num_threads(before)
 
 
-def predict_run(entry: Any, args: argparse.Namespace, ranges: list[tuple[int, int]]
-                ) -> dict[str, Any]:
+def predict_run(entry: Any, args: argparse.Namespace, ranges: list[tuple[int, int]],
+                hop: Any = None) -> dict[str, Any]:
     """The plan's prediction for this run's mesh (node A orchestrates, one shard node per
     range), before it starts: every node is this machine at ``--node-threads`` threads,
     timed two ways — a real decoder layer in the engine, and the matrix-vector probe the
-    automatic hosts advertise — with the default hop cost. The head: its real step timed
-    (embed, norm + lm_head, greedy pick) beside the engine's layers, the probe's matmul
-    beside the probe's."""
+    automatic hosts advertise — with `hop` (a `predict.Sourced` per-hop cost measured on
+    this mesh) or else the default hop cost. The head: its real step timed (embed, norm +
+    lm_head, greedy pick) beside the engine's layers, the probe's matmul beside the
+    probe's."""
     from hearthnet.distributed_inference.engine.quant import compute_dtype_of
     from hearthnet.distributed_inference.placement import predict
     from hearthnet.distributed_inference.placement.planner import (
+        measure_batch_factor,
         measure_layer_speed,
         measure_speed,
+        timed_window,
     )
     from hearthnet.models.sizes import safetensors_sizes
 
@@ -192,13 +195,21 @@ def predict_run(entry: Any, args: argparse.Namespace, ranges: list[tuple[int, in
                               dtype=compute_dtype_of(costs.fmt))
     finally:
         torch.set_num_threads(before)
-    engine = measure_layer_speed(entry, costs.fmt, threads=args.node_threads)
+    window = timed_window(entry, costs.fmt, None)  # loaded once for both timings
+    engine = measure_layer_speed(entry, costs.fmt, threads=args.node_threads, window=window)
+    factor = measure_batch_factor(entry, costs.fmt, rows=predict.CHATS,
+                                  threads=args.node_threads, window=window)
+    del window
     head_ms = head_step_ms(entry, costs.head_fmt, threads=args.node_threads)
     # the timed head step as layer steps per second of the head's matmul
     head_speed = costs.head_matmul_params / max(1, costs.params_per_layer) / (head_ms / 1000)
     out: dict[str, Any] = {"layer_steps_per_s": {"engine": round(engine, 1),
                                                  "probe": round(probe, 1)},
-                           "head_step_ms": round(head_ms, 3)}
+                           "head_step_ms": round(head_ms, 3),
+                           "batch_factor": round(factor, 3)}
+    batched = predict.Sourced(factor, f"measured here: {predict.CHATS} rows of a real decoder "
+                                      f"layer step as one forward against one row "
+                                      f"({factor:.2f}x the one-row rate)")
     for name, speed, source in (
             ("engine", engine, "a real decoder layer, one-token steps, eager"),
             ("probe", probe, "matrix-vector probe (as automatic hosts advertise)")):
@@ -207,7 +218,8 @@ def predict_run(entry: Any, args: argparse.Namespace, ranges: list[tuple[int, in
                                    head_speed=head_speed if name == "engine" else probe)] + [
             predict.NodeFacts(f"node-{chr(ord('b') + i)}", s, holds=(r,))
             for i, r in enumerate(ranges)]
-        out[name] = predict.plan(costs, nodes).to_dict()
+        out[name] = predict.plan(costs, nodes, hop,
+                                 batched if name == "engine" else None).to_dict()
     return out
 
 

@@ -49,6 +49,7 @@ def _assert_nothing_left(scratch: Path, pid: int) -> None:
     """No node process, namespace, link or temporary folder of bench process `pid`."""
     assert _running_under(scratch) == []
     assert [p.name for p in scratch.iterdir() if p.name.startswith("hearthnet-")] == []
+    assert _running_under(Path(f"hnh{pid}"), "hearthnet.bench.linkem") == []  # no emulator
     if lan.unavailable() is None:
         for cmd in (["ip", "netns", "list"], ["ip", "link"]):
             out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
@@ -59,7 +60,8 @@ def _assert_nothing_left(scratch: Path, pid: int) -> None:
 def test_a_two_node_household_covers_answers_and_survives_a_kill(smollm2, tmp_path):
     results, scratch = tmp_path / "results", tmp_path / "tmp"
     scratch.mkdir()
-    why = lan.unavailable()
+    shaper = lan.pick_shaper()
+    why = None if shaper.name else shaper.note
     p = _start(scratch, "--tokens", "12", "--runs", "1", "--concurrency", "1", "2",
                "--kill-after", "4", "--json", "--results-dir", str(results))
     out, err = p.communicate(timeout=900)
@@ -67,8 +69,10 @@ def test_a_two_node_household_covers_answers_and_survives_a_kill(smollm2, tmp_pa
     f = json.loads(out)
     assert json.loads(Path(f["results_file"]).read_text()) == {
         k: v for k, v in f.items() if k != "results_file"}
-    # the profile applied where netem exists; elsewhere the output says why not
+    # the profile applied where namespaces can be shaped (netem, else the user-space
+    # emulator); elsewhere the output says why not
     assert f["link"]["applied"] is (why is None)
+    assert f["link"]["shaper"] == shaper.name
     if why is not None:
         assert f"--profile wifi: {why}; running on the plain loopback" in err
         assert f["link"]["why_not"] == why
@@ -87,10 +91,13 @@ def test_a_two_node_household_covers_answers_and_survives_a_kill(smollm2, tmp_pa
     assert s["tokens_per_second"] > 0 and s["completion_tokens"] == 12
     assert [lv["concurrency"] for lv in f["concurrency"]] == [1, 2]
     assert all(lv["local_fallbacks"] == 0 for lv in f["concurrency"])
-    # the killed node's chat still ends, with every token, greedy and so the same tokens
+    # the killed node's layers are held by no live node, and node-1's budget cannot hold
+    # the whole model: the chat ends with an error that says so, after the same tokens
     k = f["kill"]
-    assert k["node"] == "node-2" and k["completed"] and k["completion_tokens"] == 12
-    assert k["tokens_identical"] and k["how"] in ("failover", "local fallback")
+    assert k["node"] == "node-2" and not k["completed"] and 4 <= k["completion_tokens"] < 12
+    assert k["tokens_identical"]
+    assert k["how"] == "ended with an error: shard_unavailable"
+    assert "over this node's budget" in k["error"]
     assert f["goals"]["covered"]["met"] and f["goals"]["chat_answered"]["met"]
     _assert_nothing_left(scratch, p.pid)
 

@@ -26,11 +26,13 @@ The rule is Petals' block selection, restated for HearthNet's inclusive layer ra
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -194,42 +196,126 @@ def plan_move(num_layers: int, spans: Sequence[Span], mine: Span, balance_qualit
     return move if move.quality < balance_quality else None
 
 
-def measure_layer_speed(entry: Any, weights: str, *, layers: int = 2, steps: int = 48,
-                        threads: int | None = None) -> float:
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int:
+    """The CPU's last-level cache in bytes (Linux sysfs), or 64 MiB when unknown."""
+    best = 0
+    for f in caches.glob("index*/size"):
+        text = f.read_text().strip() if f.is_file() else ""
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        with contextlib.suppress(ValueError):
+            best = max(best, int(text.rstrip("KMG")) * unit)
+    return best or 64 * 2**20
+
+
+def timed_window(entry: Any, weights: str, layers: int | None) -> tuple[Any, int, int]:
+    """The layers a timing runs over: `layers` of the first held range, by default as many
+    as make twice the CPU's last-level cache as held (see `measure_layer_speed`); (the
+    loaded stack, first layer, last layer)."""
+    from hearthnet.distributed_inference.engine.layers import LayeredStack
+
+    lo, top = entry.held_layers[0]
+    if layers is None:
+        one = LayeredStack(entry, lo, lo, weights)
+        per = max(1, one.param_bytes())
+        del one
+        layers = max(1, min(top - lo + 1, -(-2 * last_level_cache_bytes() // per)))
+    hi = min(top, lo + layers - 1)
+    return LayeredStack(entry, lo, hi, weights), lo, hi
+
+
+def measure_layer_speed(entry: Any, weights: str, *, layers: int | None = None,
+                        steps: int = 48, threads: int | None = None,
+                        budget_s: float = 5.0,
+                        window: tuple[Any, int, int] | None = None) -> float:
     """Decoder-layer steps per second of a real one-token decode step over `entry`'s first
     held `layers` layers, held as `weights`, in the engine, eager, on `threads` torch
-    threads (default: as set): the median step of `steps` after a 16-token prefill — the
-    median, not the best, so a machine other processes share is timed as loaded as the
-    chats it predicts will be.
+    threads (default: as set): the median step of `steps` (fewer once `budget_s` is spent,
+    at least 8) after a 16-token prefill — the median, not the best, so a machine other
+    processes share is timed as loaded as the chats it predicts will be.
+
+    `layers` (default: enough that their bytes as held are twice the CPU's last-level
+    cache, within the held range): a host streams its layers' weights from memory every
+    token, and a window that fits the cache runs faster than any real stage does — on the
+    2-core VM (260 MiB L3) two SmolLM2 fp32 layers timed 1,050 steps/s, eleven 690, and a
+    node's 11-layer stage ran at 700 (docs/benchmarks.md).
 
     What `measure_speed` (a matrix-vector product over a layer's weights) leaves out —
     attention over the cache, norms, rotary, per-layer Python — is in this figure: on
     SmolLM2 the probe said 1,820 layer steps/s where real layers ran 748, so a plan from
     the probe predicted 2.2x the measured tok/s and one from this figure 0.99x
-    (docs/benchmarks.md). Reads those layers' weights: `entry` must hold them.
+    (docs/benchmarks.md). Reads those layers' weights: `entry` must hold them. `window`: a
+    `timed_window` already loaded.
     """
-    from hearthnet.distributed_inference.engine.layers import LayeredStack
-
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        lo = entry.held_layers[0][0]
-        hi = min(entry.held_layers[0][1], lo + layers - 1)
-        stack = LayeredStack(entry, lo, hi, weights)
+        stack, lo, hi = window or timed_window(entry, weights, layers)
         session = stack.open_session(lo, hi, 16 + steps + 1)
-        times = []
+        times: list[float] = []
         try:
             with torch.inference_mode():
                 session.forward(torch.randn(1, 16, stack.hidden_size), 0)
+                t_end = time.perf_counter() + budget_s
                 for i in range(steps):
                     x = torch.randn(1, 1, stack.hidden_size)
                     t0 = time.perf_counter()
                     session.forward(x, 16 + i)
                     times.append(time.perf_counter() - t0)
+                    if len(times) >= 8 and t0 > t_end:
+                        break
         finally:
             session.close()
         return float((hi - lo + 1) / statistics.median(times))
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure_batch_factor(entry: Any, weights: str, *, rows: int = 8,
+                         layers: int | None = None, steps: int = 16,
+                         threads: int | None = None, budget_s: float = 5.0,
+                         window: tuple[Any, int, int] | None = None) -> float:
+    """How many times one chat's rate `rows` chats reach together when each decode round
+    carries one row of each (continuous batching, M26 §5.3): ``rows × t(1 row) / t(rows
+    rows)`` over a real decode step of `entry`'s first held layers (as many as
+    `measure_layer_speed` times), eager, single-row and batched steps alternating, medians.
+    A round streams the weights once, so where a step is bound by memory the factor nears
+    `rows`; where the products are bound by compute (a big model on few cores) it stays
+    near 1 — a fixed cost per extra row fits neither. `window`: a `timed_window` already
+    loaded (both timings over one load)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        stack, lo, hi = window or timed_window(entry, weights, layers)
+        sessions = [stack.open_session(lo, hi, 16 + 2 * steps + 1) for _ in range(rows)]
+        one_t: list[float] = []
+        many_t: list[float] = []
+        try:
+            with torch.inference_mode():
+                for s in sessions:
+                    s.forward(torch.randn(1, 16, stack.hidden_size), 0)
+                solo, pos = sessions[0], 16
+                t_end = time.perf_counter() + budget_s
+                for i in range(steps):
+                    t0 = time.perf_counter()
+                    solo.forward(torch.randn(1, 1, stack.hidden_size), pos)
+                    one_t.append(time.perf_counter() - t0)
+                    pos += 1
+                    hidden = [torch.randn(1, 1, stack.hidden_size) for _ in sessions]
+                    t0 = time.perf_counter()
+                    stack.decode_batch(sessions, hidden, [pos] + [16 + i] * (rows - 1))
+                    many_t.append(time.perf_counter() - t0)
+                    pos += 1
+                    if i >= 3 and time.perf_counter() > t_end:
+                        break
+        finally:
+            for s in sessions:
+                s.close()
+        return float(rows * statistics.median(one_t) / statistics.median(many_t))
     finally:
         torch.set_num_threads(before)
 
