@@ -34,8 +34,9 @@ loopback); its concurrency levels and kill follow the first's. The links are sha
 `tc netem` where the kernel has it, else by the user-space emulator
 (`hearthnet.bench.linkem`; ``--shaper`` picks one), and the report says which. Where
 namespaces cannot be made (not root, no iproute2, neither netem nor ``/dev/net/tun``) the
-output says why and the same runs on the loopback. Processes, namespaces, links, the bridge and temporary folders are
-removed at the end, also on failure, Ctrl-C and SIGTERM.
+output says why and the same runs on the loopback. Processes, namespaces, links, the
+bridge, the emulator and temporary folders are removed at the end, also on failure, Ctrl-C
+and SIGTERM.
 """
 
 from __future__ import annotations
