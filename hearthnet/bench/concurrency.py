@@ -7,6 +7,9 @@ times. Per level:
 
 - aggregate tokens/s: all chats' completion tokens over the wall time of the round;
 - per-chat decode tokens/s (median over chats, from each `done` frame);
+- aggregate tokens/s once every chat decodes: the tokens that arrived after the last
+  chat's first token, over the time from then to the last token (the steady state, without
+  the prefills that short answers otherwise count);
 - p50 / p95 inter-token latency: the gaps between a chat's token frames as the caller
   receives them (first token excluded: that is prefill), pooled over the level's chats;
   and the p95 of the gaps once every chat of the round is decoding (the others' prefills
@@ -148,7 +151,7 @@ async def solo_answers(uri: str, a: argparse.Namespace) -> dict[str, list[int]]:
 async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
                 solo: dict[str, list[int]]) -> dict[str, Any]:
     """`c` chats at once, `a.runs` times; see the module docstring."""
-    aggs, per_chat, gaps, steady = [], [], [], []
+    aggs, per_chat, gaps, steady, steady_aggs = [], [], [], [], []
     fallbacks = 0
     prompts = [a.level_prompts[i % len(a.level_prompts)] for i in range(c)]
     agree: list[dict[str, Any]] = []
@@ -166,10 +169,15 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
         all_decoding = max(ch["times"][0] for ch in chats if ch["times"])
         gaps += [(b_ - a_) * 1000 for a_, b_ in pairs]
         steady += [(b_ - a_) * 1000 for a_, b_ in pairs if a_ >= all_decoding]
+        later = [t for ch in chats for t in ch["times"] if t > all_decoding]
+        if later and max(later) > all_decoding:
+            steady_aggs.append(len(later) / (max(later) - all_decoding))
         agree.append(agreement(chats, prompts, solo))
     after = scrape()
     return {"concurrency": c, "aggregate_tokens_per_second": round(median(aggs), 2),
             "aggregate_runs": [round(x, 2) for x in aggs],
+            "aggregate_tokens_per_second_all_decoding":
+                round(median(steady_aggs), 2) if steady_aggs else None,
             "per_call_decode_tokens_per_second": round(median(per_chat), 2),
             "inter_token_ms_p50": round(percentile(gaps, 50), 1),
             "inter_token_ms_p95": round(percentile(gaps, 95), 1),
@@ -189,7 +197,8 @@ async def measure(uri: str, a: argparse.Namespace, scrape: Scrape) -> dict[str, 
     """Every level of ``--concurrency``, after the solo reference pass; and the goals."""
     solo = await solo_answers(uri, a)
     levels = [await level(uri, a, c, scrape, solo) for c in a.concurrency]
-    return {"concurrency": levels, "concurrency_goals": goals(levels)}
+    return {"concurrency": levels, "concurrency_goals": goals(levels),
+            "concurrency_all_decoding_ratio": steady_ratio(levels)}
 
 
 def goals(levels: list[dict[str, Any]]) -> dict[str, Any]:
@@ -214,11 +223,13 @@ def report(levels: list[dict[str, Any]], goal: dict[str, Any]) -> str:
         return "; ".join(f"{' '.join(f'{k}:{v}' for k, v in s['batches_by_size'].items())} "
                          f"(mean {s['mean_rows']})" for s in h.values()) or "-"
 
-    t = table(["chats", "aggregate tok/s", "per-chat tok/s", "ITL p50 ms", "ITL p95 ms",
-               "p95 all decoding", "identical to solo", "local fallbacks",
+    t = table(["chats", "aggregate tok/s", "all decoding tok/s", "per-chat tok/s",
+               "ITL p50 ms", "ITL p95 ms", "p95 all decoding", "identical to solo",
+               "local fallbacks",
                "shard batches (size:count)",
                "head batches"],
               [[c["concurrency"], c["aggregate_tokens_per_second"],
+                c.get("aggregate_tokens_per_second_all_decoding"),
                 c["per_call_decode_tokens_per_second"], c["inter_token_ms_p50"],
                 c["inter_token_ms_p95"], c["inter_token_ms_p95_all_decoding"],
                 f"{c['agreement']['identical']}/{c['agreement']['chats']}",
@@ -232,4 +243,16 @@ def report(levels: list[dict[str, Any]], goal: dict[str, Any]) -> str:
             f"{c} chats {d}" for c, d in diverged))
     if goal:
         lines.append("concurrency goals: " + goals_text(goal))
+    steady = steady_ratio(levels)
+    if steady is not None:  # beside the goal, which counts the prefills: not a goal
+        lines.append(f"once every chat decodes: {GOALS['at_concurrency']} chats' aggregate "
+                     f"is {steady}× one chat's (the goal's aggregate counts the prefills)")
     return "\n".join(lines)
+
+
+def steady_ratio(levels: list[dict[str, Any]]) -> float | None:
+    """8 chats' aggregate over one chat's once every chat decodes (None: not measured)."""
+    by = {lv["concurrency"]: lv.get("aggregate_tokens_per_second_all_decoding")
+          for lv in levels}
+    one, many = by.get(1), by.get(GOALS["at_concurrency"])
+    return round(many / one, 2) if one and many else None

@@ -128,6 +128,86 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="folder for pipeline-<N>.json (default bench-results)")
 
 
+MEMORY_GOAL = {"cache_factor": 1.2}
+"""A shard's peak RSS at 8 × 2,000-token sessions ≤ its weights + 1.2 × its caches."""
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Reset process `pid`'s peak RSS (VmHWM) to its RSS now (Linux ``clear_refs`` 5), so
+    that the peak read later is that of the work since, not loading's conversion
+    temporaries; whether it could be reset."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:  # not Linux, or not allowed: the peak then includes the load
+        return False
+    return True
+
+
+def shard_memory(held: dict[str, Any], loaded: dict[str, float] | None = None,
+                 reset: bool = False) -> dict[str, Any]:
+    """A shard node's memory (its status's ``memory``, `engine.memory.process_memory`) in
+    MiB, and the memory goal checked two ways: the peak RSS against weights + 1.2 × the
+    caches' peak (allocated slots, each preallocated at its session's capacity) as the
+    goal is written — the runtime (interpreter, torch, transformers) counted — and the
+    peak RSS less the runtime baseline (the RSS before the shard's weights were read).
+    `loaded`: the node's `pid_memory` once its weights were loaded, before the chats;
+    `reset`: whether its peak was reset then (the peak is then the chats' alone)."""
+    def mib(key: str) -> float | None:
+        v = held.get(key)
+        return None if v is None else round(v / 2**20, 1)
+
+    peak, base = mib("peak_rss_bytes"), mib("runtime_baseline_bytes")
+    weights, kv = mib("weights_bytes") or 0.0, mib("kv_peak_bytes") or 0.0
+    limit = round(weights + MEMORY_GOAL["cache_factor"] * kv, 1)
+    slots = int(held.get("kv_peak_slots", 0))
+    out: dict[str, Any] = {
+        "peak_rss_mb": peak, "rss_mb": mib("rss_bytes"), "weights_mb": weights,
+        "kv_peak_mb": kv, "kv_peak_sessions": slots,
+        "kv_per_session_mb": round(kv / slots, 1) if slots else None,
+        "kv_now_mb": mib("kv_bytes"), "kv_allocation": held.get("kv_allocation"),
+        "runtime_baseline_mb": base, "limit_mb": limit,
+        "peak_rss_since": "the chats began (reset after loading)" if reset else "start",
+        "goal": f"peak RSS ≤ weights + {MEMORY_GOAL['cache_factor']} × caches"}
+    if loaded:
+        out["loaded_rss_mb"] = loaded.get("rss_mb")
+        out["loaded_peak_rss_mb"] = loaded.get("peak_rss_mb")  # loading's, with its temporaries
+    if peak is not None:
+        out["met_counting_runtime"] = peak <= limit
+        out["margin_counting_runtime_mb"] = round(limit - peak, 1)
+        if base is not None:
+            out["above_runtime_mb"] = round(peak - base, 1)
+            out["met_above_runtime"] = peak - base <= limit
+            out["margin_above_runtime_mb"] = round(limit - (peak - base), 1)
+    return out
+
+
+def shard_memory_report(shards: dict[str, dict[str, Any]]) -> str:
+    """One line per shard node: peak RSS beside weights, caches and the runtime, and the
+    goal both ways."""
+    lines = []
+    for n, m in shards.items():
+        line = (f"  {n}: peak RSS {m['peak_rss_mb']} MiB since {m['peak_rss_since']}"
+                + (f" (loaded: RSS {m['loaded_rss_mb']} MiB, peak while loading "
+                   f"{m['loaded_peak_rss_mb']} MiB)" if "loaded_rss_mb" in m else "")
+                + f"; weights {m['weights_mb']} MiB + "
+                f"KV caches at their peak {m['kv_peak_mb']} MiB ({m['kv_peak_sessions']} "
+                f"sessions' slots, {m['kv_per_session_mb']} MiB each, allocated) → limit "
+                f"{m['limit_mb']} MiB; runtime baseline {m['runtime_baseline_mb']} MiB")
+        if "met_counting_runtime" in m:
+            line += (f"; runtime counted (as the goal is written): "
+                     f"{'met' if m['met_counting_runtime'] else 'MISSED'} "
+                     f"({m['margin_counting_runtime_mb']:+} MiB)")
+        if "met_above_runtime" in m:
+            line += (f"; above the runtime ({m['above_runtime_mb']} MiB): "
+                     f"{'met' if m['met_above_runtime'] else 'MISSED'} "
+                     f"({m['margin_above_runtime_mb']:+} MiB)")
+        lines.append(line)
+    if not lines:
+        return ""
+    return (f"shard memory (goal: peak RSS ≤ weights + {MEMORY_GOAL['cache_factor']} × "
+            f"caches):\n" + "\n".join(lines))
+
+
 def split_layers(num_layers: int, n: int) -> list[tuple[int, int]]:
     """`n` contiguous inclusive ranges covering ``0..num_layers-1``, as even as possible."""
     if not 1 <= n <= num_layers:
@@ -357,9 +437,15 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         uri = mesh.nodes["node-a"].uri
         if engine is not None:
             figures.update(asyncio.run(_measure(uri, engine, args)))
+        shards = {n: p.proc.pid for n, p in mesh.nodes.items()
+                  if n != "node-a" and p.proc is not None}
+        loaded = {n: pid_memory(pid) for n, pid in shards.items()}  # the peak: loading's
+        reset = {n: reset_peak_rss(pid) for n, pid in shards.items()}
         figures.update(asyncio.run(concurrency.measure(uri, args, scrape)))
         figures["node_memory"] = {n: pid_memory(p.proc.pid) for n, p in mesh.nodes.items()
                                   if p.proc is not None}
+        figures["shard_memory"] = {n: shard_memory(mesh.status(n)["memory"], loaded[n],
+                                                   reset[n]) for n in shards}
 
     _on_mesh(args, ranges, figures, [entry], [], measure)
     if predicted is not None:
@@ -625,6 +711,7 @@ def report(f: dict[str, Any]) -> str:
                 f"{f'prompts of about {ctx} tokens, ' if ctx else ''}{f['tokens']} tokens "
                 f"per chat, median of {f['runs']} runs, on {f['machine']['cpu']} "
                 f"({f['machine']['cpus']} CPUs)\n{conc}\npeak RSS: nodes {mem}"
+                f"\n{shard_memory_report(f.get('shard_memory', {}))}"
                 f"\n{prediction_report(f.get('prediction'))}"
                 f"\nwritten to {f['results_file']}")
     lo = f["local"]
@@ -653,6 +740,7 @@ def report(f: dict[str, Any]) -> str:
             f"weights {f['settings']['weights']} (done frame: {d['formats']}), "
             f"{f['tokens']} tokens, median of {f['runs']} runs\n{t1}\n\n{t2}\n"
             f"peak RSS: local baseline {f['local_memory']['peak_rss_mb']} MiB; nodes {mem}\n"
+            f"{shard_memory_report(f.get('shard_memory', {}))}\n"
             f"decode step {d['hops']['step_ms']} ms = stages {d['hops']['stages_rtt_p50_ms_sum']}"
             f" ms + orchestrator ≈{d['hops']['orchestrator_ms_per_step_est']} ms\n\n{conc}\n\n"
             f"tokens identical to local: {f['tokens_match_local']}\ngoals: {goals}\n"

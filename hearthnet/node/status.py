@@ -91,7 +91,11 @@ async def mesh_status(node: Any) -> dict[str, Any]:
                        # (DESIGN.md decision 16): {mode: {passes, proposed, accepted}}
                        "speculative": speculation.get(e.alias, {})})
     api = getattr(node, "api", None)
+    from hearthnet.distributed_inference.engine.memory import process_memory
+
     return {"node_id": node.node_id, "endpoint": node.endpoint, "time": now,
+            # this process: its shards' weights, KV caches (peak) and RSS (M26 §5.6)
+            "memory": process_memory(getattr(node, "shards", {}).values()),
             "api": api.url if api is not None else None,
             "peers": _peers(node, links, now),
             "recent_events": list(getattr(node, "recent_events", [])),

@@ -95,6 +95,16 @@ def test_bench_pipeline_three_shards(smollm2, tmp_path):
     assert all(s["batches"] > 0 for s in two["shard_batches"].values())
     assert set(f["goals"]) == {"ratio_to_best_local", "first_token_ms", "construction_ms",
                                "overhead_p95_ms"}
+    # issue 34: each shard node's weights and caches beside its peak RSS, the goal both ways
+    assert set(f["shard_memory"]) == {"node-b", "node-c", "node-d"}
+    for m in f["shard_memory"].values():
+        assert 0 < m["runtime_baseline_mb"] < m["peak_rss_mb"]
+        assert m["weights_mb"] > 0 and m["kv_peak_sessions"] >= 2  # two chats at once
+        assert abs(m["kv_peak_mb"] - m["kv_per_session_mb"] * m["kv_peak_sessions"]) \
+            <= 0.05 * m["kv_peak_sessions"] + 0.05  # each figure rounded to 0.1 MiB
+        assert m["limit_mb"] == round(m["weights_mb"] + 1.2 * m["kv_peak_mb"], 1)
+        assert {"met_counting_runtime", "met_above_runtime"} <= set(m)
+    assert all(c["aggregate_tokens_per_second_all_decoding"] > 0 for c in f["concurrency"])
 
 
 @IN_MAKE_BENCH

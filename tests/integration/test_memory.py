@@ -45,6 +45,28 @@ def test_kv_cache_is_measured_not_guessed(tiny):
     assert plan.kv_bytes == 8 * real
 
 
+def test_a_hosts_report_is_its_loaded_weights_and_allocated_slots(tiny):
+    """Issue 34: what `bench pipeline` holds a shard's peak RSS against."""
+    from types import SimpleNamespace
+
+    from hearthnet.distributed_inference.engine.memory import process_memory
+
+    stack = LayeredStack(tiny["llama"], 0, 3, "int8")
+    before = process_memory([])
+    s = stack.open_session(0, 3, 300)  # a slot of 512 positions: allocated, not written
+    try:
+        m = process_memory([SimpleNamespace(stack=stack)])
+        assert m["weights_bytes"] == stack.param_bytes()
+        assert m["kv_bytes"] - before["kv_bytes"] == s.cache_bytes == plan_shard(
+            tiny["llama"], 0, 3, "int8", sessions=1, tokens=300).kv_bytes
+        assert m["kv_peak_bytes"] >= m["kv_bytes"]
+        assert 0 < m["runtime_baseline_bytes"] <= m["peak_rss_bytes"]  # planned above
+    finally:
+        s.close()
+        stack.drop_idle()
+    assert process_memory([])["kv_bytes"] == before["kv_bytes"]
+
+
 def test_shard_over_budget_is_refused_at_start_naming_the_numbers(smollm2):
     kw = dict(node_id="node-b", endpoint="ws://127.0.0.1:1", executor=ThreadPoolExecutor(1))
     ok = ShardServer(smollm2, 0, 14, settings=ShardSettings(weights="int8", max_vram_mb=4000),

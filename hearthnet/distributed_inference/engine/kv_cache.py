@@ -21,6 +21,9 @@ graph.
 
 from __future__ import annotations
 
+import threading
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,6 +53,50 @@ def slot_bytes(config: Any, layers: int, capacity: int, dtype: torch.dtype) -> i
     return 2 * layers * kv_heads * capacity * head_dim * itemsize
 
 
+@dataclass(frozen=True)
+class CacheBytes:
+    """The KV-cache slots this process holds, and the most it held at once."""
+
+    bytes: int
+    slots: int
+    peak_bytes: int
+    peak_slots: int
+    largest_slot_bytes: int  # one session's slot: its capacity, not the positions written
+
+
+class CacheLedger:
+    """Bytes of every `KVSlot` alive in the process (busy or kept idle for the next
+    session) and their peak — what a host's resident memory is held against (M26 §5.6:
+    weights + caches). A slot is counted from its allocation (its buffers are zero-filled,
+    so resident at once) until `KVSlot.release` or its collection."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # slots come and go on compute threads
+        self._bytes = self._slots = self._peak = self._peak_slots = self._largest = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes += nbytes
+            self._slots += 1
+            self._largest = max(self._largest, nbytes)
+            if self._bytes > self._peak:
+                self._peak, self._peak_slots = self._bytes, self._slots
+
+    def remove(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes -= nbytes
+            self._slots -= 1
+
+    def snapshot(self) -> CacheBytes:
+        with self._lock:
+            return CacheBytes(self._bytes, self._slots, self._peak, self._peak_slots,
+                              self._largest)
+
+
+LEDGER = CacheLedger()
+"""This process's slots (`engine.memory.process_memory` reports them beside its RSS)."""
+
+
 class KVSlot:
     """Preallocated keys/values of layers `[start, end]` (absolute layer indices)."""
 
@@ -61,6 +108,8 @@ class KVSlot:
                      for _ in range(start, end + 1)]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        LEDGER.add(self.nbytes)  # uncounted once released, or once collected unreleased
+        self._uncount = weakref.finalize(self, LEDGER.remove, self.nbytes)
         # what the next `update` writes: positions (T,) and how many positions to return
         self.positions = torch.zeros(1, dtype=torch.long, device=device)
         self.kv_len: int | None = None  # None: the whole capacity (graph-captured steps)
@@ -81,6 +130,7 @@ class KVSlot:
 
     def release(self) -> None:
         self.keys, self.values = [], []
+        self._uncount()  # runs once: a second release, or the collection, counts nothing
 
 
 def attention_mask(positions: torch.Tensor, kv_idx: torch.Tensor, window: int | None,

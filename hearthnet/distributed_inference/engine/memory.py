@@ -6,6 +6,11 @@ each the preallocated cache slot a session really gets, `kv_cache.KVSlot`). Both
 come from the safetensors headers and the config alone (no tensor is read), so a host can
 refuse a shard over `shard_max_vram_mb` before loading it. The weights figure equals the
 loaded `LayeredStack.param_bytes()` (tests/unit/test_memory.py).
+
+And what a host really holds, beside its resident memory (`process_memory`, in a node's
+status): its shards' weights, the KV-cache slots alive in the process and their peak
+(`kv_cache.LEDGER`), its peak RSS, and the runtime's own share — the RSS when the first
+shard was planned, before any weight was read (`plan_shard`).
 """
 
 from __future__ import annotations
@@ -13,12 +18,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hearthnet.distributed_inference.engine.families import load_config
-from hearthnet.distributed_inference.engine.kv_cache import capacity_for, slot_bytes
+from hearthnet.distributed_inference.engine.kv_cache import (
+    CAPACITY_QUANTUM,
+    LEDGER,
+    capacity_for,
+    slot_bytes,
+)
 from hearthnet.distributed_inference.engine.quant import compute_dtype_of, held_nbytes
 from hearthnet.models.hashing import ggml_tensors, read_safetensors_header_and_metadata
 from hearthnet.models.store import ModelEntry
@@ -103,8 +114,53 @@ def kv_session_bytes(config: Any, lo: int, hi: int, fmt: str, tokens: int) -> in
 def plan_shard(entry: ModelEntry, lo: int, hi: int, fmt: str, sessions: int,
                tokens: int) -> MemoryPlan:
     """The memory plan of a shard of layers `lo..hi` held as `fmt` (a resolved format)."""
+    note_runtime_baseline()  # a shard is planned before any of its weights is read
     config = load_config(entry)
     per_session = kv_session_bytes(config, lo, hi, fmt, tokens)
     return MemoryPlan(weights_bytes=layer_weight_bytes(entry, lo, hi, fmt),
                       kv_bytes=per_session * sessions,
                       kv_bytes_per_token=per_session // max(tokens, 1))
+
+
+_baseline: list[int] = []  # the RSS at the first `note_runtime_baseline`, once
+
+
+def rss_bytes() -> dict[str, int]:
+    """This process's resident memory now (``rss``) and at its peak (``peak_rss``, the
+    kernel's high-water mark), in bytes; empty where /proc is missing (not Linux)."""
+    out: dict[str, int] = {}
+    keys = {"VmRSS": "rss", "VmHWM": "peak_rss"}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k in keys:
+                out[keys[k]] = int(v.split()[0]) * 1024  # kB
+    except OSError:
+        return {}
+    return out
+
+
+def note_runtime_baseline() -> None:
+    """Remember the RSS now as the runtime's own (interpreter, torch, transformers), the
+    first time only: called before a shard's weights are read."""
+    if not _baseline:
+        _baseline.append(rss_bytes().get("rss", 0))
+
+
+def process_memory(shards: Iterable[Any]) -> dict[str, Any]:
+    """What this process holds, in bytes: the weights of `shards` (objects with a
+    ``stack``, None until loaded: `ShardServer`), its KV-cache slots now and at their
+    peak (allocated slots, busy or idle: each preallocated at its session's capacity,
+    not the positions written), its RSS and peak RSS, and the runtime baseline (None
+    where no shard was planned here)."""
+    stacks = [getattr(s, "stack", None) for s in shards]
+    weights = sum(int(st.param_bytes()) for st in stacks if st is not None)
+    kv = LEDGER.snapshot()
+    rss = rss_bytes()
+    return {"weights_bytes": weights, "kv_bytes": kv.bytes, "kv_slots": kv.slots,
+            "kv_peak_bytes": kv.peak_bytes, "kv_peak_slots": kv.peak_slots,
+            "kv_largest_slot_bytes": kv.largest_slot_bytes,
+            "kv_allocation": "preallocated per session at its capacity (prompt + max "
+                             f"tokens + 1, rounded up to a multiple of {CAPACITY_QUANTUM})",
+            "rss_bytes": rss.get("rss"), "peak_rss_bytes": rss.get("peak_rss"),
+            "runtime_baseline_bytes": _baseline[0] if _baseline else None}
