@@ -196,6 +196,14 @@ def fetched_bytes(status: dict[str, Any], names: tuple[str, ...]
     return sum(int(f.get("bytes_done", 0)) for f in rows), rows
 
 
+def unhosted_fetches(rows: list[Any], ranges: list[list[int]]) -> list[list[int]]:
+    """The layer ranges of finished fetches that `ranges` (a node's hosted layers) do not
+    yet contain: layers fetched for a shard that is still loading."""
+    held = {i for lo, hi in ranges for i in range(lo, hi + 1)}
+    return [f["layers"] for f in rows if f.get("state") == "done" and f.get("layers")
+            and not set(range(f["layers"][0], f["layers"][1] + 1)) <= held]
+
+
 def not_covered_message(timeout: float, nodes: list[str], split: dict[str, Any],
                         fetch_reported: bool) -> str:
     """Why the run ends when the model is not covered in time: the nodes holding nothing."""
@@ -607,9 +615,18 @@ def _coverage(mesh: HouseholdMesh, entry: Any, args: argparse.Namespace, ids: li
     since_start = time.monotonic() - t0
     first, split = wait_covered(lambda: mesh.status(ids[0]), entry.alias, entry.model_id,
                                 float(args.cover_timeout))
-    statuses = {n: _status(mesh, n) for n in ids}
     names = (entry.alias, entry.model_id)
-    fetches = {n: fetched_bytes(st, names) for n, st in statuses.items()}
+    # a node may fetch more layers once the model is covered (automatic hosting adds a
+    # second range where its budget allows): its figures count them once they are hosted
+    end = time.monotonic() + min(120.0, float(args.cover_timeout))
+    while True:
+        statuses = {n: _status(mesh, n) for n in ids}
+        fetches = {n: fetched_bytes(st, names) for n, st in statuses.items()}
+        if first is None or time.monotonic() > end or not any(
+                unhosted_fetches(f[1], split.get(n, [])) for n, f in fetches.items() if f):
+            break
+        time.sleep(1.0)
+        split = split_of(_status(mesh, ids[0]), entry.model_id)
     if first is None:
         raise ShardUnavailable(not_covered_message(args.cover_timeout, ids, split, any(
             f is not None for f in fetches.values())))

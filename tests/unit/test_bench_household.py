@@ -176,3 +176,11 @@ def test_household_options_refuse_a_one_node_household_and_bad_fractions():
                 ["--profile", "dialup"]):
         with pytest.raises((argparse.ArgumentError, SystemExit)):
             p.parse_args(bad)
+
+
+def test_layers_fetched_for_a_shard_still_loading_are_waited_for() -> None:
+    rows = [{"state": "done", "layers": [18, 27]}, {"state": "done", "layers": [11, 11]},
+            {"state": "running", "layers": [5, 5]}, {"state": "done", "layers": None}]
+    # covered with 18-27 served; the second range is fetched but not hosted yet
+    assert household.unhosted_fetches(rows, [[18, 27]]) == [[11, 11]]
+    assert household.unhosted_fetches(rows, [[11, 11], [18, 27]]) == []
