@@ -5,7 +5,9 @@ An echo peer runs in another process on 127.0.0.1 (``python -m hearthnet.transpo
 echo back → receive → decode — of decode-step hidden states (1×1×576 and 1×1×3072 fp16:
 SmolLM2-135M and a 3B-class model) over at least 2,000 steps, and of 2,048-token
 prefills. The goal on a laptop-class CPU is p95 ≤ 1 ms per decode round trip; the spec's
-budget is 25 ms per hop.
+budget is 25 ms per hop. Beside the round trips it times the codec alone, in this process:
+encoding and decoding one decode step's frame (1×1×hidden fp32, the lossless wire, for
+SmolLM2's 576 and a 1.5B model's 1536) — four of each are paid per pipeline hop.
 
 Both processes run single-threaded torch on uvloop when it is installed.
 """
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import timeit
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,12 +33,20 @@ from hearthnet.constants import TENSOR_CHUNK_BYTES, TENSOR_FLOW_CONTROL_WINDOW
 from hearthnet.loop import run
 from hearthnet.observability import configure_logging
 from hearthnet.stats import percentile
-from hearthnet.transport.codec import chunk_count_for
+from hearthnet.transport.codec import (
+    OP_INPUT,
+    EncodedTensor,
+    TensorAssembler,
+    WireDtype,
+    chunk_count_for,
+)
 from hearthnet.transport.websocket import SHARD_PATH, ServerStream, TensorChannel, serve
 
 GOAL_P95_MS = 1.0
 DECODE_HIDDEN = (576, 3072)
 PREFILL_TOKENS = 2048
+CODEC_HIDDEN = (576, 1536)
+"""Hidden widths whose decode-step frame is encoded and decoded alone (`codec_timings`)."""
 _READY = "LISTENING"
 
 
@@ -156,6 +167,32 @@ async def _prefill_round_trips(ch: TensorChannel, hidden: int, tokens: int,
             "chunks": chunk_count_for(nbytes, ch.chunk_bytes), "n": reps}
 
 
+def codec_timings(hidden: int, *, number: int = 2000, repeat: int = 5) -> dict[str, Any]:
+    """Microseconds to encode and to decode one decode step's frame (1×1×``hidden`` fp32)
+    in this process: the best of ``repeat`` means over ``number`` calls each (the least
+    disturbed by other work on the machine).
+
+    Encode is the sender's whole job on a tensor (checks, header, the frame's bytes);
+    decode the receiver's (header checks, the tensor over the received message).
+    """
+    x = torch.randn(1, 1, hidden)
+
+    def encode() -> bytes:
+        return EncodedTensor(x, opcode=OP_INPUT, stream_id=1, step=1, start_pos=1,
+                             wire_dtype=WireDtype.FP32).frame(0)
+
+    frame = encode()
+    asm = TensorAssembler(expect_opcode=OP_INPUT, expect_dtype=WireDtype.FP32,
+                          expect_stream_id=1)
+    _, back = asm.feed(frame)
+    if back is None or not torch.equal(back, x):
+        raise RuntimeError(f"the codec's round trip of 1x1x{hidden} fp32 came back wrong")
+    enc = min(timeit.repeat(encode, number=number, repeat=repeat)) / number
+    dec = min(timeit.repeat(lambda: asm.feed(frame), number=number, repeat=repeat)) / number
+    return {"encode_us": round(enc * 1e6, 2), "decode_us": round(dec * 1e6, 2),
+            "frame_bytes": len(frame), "n": number * repeat}
+
+
 async def _client(uri: str, *, steps: int, warmup: int, prefill_reps: int, window: int,
                   chunk_bytes: int) -> dict[str, Any]:
     ch = await TensorChannel.connect(uri, {"wire_dtype": "fp16"}, window=window,
@@ -181,13 +218,16 @@ def run_transport_bench(*, steps: int = 2000, warmup: int = 200, prefill_reps: i
     Keys: ``decode_576`` and ``decode_3072`` ({p50_ms, p95_ms, p99_ms, mean_ms, max_ms,
     n, bytes}: one round trip each), ``prefill_2048x576`` and ``prefill_2048x3072`` ({ms:
     median round trip, MB_per_s: bytes moved both ways per second, p95_ms, bytes,
-    chunks, n}), ``goal`` and ``config``.
+    chunks, n}), ``codec_fp32_576`` and ``codec_fp32_1536`` ({encode_us, decode_us,
+    frame_bytes, n}: `codec_timings`), ``goal`` and ``config``.
     """
     torch.set_num_threads(1)
+    codec = {f"codec_fp32_{h}": codec_timings(h) for h in CODEC_HIDDEN}
     with EchoPeer(window=window, chunk_bytes=chunk_bytes) as peer:
         res = run(_client(peer.uri, steps=steps, warmup=warmup, prefill_reps=prefill_reps,
                           window=window, chunk_bytes=chunk_bytes))
     loop = res.pop("_loop")
+    res.update(codec)
     from websockets.version import version as websockets_version
 
     res["goal"] = {"decode_p95_ms_max": GOAL_P95_MS,
@@ -215,6 +255,11 @@ def format_report(res: dict[str, Any]) -> str:
         lines.append(f"  prefill {PREFILL_TOKENS}x{h:<5} fp16 ({r['bytes'] / 1e6:.1f} MB, "
                      f"{r['chunks']} chunks)  {r['ms']:.2f} ms per round trip  "
                      f"{r['MB_per_s']:.0f} MB/s  (n={r['n']})")
+    for h in CODEC_HIDDEN:
+        r = res[f"codec_fp32_{h}"]
+        lines.append(f"  codec alone, a decode step's frame 1x1x{h:<5} fp32 "
+                     f"({r['frame_bytes']} B): encode {r['encode_us']:.1f} us, "
+                     f"decode {r['decode_us']:.1f} us")
     goal = res["goal"]
     lines.append(f"  goal p95 <= {goal['decode_p95_ms_max']} ms per decode round trip: "
                  f"{'met' if goal['met'] else 'NOT met'}")

@@ -291,6 +291,9 @@ class StreamProtocol:
         """
         _check_limits(window, chunk_bytes, max_tensor_bytes, BadRequest)
         self.role = role
+        self._state = State.IDLE
+        self._rx: dict[int, State] = {}  # the state table's rows for this role and state
+        self._tx: dict[int, State] = {}
         self.state = State.IDLE
         self.window = window
         self.chunk_bytes = chunk_bytes
@@ -316,6 +319,19 @@ class StreamProtocol:
                                           max_tensor_bytes=max_tensor_bytes)
         self._incoming = Opcode.OUTPUT if role is Role.CLIENT else Opcode.INPUT
         self._outgoing = Opcode.INPUT if role is Role.CLIENT else Opcode.OUTPUT
+
+    @property
+    def state(self) -> State:
+        """The session state (docs/protocol.md §5)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: State) -> None:
+        # The legal frames of the new state are looked up once here, not per frame: a
+        # (role, state) key hashes two Enums in Python, twice per frame on the step path.
+        self._state = state
+        self._rx = _RECEIVE.get((self.role, state), {})
+        self._tx = _SEND.get((self.role, state), {})
 
     # -- what the I/O layer reads ------------------------------------------------------
 
@@ -436,7 +452,8 @@ class StreamProtocol:
                             max_tensor_bytes=self.max_tensor_bytes)
         self._ordered.append(_Outgoing(enc))
         self._tensors_queued += 1
-        self.state = nxt
+        if nxt is not self._state:
+            self.state = nxt
         return self._tensors_queued
 
     def send_error(self, error: HearthNetError, *, fatal: bool = False,
@@ -467,7 +484,7 @@ class StreamProtocol:
         """
         if self.state in (State.CLOSED, State.FAILED):
             return
-        nxt = _SEND.get((self.role, self.state), {}).get(Opcode.CLOSE, State.CLOSED)
+        nxt = self._tx.get(Opcode.CLOSE, State.CLOSED)
         self._drop_unsent()
         raw = reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
         self._control.append(_CLOSE_HEAD.pack(Opcode.CLOSE) + raw)
@@ -537,7 +554,7 @@ class StreamProtocol:
         After CLOSED or FAILED input is ignored (the peer may still have frames in
         flight). Malformed input fails the stream: see `ProtocolFailed`.
         """
-        if self.state is State.CLOSED or self.state is State.FAILED:
+        if self._state is State.CLOSED or self._state is State.FAILED:
             return
         try:
             if not data:
@@ -546,7 +563,7 @@ class StreamProtocol:
             kind = op
             if op == Opcode.ERROR and len(data) > 1 and data[1] & _FLAG_FATAL:
                 kind = _FATAL
-            nxt = _RECEIVE.get((self.role, self.state), {}).get(kind)
+            nxt = self._rx.get(kind)
             if nxt is None:
                 raise ProtocolError(self._unexpected(op, kind))
             if op == self._incoming:
@@ -563,7 +580,8 @@ class StreamProtocol:
                 self._receive_open(data)
             else:
                 self._receive_accept(data)
-            self.state = nxt  # handlers raise on failure, so this runs only on success
+            if nxt is not self._state:  # handlers raise on failure: only on success
+                self.state = nxt
         except ProtocolError as exc:
             self._fail_received(exc)
         except Exception as exc:  # safety net: the receive path never raises (§7) ...
@@ -689,13 +707,13 @@ class StreamProtocol:
 
     def _grant_credit(self) -> None:
         # docs/protocol.md §6: return credit once half the window is owed, never per chunk.
-        if self._pending_credit >= max(1, self.window // 2) and self.state is State.OPEN:
+        if self._pending_credit >= max(1, self.window // 2) and self._state is State.OPEN:
             n, self._pending_credit = self._pending_credit, 0
             self._peer_credit += n
             self._control.append(_CREDIT.pack(Opcode.CREDIT, n))
 
     def _check_send(self, kind: int) -> State:
-        nxt = _SEND.get((self.role, self.state), {}).get(kind)
+        nxt = self._tx.get(kind)
         if nxt is None:
             name = "fatal ERROR" if kind == _FATAL else Opcode(kind).name
             raise BadRequest(f"a {self.role.value} cannot send {name} in state "

@@ -25,7 +25,7 @@ import contextlib
 import secrets
 import ssl as _ssl
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,7 +130,9 @@ class _Session:
         self._ws = ws
         self._proto = proto
         self.deadline_s = deadline_s
-        self._metrics = metrics
+        # the byte counters, looked up once (DESIGN.md hot path rules: every frame counts)
+        self._bytes_in = metrics.transport_bytes_in_total if metrics is not None else None
+        self._bytes_out = metrics.transport_bytes_out_total if metrics is not None else None
         self._loop = asyncio.get_running_loop()
         self._ready: deque[StepReceived | HearthNetError] = deque()
         self._wakeup: asyncio.Future[None] | None = None
@@ -235,8 +237,8 @@ class _Session:
             while True:
                 data = await ws.recv(decode=False)
                 self.bytes_received += len(data)
-                if self._metrics is not None:
-                    self._metrics.transport_bytes_in_total.inc(len(data))
+                if self._bytes_in is not None:
+                    self._bytes_in.inc(len(data))
                 proto.receive_data(data)
                 for event in proto.events_received():
                     self._on_event(event)
@@ -290,18 +292,16 @@ class _Session:
         self.progress_pings += 1
         timer.reschedule(min(self._loop.time() + self._step_window, self._step_limit_at))
 
-    @contextlib.asynccontextmanager
-    async def _step_deadline(self, deadline_s: float | None) -> AsyncIterator[None]:
-        """One client step's deadline (raises TimeoutError), re-armed by progress PINGs."""
+    def _step_deadline(self, deadline_s: float | None) -> asyncio.Timeout:
+        """One client step's deadline (raises TimeoutError), re-armed by progress PINGs;
+        the caller clears `_step_timer` when the step ends. asyncio's own `Timeout`, not a
+        generator context manager around it: this is paid on every step of every hop."""
         window = self.deadline_s if deadline_s is None else deadline_s
         start = self._loop.time()
-        async with asyncio.timeout_at(start + window) as timer:
-            self._step_timer, self._step_window = timer, window
-            self._step_limit_at = start + BUSY_STEP_FACTOR * window
-            try:
-                yield
-            finally:
-                self._step_timer = None
+        timer = asyncio.timeout_at(start + window)
+        self._step_timer, self._step_window = timer, window
+        self._step_limit_at = start + BUSY_STEP_FACTOR * window
+        return timer
 
     def _on_peer_close(self, reason: str) -> None:
         """The peer sent CLOSE: see `ServerStream` and `TensorChannel` for what it means."""
@@ -344,7 +344,7 @@ class _Session:
     async def _flush(self) -> None:
         """Write everything the protocol has to send now, in order."""
         async with self._write_lock:
-            proto, ws, metrics = self._proto, self._ws, self._metrics
+            proto, ws, counter = self._proto, self._ws, self._bytes_out
             while True:
                 frames = proto.data_to_send()
                 if not frames:
@@ -357,8 +357,8 @@ class _Session:
                         raise (self._failure
                                or ConnectionLost("the peer closed the tensor stream")) from None
                     self.bytes_sent += len(frame)
-                    if metrics is not None:
-                        metrics.transport_bytes_out_total.inc(len(frame))
+                    if counter is not None:
+                        counter.inc(len(frame))
 
     def _schedule_flush(self) -> None:
         # The reader never waits on a write: a busy writer picks the new frames up itself.
@@ -579,6 +579,8 @@ class TensorChannel(_Session):
                 ev = await self._recv_untimed()
         except TimeoutError:
             raise self._stalled(_NOT_RECEIVED) from None
+        finally:
+            self._step_timer = None
         if ev is None:  # pragma: no cover - a client session never ends that way
             raise ConnectionLost("the shard closed the tensor stream")
         return StepResult(ev.step, ev.start_pos, ev.tensor, ev.compute_us)
@@ -596,6 +598,8 @@ class TensorChannel(_Session):
         except TimeoutError:
             raise self._stalled(_NOT_RECEIVED if sent else _NOT_SENT.format(step=step)
                                 ) from None
+        finally:
+            self._step_timer = None
         if ev is None:  # pragma: no cover
             raise ConnectionLost("the shard closed the tensor stream")
         return StepResult(ev.step, ev.start_pos, ev.tensor, ev.compute_us)
