@@ -316,6 +316,7 @@ def measure_local(s: Subject, built: lc.LlamaCpp, args: argparse.Namespace, logs
           "completion_tokens": full["completion_tokens"],
           "peak_rss_mb": full["memory"]["peak_rss_mb"], "param_mb": full["param_mb"],
           "weights": args.weights, "kernel": full.get("kernel", full.get("int8_kernel")),
+          "int4_dense_rows": full.get("int4_dense_rows"),  # fp32-tile products from these rows
           "compile": starts}
     _say(f"{s.key}: llama-bench, {args.threads} threads")
     ref = lc.run_llama_bench(lc.llama_bench_argv(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     figures["device_name"] = full.get("device_name", "cpu")
     figures["int8_kernel"] = full["int8_kernel"]
     figures["kernel"] = full.get("kernel", "")  # the held format's (`quant.kernel_of`)
+    figures["int4_dense_rows"] = full.get("int4_dense_rows")  # int4 prefills' fp32 path
     if args.against:
         other = _child(args, "full", weights=args.against)
         tps = round(median(other["decode_tokens_per_s"]), 2)
@@ -217,11 +219,20 @@ def report(f: dict[str, Any]) -> str:
     return (f"bench local: {f['model_id']}, {f['tokens']} tokens × {f['runs']} runs "
             f"(median), prompt {f['prompt_tokens']} tokens, "
             f"{st['torch_threads_per_process']} torch threads, weights {f['weights']}"
-            f"{' (' + f['kernel'] + ' kernel)' if f.get('kernel') else ''} "
+            f"{' (' + f['kernel'] + ' kernel)' if f.get('kernel') else ''}"
+            f"{_dense_note(f)} "
             f"({f['parts']['full']['param_mb']} MB held) on "
             f"{f.get('device_name', 'cpu')}\n{t}\n"
             f"first token {f['first_token_ms']:.1f} ms; written to {f['results_file']}"
             f"{_compile_line(f)}{_against_line(f)}")
+
+
+def _dense_note(f: dict[str, Any]) -> str:
+    """From how many rows int4 products ran in fp32 GEMMs of de-quantised tiles."""
+    if f.get("weights") != "int4":
+        return ""
+    rows = f.get("int4_dense_rows")
+    return f", prefill rows ≥ {rows} in fp32 tiles" if rows else ", no fp32 tiles"
 
 
 def _compile_line(f: dict[str, Any]) -> str:
@@ -259,6 +270,18 @@ def _compiled_ready(stack: Any, lo: int, hi: int) -> dict[str, Any]:
     return {"state": state, "seconds": stack.compiled.seconds.get((lo, hi))}
 
 
+def _dense_rows(a: argparse.Namespace) -> int | None:
+    """With int4, wait for the probe that chooses from how many rows a product runs in
+    fp32 GEMMs of de-quantised tiles (`quant.int4_dense_rows`), so that every measured
+    prefill runs in one path; that count (None: never, or not int4)."""
+    from hearthnet.distributed_inference.engine import quant
+
+    if a.weights != "int4":
+        return None
+    rows = quant.int4_dense_rows(wait=True)
+    return None if math.isinf(rows) else int(rows)
+
+
 def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
     from hearthnet.distributed_inference.engine import quant
     from hearthnet.distributed_inference.engine.device import device_info
@@ -270,7 +293,7 @@ def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
                          compile_decode=bool(a.compile_dir),
                          compile_dir=Path(a.compile_dir) if a.compile_dir else None)
     compile_state = _compiled_ready(engine.stack, 0, entry.num_layers - 1)
-    out: dict[str, Any] = {"compile": compile_state,
+    out: dict[str, Any] = {"compile": compile_state, "int4_dense_rows": _dense_rows(a),
                            "device_name": device_info(engine.stack.device)["name"],
                            "param_mb": round((engine.stack.param_bytes()
                                               + engine.head.param_bytes()) / 2**20, 1),
@@ -317,6 +340,7 @@ def _measure_layers(entry: Any, lo: int, hi: int, a: argparse.Namespace) -> dict
                          compile_dir=Path(a.compile_dir) if a.compile_dir else None)
     dev = stack.device
     out: dict[str, Any] = {"layers": [lo, hi], "compile": _compiled_ready(stack, lo, hi),
+                           "int4_dense_rows": _dense_rows(a),
                            "param_mb": round(stack.param_bytes() / 2**20, 1)}
     t_prompt = max(1, a.prompt_tokens)
     gen = torch.Generator().manual_seed(0)

@@ -42,6 +42,19 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
   — where torch's build has no vectorised bf16 path for this CPU it is not — so noise
   never flips the choice. `HEARTHNET_INT4_KERNEL` overrides it: `auto` (the default), `exact` or
   `int4pack-fp32`, `int4pack-bf16`. `INT4_BLOCKS_DTYPE` is the chosen path's dtype.
+  Products of many rows (a prefill) can run instead in torch's fp32 GEMM on the weights
+  de-quantised a tile at a time (`dense_product`: the kernel works through its rows four
+  at a time, so its cost grows with every row, while a GEMM reuses each de-quantised
+  tile for all of them; exact but for fp32 rounding), from `INT4_DENSE_ROWS` rows on.
+  Off unless `HEARTHNET_INT4_DENSE_ROWS` asks for it (`off`, the default; `auto`; or a
+  row count): on one thread it took 0.63-0.83× the kernel's time at 128-256 rows on the
+  2-core AVX-512 VM, but on two threads beside other work its many parallel regions
+  (two per tile) made a 4-layer 1.5B prefill 2-5× slower. `auto`: a probe in a
+  background thread, started by the first such product, chooses the row count
+  (`dense_rows_from`; never fewer than `DENSE_FLOOR`, so decode steps and speculative
+  passes stay in the kernel the compiled steps use) where the de-quantisation compiles
+  and torch packs int4 in the layout it reads; else, and until then, the kernel runs
+  every product.
   A linear of other blocks (Q8_0, Q5_K, Q6_K …) is de-quantised exactly to fp32 and held
   as int8 per output channel (no torch CPU kernel takes int8 with per-group scales); the
   quality benchmark reports that loss.
@@ -57,6 +70,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -73,6 +87,9 @@ from hearthnet.distributed_inference.engine.blocks import GROUP, GgmlBlocks, int
 from hearthnet.dtypes import FLOAT_DTYPES
 from hearthnet.errors import BadRequest, ConfigError, WeightsMismatch
 from hearthnet.models.hashing import Q4_TYPES  # held exactly as int4 groups of 32
+from hearthnet.observability import get_logger
+
+log = get_logger("quant")
 
 INT4_GROUPS = (64, 32)  # the largest that divides a matrix's input size: finer groups
 # than gpt-fast's default 128 round less (llama.cpp's Q4 blocks are 32) for ~6 % more bytes
@@ -314,6 +331,8 @@ def _chosen(name: str) -> Any:
 def __getattr__(name: str) -> Any:
     if name in _CHOOSE:
         return _chosen(name)
+    if name == "INT4_DENSE_ROWS":
+        return int4_dense_rows()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -341,6 +360,201 @@ def kernel_of(fmt: str, blocks: bool = False) -> str:
         return next(k for k, d in INT4_KERNELS.items() if d == int4_blocks_dtype()) \
             if blocks else "int4pack-bf16"
     return int8_kernel_name() if fmt == "int8" else ""
+
+
+# ---------------------------------------------------------------------------------------
+# int4 products of many rows (a prefill): the weights de-quantised a tile at a time into
+# torch's fp32 GEMM (M26 §5.7)
+
+DENSE_BLOCK = 64
+"""Rows per block of torch's AVX-512 int4 pack (`_convert_weight_to_int4pack_for_cpu`,
+aten/src/ATen/native/cpu/int4mm_kernel.cpp): (n / 64, k, 32) bytes, byte j of input k of
+a block holding row j in its low nibble and row 32 + j in its high one. Other builds pack
+otherwise (AVX2: blocks of 32): `dense_layout_ok` checks the layout before the path is used."""
+DENSE_FLOOR = 34  # the fewest rows the dense path takes: a speculative pass (≤ 33 rows,
+# `compiled.verify_step`) and every decode step run in the kernel the compiled steps use
+DENSE_PROBE_ROWS = (64, 128, 256)  # 256: the orchestrator's prefill chunk
+DENSE_MIN_SPEEDUP = 1.2  # the dense path must be this much faster at a row count (and at
+# every larger one probed) to be used from there: on the 2-core AVX-512 VM, one thread,
+# the 1.5B's products (compiled de-quantisation) measured 0.63-0.78× the kernel's time at
+# 256 rows, 0.72-0.83× at 128 and 1.2-1.5× at 46, so the choice sits between them
+INT4_DENSE_ENV = "HEARTHNET_INT4_DENSE_ROWS"
+_DENSE_PROBE = (2048, 2048)  # out × in of the probe matrix (2 MiB of int4)
+_TILE_BYTES = 3 << 19  # fp32 weights de-quantised per GEMM: 1.5 MiB stays in a core's L2
+# cache while its product runs (the whole matrix — 55 MB for 8960 × 1536 — goes to memory
+# and back)
+
+
+def _dequantised_tile(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """W[rows].T, fp32 (k, 64 t), of t blocks of packed rows: `p` (t, k / g, g, 32) bytes,
+    `s` and `z` (t, k / g, 1, 64) fp32 — each group's scale and its zero less 8 scales, so
+    that a weight (q − 8)·scale + zero is q·s + z (q·s exact in fp32 for bf16 scales; one
+    rounding of the sum)."""
+    lo = (p & 15).float() * s[..., :32] + z[..., :32]  # rows 0..31 of each block
+    hi = (p >> 4).float() * s[..., 32:] + z[..., 32:]  # rows 32..63
+    t = p.shape[0]
+    return torch.cat((lo, hi), dim=-1).reshape(t, -1, DENSE_BLOCK).permute(1, 0, 2) \
+        .reshape(-1, DENSE_BLOCK * t)
+
+
+def dense_product(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group: int,
+                  dequantise: Callable[..., torch.Tensor] = _dequantised_tile
+                  ) -> torch.Tensor:
+    """fp32 ``x @ W.T`` (m, n) of fp32 rows `x` (m, k) and the int4 weights `packed`
+    (n, k / 2; torch's AVX-512 layout, n a multiple of `DENSE_BLOCK`) with `sz` (k / g, n,
+    2) (scale, zero): the weights are de-quantised to fp32 a tile of row blocks at a time
+    (`dequantise`, `_dequantised_tile` or its compiled form) and each tile's product runs in
+    torch's fp32 GEMM — exact but for fp32 rounding, where the kernel rounds activations
+    and outputs to bf16."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    nb, kg = n // DENSE_BLOCK, k // group
+    sz = sz.float()
+    s = sz[..., 0].reshape(kg, nb, 1, DENSE_BLOCK).permute(1, 0, 2, 3).contiguous()
+    z = (sz[..., 1] - 8 * sz[..., 0]).reshape(kg, nb, 1, DENSE_BLOCK).permute(1, 0, 2, 3) \
+        .contiguous()  # (n / 64, k / g, 1, 64)
+    p = packed.view(nb, kg, group, DENSE_BLOCK // 2)
+    t = max(1, _TILE_BYTES // (k * DENSE_BLOCK * 4))
+    return torch.cat([x @ dequantise(p[b:b + t], s[b:b + t], z[b:b + t])
+                      for b in range(0, nb, t)], dim=1)
+
+
+def dense_layout_ok() -> bool:
+    """Whether torch packs int4 here in the layout `dense_product` reads: the identity's
+    product with weights of scale 1 and zero 8 gives them back."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (2 * DENSE_BLOCK, 2 * GROUP), dtype=torch.int32, generator=g)
+    try:
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    except (RuntimeError, NotImplementedError):
+        return False
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (len(q), q.shape[1] // 2):
+        return False
+    sz = torch.ones(q.shape[1] // GROUP, len(q), 2)
+    sz[..., 1] = 8
+    return bool(torch.equal(dense_product(torch.eye(q.shape[1]), packed, sz, GROUP),
+                            q.t().float()))
+
+
+def _compiles() -> bool:
+    """Whether this process compiles (``HEARTHNET_COMPILE``, a C++ compiler): the dense
+    path needs `_dequantised_tile` compiled (inductor's vectorised C++, ~3× the eager ops'
+    speed; eagerly, de-quantising costs more than the kernel saves below ~250 rows)."""
+    from hearthnet.config import compile_decode_enabled
+
+    return compile_decode_enabled() and bool(
+        shutil.which("c++") or shutil.which("g++") or shutil.which("clang++"))
+
+
+def _compiled_dequantiser() -> Callable[..., torch.Tensor]:
+    fn: Callable[..., torch.Tensor] = torch.compile(_dequantised_tile, dynamic=True,
+                                                    fullgraph=True)
+    return fn
+
+
+def _dense_probe_ms(dequantise: Callable[..., torch.Tensor]
+                    ) -> dict[int, tuple[float, float]]:
+    """{rows: (kernel ms, dense ms)} of one (2048 × 2048) product at each of
+    `DENSE_PROBE_ROWS`, best of 3, in the int4 kernel path chosen for blocks and in
+    `dense_product`."""
+    n, k = _DENSE_PROBE
+    g = torch.Generator().manual_seed(0)
+    packed = torch._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g), 1)
+    sz = (torch.rand(k // GROUP, n, 2, generator=g) * 1e-2).to(int4_blocks_dtype())
+    out = {}
+    for rows in DENSE_PROBE_ROWS:
+        x = torch.randn(rows, k, generator=g)
+        kernel = _best_ms(partial(torch._weight_int4pack_mm_for_cpu, x.to(sz.dtype), packed,
+                                  GROUP, sz), runs=3)
+        dense = _best_ms(partial(dense_product, x, packed, sz, GROUP, dequantise), runs=3)
+        out[rows] = (kernel, dense)
+    return out
+
+
+def dense_rows_from(ms: dict[int, tuple[float, float]]) -> float:
+    """The fewest rows from which int4 products run in `dense_product`, given probe times
+    {rows: (kernel ms, dense ms)}: the smallest probed count from which on it is at least
+    `DENSE_MIN_SPEEDUP` times faster at every count probed (never under `DENSE_FLOOR`);
+    ``inf``: never."""
+    rows = math.inf
+    for r in sorted(ms, reverse=True):
+        kernel, dense = ms[r]
+        if dense * DENSE_MIN_SPEEDUP > kernel:
+            break
+        rows = r
+    return max(rows, DENSE_FLOOR)
+
+
+def dense_setting(value: str | None = None) -> float | None:
+    """`HEARTHNET_INT4_DENSE_ROWS` (or `value`): ``off`` (the default: see the module
+    docstring) gives ``inf``; ``auto`` (a probe chooses, `dense_rows_from`) None; a whole
+    number of rows at least `DENSE_FLOOR` that number. `ConfigError` for anything else."""
+    raw = os.environ.get(INT4_DENSE_ENV, "") if value is None else value
+    v = raw.strip().lower() or "off"
+    if v == "auto":
+        return None
+    if v == "off":
+        return math.inf
+    if v.isdigit() and int(v) >= DENSE_FLOOR:
+        return float(int(v))
+    raise ConfigError(f"{INT4_DENSE_ENV}={raw!r} is not a row count; use auto, off or a "
+                      f"whole number of at least {DENSE_FLOOR}", key=INT4_DENSE_ENV,
+                      reason="bad int4 dense row threshold")
+
+
+_dense_lock = threading.Lock()
+_dense_done = threading.Event()
+_dense_started = False
+_DEQUANTISE: Callable[..., torch.Tensor] = _dequantised_tile  # what the choice stands for
+
+
+def _choose_dense_rows() -> None:
+    """Probe and publish `INT4_DENSE_ROWS` (and the de-quantiser it was measured with)."""
+    global _DEQUANTISE
+    rows, why = math.inf, ""
+    try:
+        if not dense_layout_ok():
+            why = "torch packs int4 in another layout on this CPU"
+        else:
+            deq = _compiled_dequantiser()
+            ms = _dense_probe_ms(deq)
+            rows = dense_rows_from(ms)
+            _DEQUANTISE = deq
+            why = ", ".join(f"{r} rows: kernel {a:.2f} ms, dense {b:.2f} ms"
+                            for r, (a, b) in ms.items())
+    except Exception as e:  # a compile's or a kernel's failure, of any type: the kernel stays
+        rows, why = math.inf, f"{type(e).__name__}: {e}"[:200]
+    globals()["INT4_DENSE_ROWS"] = rows
+    _dense_done.set()
+    log.info("int4_dense_rows", rows=None if math.isinf(rows) else int(rows), why=why)
+
+
+def int4_dense_rows(wait: bool = False) -> float:
+    """`INT4_DENSE_ROWS`: the fewest rows of an int4 product that run in `dense_product`
+    (``inf``: none). Set by `HEARTHNET_INT4_DENSE_ROWS`, else chosen by a probe in a
+    background thread started on the first call — ``inf`` until it is done, or (`wait`)
+    after waiting for it (benchmarks, so that every measured run uses one path)."""
+    global _dense_started, _DEQUANTISE
+    g = globals()
+    if "INT4_DENSE_ROWS" not in g:
+        with _dense_lock:
+            if "INT4_DENSE_ROWS" not in g and not _dense_started:
+                fixed = dense_setting()
+                if fixed is None and not _compiles():
+                    fixed = math.inf
+                    log.info("int4_dense_rows", rows=None, why="this process does not "
+                             "compile (HEARTHNET_COMPILE=0 or no C++ compiler)")
+                if fixed is not None:
+                    if not math.isinf(fixed) and _compiles():
+                        _DEQUANTISE = _compiled_dequantiser()
+                    g["INT4_DENSE_ROWS"] = fixed
+                    return fixed
+                _dense_started = True
+                threading.Thread(target=_choose_dense_rows, name="int4-dense-probe",
+                                 daemon=True).start()
+        if wait:
+            _dense_done.wait()
+    return float(g.get("INT4_DENSE_ROWS", math.inf))
 
 
 def split_rows(x: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
@@ -505,18 +719,33 @@ class Int4Linear(nn.Module):
         """Pack int32 `q` (n, k) in 0..15 with `sz` (k / gs, n, 2) (scale, zero) for the
         kernel: weight ``(q − 8) · scale + zero``; activations are computed in sz's dtype."""
         self.in_features, self.out_features, self.group = q.shape[1], q.shape[0], gs
+        dense_setting()  # a bad HEARTHNET_INT4_DENSE_ROWS is refused at load, not mid-call
+        self.dense = q.shape[0] % DENSE_BLOCK == 0  # whole blocks: `dense_product` reads them
         self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer("scales_and_zeros", sz)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None \
             else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
-        y = torch._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group,
-                                              self.scales_and_zeros).to(x.dtype)
+        x2 = x.reshape(-1, self.in_features)
+        if self._dense_rows(x2):  # a prefill: de-quantised tiles in fp32 GEMMs
+            y = dense_product(x2.float(), self.weight_int4, self.scales_and_zeros, self.group,
+                              _DEQUANTISE).to(x.dtype)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(
+                x2.to(self.scales_and_zeros.dtype).contiguous(), self.weight_int4,
+                self.group, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _dense_rows(self, x2: torch.Tensor) -> bool:
+        """Whether rows `x2` run in `dense_product`: never while torch.compile traces (a
+        compiled step keeps the kernel, whatever its rows), else from `int4_dense_rows`
+        rows on, on the CPU, in torch's AVX-512 layout."""
+        if torch.compiler.is_compiling() or not self.dense or x2.device.type != "cpu":
+            return False
+        return len(x2) >= DENSE_FLOOR and len(x2) >= int4_dense_rows()
 
 
 FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read
