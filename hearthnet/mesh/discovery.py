@@ -24,7 +24,7 @@ import contextlib
 import ipaddress
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,17 @@ def peer_from_service(properties: Mapping[bytes, bytes | None], addresses: list[
     if ":" in host:
         host = f"[{host}]"
     return node_id, f"{scheme}://{host}:{port}"
+
+
+async def stop_browsing(tasks: Iterable[asyncio.Task[Any]],
+                        browser: AsyncServiceBrowser | None) -> None:
+    """Cancel the lookups under way and stop the browser (whatever zeroconf raises while
+    it shuts down: the node is stopping either way)."""
+    for t in list(tasks):
+        t.cancel()
+    if browser is not None:
+        with contextlib.suppress(Exception):
+            await browser.async_cancel()
 
 
 @dataclass(slots=True)
@@ -187,11 +198,7 @@ class LanDiscovery:
 
     async def stop(self) -> None:
         self._waiting.clear()
-        for t in list(self._tasks):
-            t.cancel()
-        if self._browser is not None:
-            with contextlib.suppress(Exception):
-                await self._browser.async_cancel()
+        await stop_browsing(self._tasks, self._browser)
         if self._zc is not None:
             with contextlib.suppress(Exception):
                 await self._zc.async_unregister_all_services()

@@ -42,6 +42,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 
 from hearthnet.errors import ConnectionLost
 from hearthnet.ids import NODE_ID_RE
+from hearthnet.mesh.discovery import stop_browsing
 from hearthnet.observability import get_logger
 from hearthnet.security.joining import ALPHABET, ID_CHARS
 
@@ -174,11 +175,7 @@ class InviterSearch:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        if self._browser is not None:
-            with contextlib.suppress(Exception):
-                await self._browser.async_cancel()
+        await stop_browsing(self._tasks, self._browser)
         if self._zc is not None:
             with contextlib.suppress(Exception):
                 await self._zc.async_close()

@@ -743,9 +743,9 @@ class Int4Linear(nn.Module):
         """Whether rows `x2` run in `dense_product`: never while torch.compile traces (a
         compiled step keeps the kernel, whatever its rows), else from `int4_dense_rows`
         rows on, on the CPU, in torch's AVX-512 layout."""
-        if torch.compiler.is_compiling() or not self.dense or x2.device.type != "cpu":
-            return False
-        return len(x2) >= DENSE_FLOOR and len(x2) >= int4_dense_rows()
+        if len(x2) < DENSE_FLOOR or not self.dense or x2.device.type != "cpu":
+            return False  # a decode step's few rows leave here first: the per-token path
+        return not torch.compiler.is_compiling() and len(x2) >= int4_dense_rows()
 
 
 FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read
