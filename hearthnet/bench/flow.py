@@ -1,8 +1,9 @@
 """`hearthnet bench pipeline --flow`: a long prompt flowing through the stages (M26 §5.3)
 against the same prompt sent whole.
 
-One mesh of node processes on 127.0.0.1 with two orchestrators over the same shards: node A
-sends a long prompt in chunks of `prefill_chunk_tokens` that flow (stage 0 takes chunk i+1
+One mesh of node processes on 127.0.0.1 (with ``--netem``, each in its own namespace a
+household link apart, `hearthnet.bench.netem`) with two orchestrators over the same shards:
+node A sends a long prompt in chunks of `prefill_chunk_tokens` that flow (stage 0 takes chunk i+1
 while stage 1 computes chunk i), node U (``prefill_chunk_tokens`` larger than the prompt)
 sends it as one step through each stage in turn. Calls alternate between them, ``--runs``
 times; the figure is each one's median time to the first token and the ratio flow /

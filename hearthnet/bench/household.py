@@ -46,11 +46,9 @@ import asyncio
 import contextlib
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -69,12 +67,13 @@ from hearthnet.bench import (
 )
 from hearthnet.bench.lan import (
     PROFILES,
-    SHAPERS,
     Lan,
-    LanUnavailable,
+    LanMesh,
     Link,
-    NsForward,
+    add_shaper_arg,
+    lan_mesh,
     links_for,
+    terminate_as_interrupt,
 )
 from hearthnet.bench.pipeline import prediction_report
 from hearthnet.distributed_inference.directory.formats import (
@@ -84,8 +83,7 @@ from hearthnet.distributed_inference.directory.formats import (
     resolve_format,
 )
 from hearthnet.errors import BadRequest, HearthNetError, ShardUnavailable, error_from_code
-from hearthnet.mesh.launcher import LocalMesh, NodeProc, NodeSpec, node_toml
-from hearthnet.security.provision import provision
+from hearthnet.mesh.launcher import NodeSpec
 
 GOALS = {"budget_fraction_max": 0.45, "fetch_ratio_max": 1.1, "wifi_ratio_min": 0.85}
 """The issue's household: each budget below 45 % of the model, each node fetching at most
@@ -107,10 +105,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "300 Mbit/s, 0.1 %% loss), mixed (the first node on gigabit, the "
                         "others on wifi) or loopback; each link shapes both directions, so "
                         "a packet between two nodes pays two links (default wifi)")
-    p.add_argument("--shaper", choices=SHAPERS, default="auto",
-                   help="how the links are shaped: netem (the kernel's qdisc), userspace "
-                        "(an emulator process, for kernels without netem) or auto: netem "
-                        "where the kernel has it (default auto)")
+    add_shaper_arg(p)
     p.add_argument("--import-on", choices=["one", "all"], default="all",
                    help="whose store holds the model: every node's, or only the first's "
                         "(the others fetch their layers; default all)")
@@ -290,70 +285,12 @@ def goals(f: dict[str, Any]) -> dict[str, Any]:
 # ---- the mesh ----------------------------------------------------------------------------
 
 
-class HouseholdMesh(LocalMesh):
-    """`LocalMesh` with a models folder per node and, given a `Lan`, each node in its own
-    namespace listening on its LAN address (the client reaches it by `NsForward`)."""
-
-    def __init__(self, specs: list[NodeSpec], *, root: Path, model: str,
-                 models_dirs: dict[str, Path], lan: Lan | None, threads: int,
-                 timeout_s: float = 30.0) -> None:
-        super().__init__(specs, root=root, model=model, threads=threads, timeout_s=timeout_s,
-                         models=models_dirs[specs[0].node_id])
-        self.lan = lan
-        self.index = {s.node_id: i for i, s in enumerate(specs)}
-        self.forwards: dict[str, NsForward] = {}
-        first = self.nodes[specs[0].node_id]
-        for nid, n in self.nodes.items():
-            peers = [] if n is first else [f"wss://{self.host(specs[0].node_id)}:{first.port}"]
-            text = node_toml(n.spec, n.port, peers, self.root / nid, models_dirs[nid],
-                             model=model, timeout_s=timeout_s, threads=threads, members=specs)
-            n.config.write_text(text.replace('listen_host = "127.0.0.1"',
-                                             f'listen_host = "{self.host(nid)}"'))
-        provision(self.root)  # the keys made above stay; the member lists are written again
-
-    def host(self, node_id: str) -> str:
-        """The address node `node_id` listens on."""
-        return self.lan.addr(self.index[node_id]) if self.lan else "127.0.0.1"
-
-    def prefix(self, node_id: str) -> list[str]:
-        """The command prefix that runs a program on the node's machine."""
-        return self.lan.exec_prefix(self.index[node_id]) if self.lan else []
-
-    def node_argv(self, n: NodeProc) -> list[str]:
-        return self.prefix(n.spec.node_id) + super().node_argv(n)
-
-    def _wait_ready(self, n: NodeProc, timeout: float) -> None:
-        super()._wait_ready(n, timeout)
-        if self.lan is None:
-            return
-        nid = n.spec.node_id
-        old = self.forwards.pop(nid, None)
-        if old is not None:
-            old.close()
-        fwd = NsForward(self.lan.ns[self.index[nid]], int(n.admin.rsplit(":", 1)[1]))
-        self.forwards[nid] = fwd
-        n.admin = f"ws://127.0.0.1:{fwd.port}"
-
-    def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
-        super().kill(node_id, sig)
-        if self.lan is not None:  # the machine dies: nothing of it runs on
-            self.lan.kill_host(self.index[node_id])
-
-    def stop(self) -> None:
-        try:
-            super().stop()
-        finally:
-            for f in self.forwards.values():
-                f.close()
-            self.forwards.clear()
-
-
 @dataclass
 class Household:
     """A started, covered household: its mesh, node ids (the first answers the chats) and
     figures so far."""
 
-    mesh: HouseholdMesh
+    mesh: LanMesh
     ids: list[str]
     figures: dict[str, Any]
 
@@ -407,7 +344,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                      "placement": "every node shards = \"auto\" with its budget; the first "
                                   "is the steward and serves the model; rebalancing off "
                                   "during the run (one placement per measurement)"}}
-    with _terminate_as_interrupt(), contextlib.ExitStack() as stack:
+    with terminate_as_interrupt(), contextlib.ExitStack() as stack:
         # both households stand at once and their single chats alternate, so a change in
         # the machine's load hits both sides of the ratio
         built = [stack.enter_context(_built(args, entry, budgets, links))]
@@ -471,23 +408,6 @@ def _prediction(entry: Any, args: argparse.Namespace, f: dict[str, Any]
     return predicted_beside_measured(pred, run)
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM as Ctrl-C while the household runs, so every `finally` cleans up."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def _specs(args: argparse.Namespace, budgets: list[int]) -> list[NodeSpec]:
     """Every node hosts automatically; the first is the steward and orchestrates."""
     head = head_format(args.weights)
@@ -515,32 +435,21 @@ def _built(args: argparse.Namespace, entry: Any, budgets: list[int], links: list
     ids = [s.node_id for s in specs]
     root = Path(tempfile.mkdtemp(prefix="hearthnet-household-"))
     lan = Lan(links, shaper=args.shaper) if links else None
-    mesh: HouseholdMesh | None = None
     try:
         shared = single_model_dir([entry], root)
         dirs = {nid: shared if args.import_on == "all" or i == 0 else _empty(root / nid)
                 for i, nid in enumerate(ids)}
-        if lan is not None:
-            try:
-                lan.up()
-            except LanUnavailable as e:
-                raise HearthNetError(f"the household's network could not be made: {e}") \
-                    from e
-        mesh = HouseholdMesh(specs, root=root, model=args.model, models_dirs=dirs, lan=lan,
-                             threads=args.node_threads)
-        t0 = time.monotonic()
-        mesh.start(wait_cover=False, timeout=1800.0)  # multi-GB models take minutes
-        _serve(mesh, ids[0], args.model)
-        figures: dict[str, Any] = {"coverage": _coverage(mesh, entry, args, ids, t0)}
-        figures["decode_steps"] = mesh.wait_decode_steps()
-        yield Household(mesh, ids, figures)
+        with lan_mesh(specs, lan=lan, root=root, model=args.model, models_dirs=dirs,
+                      threads=args.node_threads, what="the household's network") as mesh:
+            t0 = time.monotonic()
+            mesh.start(wait_cover=False, timeout=1800.0)  # multi-GB models take minutes
+            _serve(mesh, ids[0], args.model)
+            figures: dict[str, Any] = {"coverage": _coverage(mesh, entry, args, ids, t0)}
+            figures["decode_steps"] = mesh.wait_decode_steps()
+            yield Household(mesh, ids, figures)
     except HearthNetError as e:  # the same error, with the nodes' logs before they go
         raise error_from_code(e.code, f"{e.message}\n{_log_tails(root)}") from e
     finally:
-        if mesh is not None:
-            mesh.stop()
-        if lan is not None:
-            lan.down()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -551,7 +460,7 @@ def _empty(d: Path) -> Path:
     return d
 
 
-def _serve(mesh: HouseholdMesh, steward: str, model: str) -> None:
+def _serve(mesh: LanMesh, steward: str, model: str) -> None:
     """Put the model on the served-model list through the steward (`hearthnet models serve`
     on its machine)."""
     r = subprocess.run([*mesh.prefix(steward), sys.executable, "-m", "hearthnet.cli", "models",
@@ -607,7 +516,7 @@ def wait_covered(status: Callable[[], dict[str, Any]], alias: str, model_id: str
     return first, split
 
 
-def _coverage(mesh: HouseholdMesh, entry: Any, args: argparse.Namespace, ids: list[str],
+def _coverage(mesh: LanMesh, entry: Any, args: argparse.Namespace, ids: list[str],
               t0: float) -> dict[str, Any]:
     """Wait for the model to be covered; each node's layers and fetched bytes."""
     from hearthnet.distributed_inference.placement.autohost import layer_bytes
@@ -650,7 +559,7 @@ def _coverage(mesh: HouseholdMesh, entry: Any, args: argparse.Namespace, ids: li
             "fetch_reported": any(f is not None for f in fetches.values()), "nodes": nodes}
 
 
-def _status(mesh: HouseholdMesh, node_id: str) -> dict[str, Any]:
+def _status(mesh: LanMesh, node_id: str) -> dict[str, Any]:
     try:
         return mesh.status(node_id)
     except OSError:
@@ -732,7 +641,7 @@ async def _measure(built: list[Household], a: argparse.Namespace) -> list[dict[s
     return [h.figures for h in built]
 
 
-async def _killed(mesh: HouseholdMesh, ids: list[str], a: argparse.Namespace,
+async def _killed(mesh: LanMesh, ids: list[str], a: argparse.Namespace,
                   reference: list[int]) -> dict[str, Any]:
     """A chat during which a node other than the first dies (see the module docstring)."""
     kill: dict[str, Any] = {}

@@ -17,6 +17,11 @@ crosses two radio hops between two Wi-Fi clients of one access point. Profiles (
 With a ``rate`` netem schedules each packet after the one before, so the jitter delays
 packets without reordering them (TCP would read reordering as loss).
 
+`LanMesh` starts a `LocalMesh`'s node processes each in its namespace, listening on its LAN
+address (`bench household`, and `bench pipeline --netem` through `hearthnet.bench.netem`);
+`terminate_as_interrupt` makes a SIGTERM a Ctrl-C while they stand, so that every
+`finally` removes what was made.
+
 A benchmark in this process reaches a node's loopback admin listener inside its namespace
 through `NsForward` (a port on this namespace's 127.0.0.1 whose connections are made from a
 thread that entered the node's namespace): the client stands on the node's own machine, as
@@ -41,22 +46,28 @@ they cannot be made, and the benchmark then runs on the plain loopback and says 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-from hearthnet.bench import netem
 from hearthnet.bench.linkem import MTU, Config
 from hearthnet.bench.linkem import Link as Link  # the emulator's link model, a profile's
 from hearthnet.bench.linkem import enter_netns as enter_netns
+from hearthnet.errors import HearthNetError
+from hearthnet.mesh.launcher import LocalMesh, NodeProc, NodeSpec, node_toml
+from hearthnet.security.provision import provision
 
 SUBNET = "10.233.0"  # one bridge per run: runs with the same subnet never share a segment
 PROFILES = ("gigabit", "wifi", "mixed", "loopback")
@@ -105,9 +116,13 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
 def unavailable() -> str | None:
     """Why network namespaces cannot be made here, or None (Linux, root, iproute2, and a
     kernel that makes a namespace)."""
-    why = netem.unavailable()
-    if why is not None:
-        return why
+    if sys.platform != "linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    missing = [c for c in ("ip", "tc") if shutil.which(c) is None]
+    if missing:
+        return f"{' and '.join(missing)} (iproute2) not installed"
     probe = f"hnh{os.getpid()}probe"
     r = _run("ip", "netns", "add", probe)
     if r.returncode != 0:
@@ -141,6 +156,15 @@ def tun_missing() -> str | None:
     if not os.access("/dev/net/tun", os.R_OK | os.W_OK):
         return "/dev/net/tun is not readable and writable"
     return None
+
+
+def add_shaper_arg(p: argparse.ArgumentParser, when: str = "") -> None:
+    """The ``--shaper`` option of the benchmarks that shape links (`when`: its
+    condition, e.g. "with --netem, ")."""
+    p.add_argument("--shaper", choices=SHAPERS, default="auto",
+                   help=f"{when}how the links are shaped: netem (the kernel's qdisc), "
+                        "userspace (an emulator process, for kernels without netem) or auto: "
+                        "netem where the kernel has it (default auto)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,3 +422,106 @@ class NsForward:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+
+
+class LanMesh(LocalMesh):
+    """`LocalMesh` with, given a `Lan`, each node in its own namespace listening on its LAN
+    address (a client in this process reaches it by `NsForward`), and a models folder per
+    node (`models_dirs`; one shared folder for every node in `bench pipeline`)."""
+
+    def __init__(self, specs: list[NodeSpec], *, root: Path, model: str,
+                 models_dirs: dict[str, Path], lan: Lan | None, threads: int,
+                 timeout_s: float = 30.0) -> None:
+        super().__init__(specs, root=root, model=model, threads=threads, timeout_s=timeout_s,
+                         models=models_dirs[specs[0].node_id])
+        self.lan = lan
+        self.index = {s.node_id: i for i, s in enumerate(specs)}
+        self.forwards: dict[str, NsForward] = {}
+        first = self.nodes[specs[0].node_id]
+        for nid, n in self.nodes.items():
+            peers = [] if n is first else [f"wss://{self.host(specs[0].node_id)}:{first.port}"]
+            text = node_toml(n.spec, n.port, peers, self.root / nid, models_dirs[nid],
+                             model=model, timeout_s=timeout_s, threads=threads, members=specs)
+            n.config.write_text(text.replace('listen_host = "127.0.0.1"',
+                                             f'listen_host = "{self.host(nid)}"'))
+        provision(self.root)  # the keys made above stay; the member lists are written again
+
+    def host(self, node_id: str) -> str:
+        """The address node `node_id` listens on."""
+        return self.lan.addr(self.index[node_id]) if self.lan else "127.0.0.1"
+
+    def prefix(self, node_id: str) -> list[str]:
+        """The command prefix that runs a program on the node's machine."""
+        return self.lan.exec_prefix(self.index[node_id]) if self.lan else []
+
+    def node_argv(self, n: NodeProc) -> list[str]:
+        return self.prefix(n.spec.node_id) + super().node_argv(n)
+
+    def _wait_ready(self, n: NodeProc, timeout: float) -> None:
+        super()._wait_ready(n, timeout)
+        if self.lan is None:
+            return
+        nid = n.spec.node_id
+        old = self.forwards.pop(nid, None)
+        if old is not None:
+            old.close()
+        fwd = NsForward(self.lan.ns[self.index[nid]], int(n.admin.rsplit(":", 1)[1]))
+        self.forwards[nid] = fwd
+        n.admin = f"ws://127.0.0.1:{fwd.port}"
+
+    def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
+        super().kill(node_id, sig)
+        if self.lan is not None:  # the machine dies: nothing of it runs on
+            self.lan.kill_host(self.index[node_id])
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            for f in self.forwards.values():
+                f.close()
+            self.forwards.clear()
+
+
+@contextlib.contextmanager
+def lan_mesh(specs: list[NodeSpec], *, lan: Lan | None, root: Path, model: str,
+             models_dirs: dict[str, Path], threads: int, what: str) -> Iterator[LanMesh]:
+    """A `LanMesh` of `specs` (not yet started) on `lan`, brought up first (None: every node
+    on 127.0.0.1); on exit its nodes are stopped and `lan` taken down, however it ends.
+
+    Raises:
+        HearthNetError: `lan` could not be made (`what` names it in the message).
+    """
+    if lan is not None:
+        try:
+            lan.up()  # removes what it made when it fails
+        except LanUnavailable as e:
+            raise HearthNetError(f"{what} could not be made: {e}") from e
+    try:
+        mesh = LanMesh(specs, root=root, model=model, models_dirs=models_dirs, lan=lan,
+                       threads=threads)
+        try:
+            yield mesh
+        finally:
+            mesh.stop()
+    finally:
+        if lan is not None:
+            lan.down()
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM as Ctrl-C while a benchmark's namespaces stand, so every `finally` removes
+    what it made (on the main thread only: elsewhere a signal handler cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

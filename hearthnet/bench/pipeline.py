@@ -1,9 +1,10 @@
 """`hearthnet bench pipeline`: distributed against local on one machine (M26 §8.2, §8.4).
 
-Starts a mesh of separate `hearthnet node` processes on 127.0.0.1 (`LocalMesh`): node A
-orchestrates, and N shard nodes host an even split of the layers (N=2: 0–14/15–29; N=3:
-0–9/10–19/20–29). After a warm-up call on each side it measures, per run and reported as
-the median of ``--runs``:
+Starts a mesh of separate `hearthnet node` processes on 127.0.0.1 (`LanMesh`; with
+``--netem DELAY``, each in its own network namespace a household link apart,
+`hearthnet.bench.netem`): node A orchestrates, and N shard nodes host an even split of the
+layers (N=2: 0–14/15–29; N=3: 0–9/10–19/20–29). After a warm-up call on each side it
+measures, per run and reported as the median of ``--runs``:
 
 - local decode tokens/s: `LocalEngine` in this process, greedy, with ``--local-threads``
   and with one thread (on a small model and a shared 2-core machine one thread can be the
@@ -41,6 +42,7 @@ from hearthnet.bench import (
     goals_text,
     machine,
     median,
+    netem,
     pid_memory,
     proc_memory,
     single_model_dir,
@@ -48,6 +50,7 @@ from hearthnet.bench import (
     write_results,
 )
 from hearthnet.bench.chats import chat_frames, token_ids
+from hearthnet.bench.lan import add_shaper_arg, lan_mesh, terminate_as_interrupt
 from hearthnet.bench.local import weights_of
 from hearthnet.constants import WIRE_DTYPES
 from hearthnet.distributed_inference.directory.formats import FORMATS, head_format, policy_for
@@ -121,9 +124,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="measure instead the first token of a prompt of about TOKENS tokens "
                         "whose chunks flow through the stages, against the prompt sent whole")
     p.add_argument("--netem", default=None, metavar="DELAY",
-                   help='run the mesh behind a delayed loopback (tc netem delay arguments, '
-                        'e.g. "2ms 0.5ms": a household Wi-Fi) in a network namespace of its '
-                        'own (root); without one it says why and runs on the plain loopback')
+                   help='every node process in its own network namespace, each hop between '
+                        'two of them delayed DELAY each way (tc netem delay arguments "TIME '
+                        '[JITTER] [loss PCT%%]", e.g. "2ms 0.5ms": a household Wi-Fi; root); '
+                        'without namespaces it says why and runs on the plain loopback')
+    add_shaper_arg(p, "with --netem, ")
     p.add_argument("--results-dir", default="bench-results",
                    help="folder for pipeline-<N>.json (default bench-results)")
 
@@ -358,33 +363,19 @@ def prediction_report(pred: dict[str, Any] | None) -> str:
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """Start the mesh, measure, stop it; returns (figures, report). With ``--netem``, the
-    same benchmark in a namespace whose loopback delays every packet (`bench.netem`)."""
-    from hearthnet.bench import netem
+    """Start the mesh, measure, stop it; returns (figures, report). With ``--netem``, every
+    node in its own namespace on shaped links (`bench.netem`), removed again however the
+    run ends (a SIGTERM is taken as Ctrl-C meanwhile).
 
-    if args.netem and not netem.inside(args.netem):
-        why = netem.unavailable()
-        if why is None:
-            try:
-                figures = netem.run_inside(args.netem, sys.argv[1:])
-                return figures, _report_any(figures)
-            except netem.NetemUnavailable as e:
-                why = str(e)
-        print(f"--netem {args.netem}: {why}; measuring on the plain loopback",
+    Raises:
+        BadRequest: a bad ``--netem`` or ``--shaper``, before any work.
+    """
+    args.net = netem.choose(args.netem, args.shaper) if args.netem else None
+    if args.net is not None and args.net.why_not is not None:
+        print(f"--netem {args.netem}: {args.net.why_not}; measuring on the plain loopback",
               file=sys.stderr)
-        args.netem_unavailable = why
-    figures, text = _run(args)
-    return figures, text
-
-
-def _report_any(figures: dict[str, Any]) -> str:
-    if "speculative" in figures:
-        return _speculative_report(figures)
-    if "flow" in figures:
-        from hearthnet.bench import flow
-
-        return f"bench pipeline --flow under netem\n{flow.report(figures['flow'])}"
-    return report(figures)
+    with terminate_as_interrupt():
+        return _run(args)
 
 
 def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -397,6 +388,8 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     entry = ModelStore().get(args.model)
     args.weights = weights_of(args)
     ranges = split_layers(entry.num_layers, args.shards)
+    choice = getattr(args, "net", None)  # `run`'s netem.Choice, if --netem
+    net = choice.settings() if choice is not None else dict(netem.NOT_ASKED)
     figures: dict[str, Any] = {
         "benchmark": "pipeline", "model": args.model, "model_id": entry.model_id,
         "shards": args.shards, "layer_split": [list(r) for r in ranges],
@@ -404,15 +397,14 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "settings": {"local_torch_threads": args.local_threads,
                      "node_torch_threads": args.node_threads,
                      "processes": f"1 orchestrator node + {args.shards} shard nodes, "
-                                  "each its own process on 127.0.0.1",
+                                  + ("each its own process in its own network namespace"
+                                     if net["applied"] else
+                                     "each its own process on 127.0.0.1"),
                      "wire_dtype": args.wire, "weights": args.weights,
                      "device": args.device, "batch_window_ms": args.batch_window_ms,
                      "mixed_prefill_tokens": args.mixed_prefill_tokens,
                      "sampling": "greedy", "prompt": args.prompt, "warmup_calls": 1,
-                     "netem": {"delay": args.netem,
-                               "applied": bool(args.netem) and not getattr(
-                                   args, "netem_unavailable", None),
-                               "why_not": getattr(args, "netem_unavailable", None)}}}
+                     "netem": net}}
     torch.set_num_threads(args.local_threads)
     head = head_format(args.weights)
     if args.speculate:
@@ -458,6 +450,7 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         f"pipeline-{args.device.replace(':', '')}-{args.shards}"
     if engine is None:  # not the full benchmark's file
         name = f"pipeline-concurrency-{args.model}-{args.weights}-{args.shards}"
+    name += _netem_suffix(figures)
     figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
     return figures, report(figures)
 
@@ -477,8 +470,7 @@ def _run_speculative(args: argparse.Namespace, entry: Any, ranges: list[tuple[in
         args, ranges, figures, entries, [],
         lambda mesh: speculative.run_in(mesh.nodes["node-a"].uri, args,
                                         mesh.wait_decode_steps))
-    name = f"pipeline-speculative-{args.model}-{args.shards}" + \
-        ("-netem" if figures["settings"]["netem"]["applied"] else "")
+    name = f"pipeline-speculative-{args.model}-{args.shards}" + _netem_suffix(figures)
     figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
     return figures, _speculative_report(figures)
 
@@ -504,11 +496,12 @@ def _run_flow(args: argparse.Namespace, entry: Any, ranges: list[tuple[int, int]
                             "whole": mesh.nodes[flow.UNCHUNKED].uri}, prompt, args)
 
     figures["flow"] = _on_mesh(args, ranges, figures, [entry], [whole], measure)
-    name = f"pipeline-flow-{args.model}-{args.shards}"
+    name = f"pipeline-flow-{args.model}-{args.shards}" + _netem_suffix(figures)
     figures["results_file"] = str(write_results(name, figures, Path(args.results_dir)))
     f = figures
     return figures, (f"bench pipeline --flow: {f['model_id']}, {f['shards']} shards "
-                     f"{f['layer_split']}, weights {f['settings']['weights']}, a prompt of "
+                     f"{f['layer_split']}, weights {f['settings']['weights']}, "
+                     f"{netem.describe(f['settings']['netem'])}, a prompt of "
                      f"about {args.flow} tokens in chunks of the node's prefill_chunk_tokens "
                      f"(flowing) or whole, median of {args.runs} runs\n"
                      f"{flow.report(f['flow'])}\nwritten to {f['results_file']}")
@@ -518,35 +511,41 @@ def _on_mesh(args: argparse.Namespace, ranges: list[tuple[int, int]],
              figures: dict[str, Any], entries: list[Any], extra: list[Any],
              measure: Any) -> Any:
     """`measure(mesh)` on a fresh mesh of `_specs` (plus the `extra` node specs) holding
-    `entries`; the node logs' ends on a start failure."""
-    from hearthnet.mesh.launcher import LocalMesh
-
+    `entries` — with ``--netem`` applied, each node in its own namespace on a `Lan` of
+    `args.net`'s links, else all on 127.0.0.1 —; the node logs' ends on a start failure.
+    Nodes, the emulator, namespaces and folders are removed however it ends."""
     t0 = time.perf_counter()
+    specs = _specs(args, ranges, head_format(args.weights)) + extra
+    choice = getattr(args, "net", None)
+    lan = choice.lan(len(specs)) if choice is not None else None
     root = Path(tempfile.mkdtemp(prefix="hearthnet-bench-"))
     try:
-        mesh = LocalMesh(_specs(args, ranges, head_format(args.weights)) + extra, root=root,
-                         model=args.model, threads=args.node_threads,
-                         models=single_model_dir(entries, root))
-        try:
+        models = single_model_dir(entries, root)
+        with lan_mesh(specs, lan=lan, root=root, model=args.model,
+                      models_dirs={s.node_id: models for s in specs},
+                      threads=args.node_threads, what="the namespaces for --netem") as mesh:
             mesh.start(timeout=1800.0)  # multi-GB shards take minutes to load
             figures["mesh_start_s"] = round(time.perf_counter() - t0, 1)
             figures["decode_steps"] = {"mesh": mesh.wait_decode_steps()}
             return measure(mesh)
-        finally:
-            mesh.stop()
     except HearthNetError as e:  # a node that did not start: say why before its logs go
         raise HearthNetError(f"{e.message}\n{_log_tails(root)}") from e
     finally:
+        if lan is not None and lan.emulator_stats:  # what the emulator switched, how late
+            figures["settings"]["netem"]["emulator"] = lan.emulator_stats
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _netem_suffix(figures: dict[str, Any]) -> str:
+    """The results file's suffix of a run on shaped links (its loopback figures stay)."""
+    return "-netem" if figures["settings"]["netem"]["applied"] else ""
 
 
 def _speculative_report(f: dict[str, Any]) -> str:
     from hearthnet.bench import speculative
 
     st = f["settings"]
-    net = st["netem"]
-    link = f"loopback delayed by netem {net['delay']}" if net["applied"] else \
-        "loopback" + (f" (netem not applied: {net['why_not']})" if net["delay"] else "")
+    link = netem.describe(st["netem"])
     return (f"bench pipeline --speculate: {f['model_id']}, {f['shards']} shards "
             f"{f['layer_split']}, weights {st['weights']}, wire {st['wire_dtype']}, {link}, "
             f"{f['tokens']} tokens, median of {f['runs']} runs\n"
@@ -738,6 +737,7 @@ def report(f: dict[str, Any]) -> str:
     mem = ", ".join(f"{n} {m['peak_rss_mb']} MiB" for n, m in f["node_memory"].items())
     return (f"bench pipeline: {f['model_id']}, {f['shards']} shards {f['layer_split']}, "
             f"weights {f['settings']['weights']} (done frame: {d['formats']}), "
+            f"{netem.describe(f['settings'].get('netem', netem.NOT_ASKED))}, "
             f"{f['tokens']} tokens, median of {f['runs']} runs\n{t1}\n\n{t2}\n"
             f"peak RSS: local baseline {f['local_memory']['peak_rss_mb']} MiB; nodes {mem}\n"
             f"{shard_memory_report(f.get('shard_memory', {}))}\n"

@@ -1,13 +1,18 @@
 """`hearthnet bench pipeline --speculate MODE…`: speculative passes against plain ones.
 
-Through one mesh of node processes on 127.0.0.1 (`LocalMesh`, the same as `bench pipeline`),
-each prompt is answered with every mode asked for (``off``, ``lookup``, ``draft``) in turn,
+Through one mesh of node processes on 127.0.0.1 (the same as `bench pipeline`; with
+``--netem``, each in its own namespace a household link apart, `hearthnet.bench.netem`), each
+prompt is answered with every mode asked for (``off``, ``lookup``, ``draft``) in turn,
 ``--runs`` times, interleaved so a change in the machine's load hits all modes alike. Two
 prompts by default: an *edit* prompt (repeat a given paragraph with one change: the answer
 copies the prompt, where prompt lookup shines) and a *plain* one (a story: little repeats).
 Per prompt and mode it prints the decode tokens/s (median), the tokens per pipeline pass
 (`done.speculative.tokens_per_pass`; 1.0 without speculation), the ratio to ``off`` in the
 same run, and whether the greedy tokens are identical to ``off``'s (DESIGN.md decision 16).
+Where a pass's time goes: its wall time (tokens per pass / tok/s), of which the stages'
+round trips (the `done` frame's per-stage p50, summed) and, of those, the hops' overhead
+(round trip less the shard's compute: the link, framing and hand-offs); the rest is the
+orchestrator's (embed, head, proposals, acceptance).
 
 Goals (SmolLM2, on loopback): the edit prompt ≥ 2.5 tokens per pass and ≥ 2× off's tok/s;
 the plain prompt never below 0.95× off's.
@@ -55,11 +60,14 @@ async def measure(uri: str, a: argparse.Namespace,
                                                  wire_dtype=a.wire)
                 done = frames[-1]
                 spec = done.get("speculative") or {}
+                stages = done["timings"].get("per_shard", {}).values()
                 runs[m].append({"tokens_per_second": done["timings"]["tokens_per_second"],
                                 "tokens_per_pass": spec.get("tokens_per_pass") or 1.0,
                                 "accepted": spec.get("accepted", 0),
                                 "proposed": spec.get("proposed", 0),
-                                "ids": token_ids(frames), "wall_ms": wall * 1000})
+                                "ids": token_ids(frames), "wall_ms": wall * 1000,
+                                "stages_rtt_ms": sum(st["p50_ms"] for st in stages),
+                                "hops_ms": sum(st["overhead_p50_ms"] for st in stages)})
         out["prompts"][name] = _summarise(runs)
     out["goals"] = _goals(out["prompts"])
     return out
@@ -71,9 +79,13 @@ def _summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     res: dict[str, Any] = {}
     for m, rs in runs.items():
         tps = median([r["tokens_per_second"] for r in rs])
+        per_pass = median([r["tokens_per_pass"] for r in rs])
         res[m] = {"tokens_per_second": round(tps, 2),
                   "tokens_per_second_runs": [round(r["tokens_per_second"], 2) for r in rs],
-                  "tokens_per_pass": round(median([r["tokens_per_pass"] for r in rs]), 3),
+                  "tokens_per_pass": round(per_pass, 3),
+                  "pass_ms": round(1000 * per_pass / tps, 2) if tps else None,
+                  "stages_rtt_p50_ms": round(median([r["stages_rtt_ms"] for r in rs]), 2),
+                  "hops_overhead_p50_ms": round(median([r["hops_ms"] for r in rs]), 2),
                   "proposed": sum(r["proposed"] for r in rs),
                   "accepted": sum(r["accepted"] for r in rs),
                   "ratio_to_off": round(tps / base, 3) if base else None,
@@ -103,9 +115,12 @@ def report(f: dict[str, Any]) -> str:
         for m, d in per.items():
             rows.append([name, m, d["tokens_per_second"], d["tokens_per_pass"],
                          d["ratio_to_off"], f"{d['accepted']}/{d['proposed']}",
-                         d["completion_tokens"], "yes" if d["identical_to_off"] else "NO"])
+                         d["completion_tokens"], "yes" if d["identical_to_off"] else "NO",
+                         d.get("pass_ms"), d.get("stages_rtt_p50_ms"),
+                         d.get("hops_overhead_p50_ms")])
     t = table(["prompt", "speculate", "decode tok/s", "tokens/pass", "ratio to off",
-               "accepted/proposed", "tokens", "identical to off"], rows)
+               "accepted/proposed", "tokens", "identical to off", "pass ms",
+               "stages rtt ms", "of it hops ms"], rows)
     goals = "; ".join(f"{k} {v['measured']} (goal ≥ {v['goal']}: "
                       f"{'met' if v['met'] else 'MISSED'})" for k, v in f["goals"].items())
     return f"{t}\ngoals: {goals or 'none (lookup not measured)'}"
