@@ -59,10 +59,12 @@ def _run(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"node": cfg.node.model_copy(
             update={"listen_port": args.port})})
     preflight(cfg, args.config)
+    from hearthnet.distributed_inference.engine.memory import large_blocks_setting
     from hearthnet.distributed_inference.engine.quant import dense_setting
     from hearthnet.node.daemon import Node  # the model runtime: only for a node that starts
 
     dense_setting()  # a bad HEARTHNET_INT4_DENSE_ROWS: one line before the node starts
+    large_blocks_setting()  # and a bad HEARTHNET_LARGE_BLOCKS_MIB
     from hearthnet.observability import configure_logging, logs_as_json
 
     configure_logging(cfg.node.log_level, json=logs_as_json(args.log_format), node=cfg.node.id)

@@ -69,6 +69,7 @@ from hearthnet.distributed_inference.directory.store import Advertisement, Shard
 from hearthnet.distributed_inference.engine.compiled import compile_dir_of
 from hearthnet.distributed_inference.engine.device import resolve_device
 from hearthnet.distributed_inference.engine.generation import PromptLimits
+from hearthnet.distributed_inference.engine.memory import apply_large_blocks
 from hearthnet.distributed_inference.orchestrator.pipeline import PipelineOrchestrator
 from hearthnet.distributed_inference.orchestrator.request import ChatRequest, DistributedChatParams
 from hearthnet.distributed_inference.placement.autohost import AutoHost
@@ -217,6 +218,7 @@ class Node:
         cfg = self.cfg
         torch.set_num_threads(cfg.node.torch_threads)  # the compute thread's
         serial_torch_here()  # the event loop's: one OpenMP team per process (node/threads.py)
+        apply_large_blocks()  # HEARTHNET_LARGE_BLOCKS_MIB, before any shard loads (M26 §5.6)
         data = cfg.effective_data_dir()
         data.mkdir(parents=True, exist_ok=True)
         self._open_event_log()

@@ -557,6 +557,20 @@ def int4_dense_rows(wait: bool = False) -> float:
     return float(g.get("INT4_DENSE_ROWS", math.inf))
 
 
+PRODUCT_BYTES = 24 << 20
+"""The most fp32 bytes of transients (digits, digit products) one integer GEMM of
+`Int8Linear` makes: a prefill chunk's product runs in blocks of rows
+(`Int8Linear.block_rows`). Whole, the 256-row chunk of a 1.5B's fused gate/up product
+(17,920 outputs) made 35 MiB of digit products and as much again inside fbgemm, so a
+layer's chunk peaked 68 MiB above its inputs — twice that layer's KV cache for 8
+sessions (32 MiB); in two blocks of 128 rows, 49 MiB. Smaller blocks save more (8 MiB:
+39 MiB) but their GEMMs of ~100 digit rows ran ~1.6× slower on 2 threads; two of 128
+measured no slower than one. Integer sums are exact and the recombination is per
+element, so a row's result does not depend on its block."""
+MIN_BLOCK_ROWS = 16  # a decode round's rows (≤ 8 sessions) stay one GEMM at every width;
+# a speculative pass's (≤ 33, `compiled.verify_step`) too, up to a 1.5B's MLP
+
+
 def split_rows(x: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of fp32 `x` (n, k) as integer digits (2n, k) in [-top, top], fp32 — hi rows
     then lo rows — and the per-row scale s (n, 1), with x ≈ s·(hi + lo/(2·top)): ~15 bits
@@ -653,14 +667,38 @@ class Int8Linear(nn.Module):
         out: torch.Tensor = self.weight_int8[ids].float() * self.scales[ids].float()[..., None]
         return out
 
+    def block_rows(self) -> int:
+        """Rows per integer GEMM of a product of many rows (`forward`): as many as keep its
+        fp32 transients within `PRODUCT_BYTES` — per row, the digit product (2 ×
+        `out_features`) and the split (`split_rows`: 2 digit rows and 2 temporaries of
+        `in_features`) —, a multiple of `MIN_BLOCK_ROWS` and never fewer."""
+        rows = PRODUCT_BYTES // (4 * (2 * self.out_features + 4 * self.in_features))
+        return max(MIN_BLOCK_ROWS, rows - rows % MIN_BLOCK_ROWS)
+
+    def _digit_product(self, x2: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """fp32 `x2 @ w.T * scales` of fp32 rows `x2` as two digit rows each (`split_rows`)
+        in the packed kernel, recombined in fp32 (into `out` when given)."""
+        top = self.top
+        digits, s = split_rows(x2, top)
+        yy = self._gemm(digits)
+        n = x2.shape[0]
+        return torch.add(yy[:n], yy[n:], alpha=1 / (2 * top), out=out).mul_(s)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            top = self.top
             x2 = x.reshape(-1, self.in_features).float()
-            digits, s = split_rows(x2, top)
-            yy = self._gemm(digits)
-            n = x2.shape[0]
-            y = torch.add(yy[:n], yy[n:], alpha=1 / (2 * top)).mul_(s).to(x.dtype)
+            n, rows = x2.shape[0], self.block_rows()
+            if torch.compiler.is_compiling() or n <= rows:  # a compiled step: one GEMM
+                y = self._digit_product(x2).to(x.dtype)
+            else:  # a prefill chunk: its rows' products a block at a time (M26 §5.6), in
+                # blocks of even size (two GEMMs of 128 rows, not 144 and 112)
+                blocks = -(-n // rows)
+                rows = -(-n // (blocks * MIN_BLOCK_ROWS)) * MIN_BLOCK_ROWS
+                y = torch.empty(n, self.out_features, dtype=torch.float32, device=x.device)
+                for r in range(0, n, rows):
+                    self._digit_product(x2[r:r + rows], out=y[r:r + rows])
+                y = y.to(x.dtype)
         else:
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
             y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales).to(x.dtype)
