@@ -241,6 +241,11 @@ class DistributedInferenceSection(_Section):
     # its decode rows (at least one chunk); a round with no decode rows takes up to
     # prefill_chunk_tokens. Small keeps decoding chats' gaps short on compute-bound CPUs
     mixed_prefill_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 32
+    # micro-batch lanes of this node's concurrent chats (DESIGN.md decision 12): 1 batches
+    # every chat together; 0 is one lane per stage of a chat's pipeline, so the stages
+    # compute different chats' rows at once (opt-in: on one 2-core machine it lowered the
+    # inter-token p50 at 8 chats by ~20 % but not the aggregate, docs/benchmarks.md)
+    pipeline_lanes: Annotated[int, Field(ge=0, le=8)] = 1
     # DESIGN.md decision 11: the orchestrator's head (embeddings, norm, lm_head) and local fallback
     head_device: DeviceSpec = "auto"
     # DESIGN.md decision 16: the default proposer of a call (its `speculate` param): lookup

@@ -41,7 +41,9 @@ def solo(local_answer: Any) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def mesh(smollm2: Any) -> Any:
     di = {"batch_window_ms": 300.0}
-    with LocalMesh([NodeSpec("node-a", extra_di=di),
+    # one micro-batch lane (the default; lanes per stage: tests/integration/test_pipeline.py):
+    # all three chats' rows meet in the same rounds
+    with LocalMesh([NodeSpec("node-a", extra_di={**di, "pipeline_lanes": 1}),
                     NodeSpec("node-b", [(0, 14)], extra_di=di),
                     NodeSpec("node-c", [(15, 29)], extra_di=di)]) as m:
         yield m

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -341,3 +342,41 @@ async def test_failover_mid_speculative_answer_keeps_every_token(smollm2, model_
     done = frames[-1]
     assert done["type"] == "done" and done["speculative"]["accepted"] > 0, done
     assert _tokens(frames) == local_answer(EDIT, 24)
+
+
+async def test_concurrent_chats_open_their_stages_in_one_lane_per_stage(smollm2, model_store,
+                                                                        local_answer):
+    """Two chats at once through two shards: each opens both its stages in its own lane
+    (the stages batch each lane apart, so both compute at once); a replacement opened by
+    failover keeps its call's lane; every lane is free again after the answers."""
+    short = "Name three colours."
+    want = {PROMPT[0]["content"]: local_answer(PROMPT[0]["content"], 24),
+            short: local_answer(short, 24)}
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    mesh.add("node-c", 15, 29)
+    mesh.add("node-d", 10, 29)  # spare overlapping C
+    (await _chosen(mesh, smollm2, 29)).fail_after_steps = 8
+    lanes_of: dict[int, set[int]] = {}  # a call's max_length (its prompt) -> lanes opened
+    connect = mesh.connect
+
+    async def recording(uri, params, deadline_s):
+        lanes_of.setdefault(params["max_length"], set()).add(params["lane"])
+        return await connect(uri, params, deadline_s)
+
+    mesh.connect = recording  # type: ignore[method-assign]
+    orch, m = _orch(mesh, model_store)
+    prompts = list(want)
+    answers = await asyncio.gather(*(_run(orch, [{"role": "user", "content": p}])
+                                     for p in prompts))
+    for p, frames in zip(prompts, answers, strict=True):
+        assert _tokens(frames) == want[p], p
+    assert m.failovers_total._value.get() >= 1
+    # each call's stages, the replacement's too, in one lane; the two calls apart
+    assert sorted(lanes_of.values(), key=min) == [{0}, {1}], lanes_of
+    assert not +orch.lanes.calls
+
+    one, _ = _orch(mesh, model_store, lanes=1)
+    lanes_of.clear()
+    await asyncio.gather(*(_run(one, [{"role": "user", "content": p}]) for p in prompts))
+    assert set().union(*lanes_of.values()) == {0}

@@ -57,10 +57,10 @@ def _x(seed: int, n: int) -> torch.Tensor:
     return torch.randn(1, n, 64, generator=torch.Generator().manual_seed(seed))
 
 
-async def _open(server: ShardServer, uri: str) -> TensorChannel:
+async def _open(server: ShardServer, uri: str, **extra: Any) -> TensorChannel:
     params = {"shard_id": server.shard_id, "model_id": server.entry.model_id,
               "weights_sha256": server.entry.weights_sha256, "start": 0, "end": 5,
-              "max_length": 32, "wire_dtype": "fp32"}
+              "max_length": 32, "wire_dtype": "fp32", **extra}
     return await TensorChannel.connect(uri, params, deadline_s=30)
 
 
@@ -89,12 +89,12 @@ def _assert_solo(llama: Any, runs: list[list[Any]]) -> None:
 
 
 async def _session(server: ShardServer, uri: str, i: int, steps: int,
-                   bad_at: int | None = None, together: asyncio.Barrier | None = None
-                   ) -> list[Any]:
+                   bad_at: int | None = None, together: asyncio.Barrier | None = None,
+                   **open_params: Any) -> list[Any]:
     """Prefill PROMPTS[i] positions, then `steps` decode steps; the inputs and outputs
     (an exception in place of a failed step's output, after which it stops). With
     `together`, the sessions start decoding only once all have prefilled."""
-    ch = await _open(server, uri)
+    ch = await _open(server, uri, **open_params)
     inputs = [_x(i, PROMPTS[i])] + [_x(10 * i + t, 1) for t in range(steps)]
     if bad_at is not None:
         inputs[bad_at] = torch.full((1, 1, 64), float("nan"))
@@ -132,6 +132,37 @@ async def test_concurrent_decode_steps_share_a_forward_and_match_solo(shard, lla
     rows, forwards = _batched_steps(server)
     assert (rows, forwards) == (12, 4)  # 3 sessions × 4 decode steps: 4 forwards of 3 rows
     await wait_until(lambda: server.active == 0, "every session closed")
+
+
+async def test_sessions_in_different_lanes_make_rounds_of_their_own(shard, llama,
+                                                                   monkeypatch):
+    """An orchestrator puts its chats in one lane per pipeline stage: each lane's rows
+    are batched together and apart from the other lane's, so the next stage can compute
+    one lane while this one computes the other; answers are unchanged."""
+    server, uri = shard
+    calls = _spy_batches(server, monkeypatch)
+    together = asyncio.Barrier(3)
+    runs = list(await asyncio.gather(*(
+        _session(server, uri, i, 4, together=together, lane=lane)
+        for i, lane in [(0, 0), (1, 1), (2, 1)])))
+    _assert_solo(llama, runs)
+    decode = [rows for rows, _ in calls]
+    # lane 1's two sessions share every forward; lane 0's lone session never joins them
+    assert decode.count(2) >= 3 and 3 not in decode, calls
+    assert set(server._lanes) == {0, 1}
+    await wait_until(lambda: server.active == 0, "every session closed")
+    assert not +server._lane_active  # every lane's count back to nothing
+
+
+@pytest.mark.parametrize("lane", [-1, 8, "1", True, 1.0])
+async def test_a_bad_lane_is_refused_before_any_work(shard, lane):
+    server, _ = shard
+    params = {"shard_id": server.shard_id, "model_id": server.entry.model_id,
+              "weights_sha256": server.entry.weights_sha256, "start": 0, "end": 5,
+              "max_length": 32, "wire_dtype": "fp32", "lane": lane}
+    with pytest.raises(BadRequest, match=r"lane must be an integer in 0\.\.7"):
+        server.validate_open(params)
+    assert server.active == 0
 
 
 def _spy_batches(server: ShardServer, monkeypatch: Any, fail: bool = False

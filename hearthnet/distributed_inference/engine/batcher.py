@@ -64,6 +64,10 @@ PACE_SLACK = 0.1
 """A session due by its pace is waited for this fraction of its cycle beyond its due time:
 one that misses its round waits a whole round more (a doubled gap between its tokens)."""
 
+MAX_LANES = 8
+"""Micro-batch lanes a session may name: an orchestrator uses one per stage of its
+pipeline, and each lane's steps make their own rounds (`ShardServer.lane_batcher`)."""
+
 HOLD_BEAT_S = 0.5
 """While a round is held for expected sessions' steps, `on_progress` is called this often."""
 

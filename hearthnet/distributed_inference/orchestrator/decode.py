@@ -2,8 +2,8 @@
 
 Per step: embed → relay the hidden state through each stage → norm and lm_head → sample.
 The norm + lm_head of concurrent chats on one orchestrator run as one batched product per
-round (`RoundBatcher`, DESIGN.md decision 12): each call submits its last hidden state and gets its
-own logits back.
+round and micro-batch lane (`RoundBatcher`, `Lanes`, DESIGN.md decision 12): each call submits
+its last hidden state and gets its own logits back.
 The orchestrator relays between stages (DESIGN.md decision 1) and records every stage's
 input (`StageSession.history`) so that `Failover` can replay it into a replacement; a stage
 failure inside a step is handed to `Failover.replace` and the step is redone from the
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 
@@ -48,21 +49,26 @@ class DecodeLoop:
         self.executor = executor
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         self.batch_window_s = max(0.0, batch_window_ms) / 1000
-        self.running = 0  # calls in their decode loop: the head rows a round expects
+        # calls in their decode loop, per micro-batch lane: the head rows a lane's round expects
+        self.running: Counter[int] = Counter()
         self._heads: weakref.WeakKeyDictionary[
-            ClientHead, RoundBatcher[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
+            ClientHead, dict[int, RoundBatcher[torch.Tensor, torch.Tensor]]] = \
+            weakref.WeakKeyDictionary()
 
-    def head_batcher(self, head: ClientHead) -> RoundBatcher[torch.Tensor, torch.Tensor]:
-        """The batcher of `head`'s norm + lm_head (one per loaded head): each call submits
-        the rows it needs logits of, (1, T, H), and gets (T, vocab) back."""
-        batcher = self._heads.get(head)
+    def head_batcher(self, head: ClientHead, lane: int = 0
+                     ) -> RoundBatcher[torch.Tensor, torch.Tensor]:
+        """The batcher of `head`'s norm + lm_head for one lane (one per loaded head and
+        lane, as the stages keep theirs): each call submits the rows it needs logits of,
+        (1, T, H), and gets (T, vocab) back."""
+        lanes = self._heads.setdefault(head, {})
+        batcher = lanes.get(lane)
         if batcher is None:
             def run(hs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 return head.logits_rows(hs)
 
             batcher = RoundBatcher(run, self.executor, window_s=self.batch_window_s,
-                                   expected=lambda: self.running, on_batch=self._observe)
-            self._heads[head] = batcher
+                                   expected=lambda: self.running[lane], on_batch=self._observe)
+            lanes[lane] = batcher
         return batcher
 
     def _observe(self, size: int, waits_ms: list[float]) -> None:
@@ -77,19 +83,20 @@ class DecodeLoop:
         Sets `call.first_ms` and `call.decode_t0`. Raises `FellBack` when the pipeline
         cannot go on; frames raised before that stay in `call.frames`.
         """
-        self.running += 1
+        self.running[call.lane] += 1
         try:
             async for f in self._run(call, head, checker, t0):
                 yield f
         finally:
-            self.running -= 1
-            for batcher in self._heads.values():  # a round waiting for this call goes on
-                batcher.expected_changed()
+            self.running[call.lane] -= 1
+            for lanes in self._heads.values():  # a round waiting for this call goes on
+                if (batcher := lanes.get(call.lane)) is not None:
+                    batcher.expected_changed()
 
     async def _run(self, call: CallState, head: ClientHead, checker: SanityChecker,
                    t0: float) -> AsyncIterator[StreamFrame]:
         gen = call.gen
-        heads = self.head_batcher(head)
+        heads = self.head_batcher(head, call.lane)
         loop = asyncio.get_running_loop()
         # the prompt's embeddings and their one cast to the first stage's wire dtype run off
         # the loop: a long prompt is thousands of rows

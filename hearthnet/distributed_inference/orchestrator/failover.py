@@ -51,8 +51,9 @@ from hearthnet.observability import Metrics, get_logger
 log = get_logger("pipeline")
 
 # (stage, model, params, max_len, wire plan) -> an open session on that stage's shard
-StageOpener = Callable[[PipelineStage, ModelEntry, DistributedChatParams, int, WirePlan],
+StageOpener = Callable[[PipelineStage, ModelEntry, DistributedChatParams, int, WirePlan, int],
                        Awaitable[StageSession]]
+"""(stage, model, call params, max_length, wire plan, micro-batch lane) -> its session."""
 
 
 class Failover:
@@ -91,7 +92,8 @@ class Failover:
             await old.channel.close()
         entry = self.models.get(call.pipeline.model_id)
         try:
-            new = await self.open_stage(old.stage, entry, call.params, call.max_len, call.wire)
+            new = await self.open_stage(old.stage, entry, call.params, call.max_len, call.wire,
+                                        call.lane)
             if old.history:  # rebuild the KV cache of the positions before this step
                 await new.channel.step(0, 0, torch.cat(old.history, dim=1),
                                        call.params.timeout_s)
@@ -168,8 +170,8 @@ class Failover:
         entry = self.models.get(new.model_id)
         fresh_idx = [j for j, key in enumerate(keys) if key not in by_key]
         opened = await asyncio.gather(
-            *(self.open_stage(new.stages[j], entry, call.params, call.max_len, call.wire)
-              for j in fresh_idx),
+            *(self.open_stage(new.stages[j], entry, call.params, call.max_len, call.wire,
+                              call.lane) for j in fresh_idx),
             return_exceptions=True)
         stages: list[StageSession] = [by_key.get(key) for key in keys]  # type: ignore[misc]
         for j, st in zip(fresh_idx, opened, strict=True):

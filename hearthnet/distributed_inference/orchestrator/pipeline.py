@@ -48,6 +48,7 @@ from hearthnet.distributed_inference.orchestrator.calls import (
     CallState,
     Connector,
     FellBack,
+    Lanes,
     RunningCalls,
     StageSession,
 )
@@ -103,7 +104,7 @@ class PipelineOrchestrator:
                  prefill_chunk_tokens: int = 256, head_device: str = "cpu",
                  batch_window_ms: float = 2.0, draft_models: dict[str, str] | None = None,
                  speculate_max_tokens: int = DEFAULT_MAX_PROPOSED,
-                 local_budget_mb: int = 0) -> None:
+                 local_budget_mb: int = 0, lanes: int | None = None) -> None:
         self.models, self.router, self.health, self.metrics = models, router, health, metrics
         self.connect, self.executor = connect, executor
         self.defaults = defaults or DistributedChatParams()
@@ -131,6 +132,7 @@ class PipelineOrchestrator:
         self.head_device = head_device  # where the head (and fallback) run (DESIGN.md decision 11)
         self.limits = limits or PromptLimits()
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
+        self.lanes = Lanes(lanes)
         self.failover = Failover(models=models, router=router, health=health,
                                  metrics=metrics, open_stage=self._open)
         self.decoder = DecodeLoop(metrics=metrics, health=health, failover=self.failover,
@@ -378,13 +380,19 @@ class PipelineOrchestrator:
                 self.router.release(pipeline)
                 raise ShardUnavailable(f"the cover needs {len(pipeline.stages)} shards; "
                                        f"max_shards is {params.max_shards}")
-            opened = await asyncio.gather(
-                *(self._open(s, entry, params, max_len, wire) for s in pipeline.stages),
-                return_exceptions=True)
+            lane = self.lanes.take(len(pipeline.stages))
+            try:
+                opened = await asyncio.gather(
+                    *(self._open(s, entry, params, max_len, wire, lane)
+                      for s in pipeline.stages), return_exceptions=True)
+            except BaseException:  # cancelled while opening: the lane was never used
+                self.lanes.drop(lane)
+                raise
             stages = [o for o in opened if isinstance(o, StageSession)]
             if len(stages) == len(opened):
                 return CallState(pipeline, stages, gen, params, max_len, wire, formats,
-                                 lossless=lossless_of(entry))
+                                 lossless=lossless_of(entry), lane=lane)
+            self.lanes.drop(lane)
             for st in stages:
                 with contextlib.suppress(Exception):
                     await st.channel.close()
@@ -403,13 +411,13 @@ class PipelineOrchestrator:
                                + "; ".join(reasons[-3:]))
 
     async def _open(self, stage: PipelineStage, entry: ModelEntry,
-                    params: DistributedChatParams, max_len: int, plan: WirePlan
+                    params: DistributedChatParams, max_len: int, plan: WirePlan, lane: int = 0
                     ) -> StageSession:
         wire = plan.for_stage(stage.start, stage.end)
         p = self.sign_open({
             "shard_id": stage.shard.shard_id, "model_id": entry.model_id,
             "weights_sha256": entry.weights_sha256, "start": stage.start, "end": stage.end,
-            "max_length": max_len, "wire_dtype": wire})
+            "max_length": max_len, "wire_dtype": wire, "lane": lane})
         uri = stage.shard.endpoint.rstrip("/") + SHARD_PATH
         try:
             ch = await self.connect(uri, p, params.timeout_s)
@@ -584,6 +592,7 @@ class PipelineOrchestrator:
 
     async def _close(self, call: CallState) -> None:
         self.router.release(call.pipeline)
+        self.lanes.give(call)
         for st in call.stages:
             with contextlib.suppress(Exception):
                 await st.channel.close()

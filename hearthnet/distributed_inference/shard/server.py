@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from hearthnet.distributed_inference.directory.descriptors import (
 )
 from hearthnet.distributed_inference.directory.formats import resolve_format
 from hearthnet.distributed_inference.engine.base import LayerSession, LayerStack
-from hearthnet.distributed_inference.engine.batcher import RoundBatcher
+from hearthnet.distributed_inference.engine.batcher import MAX_LANES, RoundBatcher
 from hearthnet.distributed_inference.engine.device import (
     Staging,
     device_info,
@@ -52,7 +53,7 @@ from hearthnet.distributed_inference.engine.device import (
     resolve_device,
 )
 from hearthnet.distributed_inference.engine.layers import LayeredSession, LayeredStack
-from hearthnet.distributed_inference.engine.memory import plan_shard
+from hearthnet.distributed_inference.engine.memory import plan_shard, release_free_heap
 from hearthnet.distributed_inference.engine.quant import kernel_of
 from hearthnet.distributed_inference.seams import ShardStream
 from hearthnet.errors import (
@@ -119,6 +120,7 @@ class OpenRequest:
     max_length: int
     wire_dtype: str
     caller: str
+    lane: int = 0  # the caller's micro-batch lane (`ShardServer.lane_batcher`)
 
     @property
     def wire(self) -> torch.dtype:
@@ -160,14 +162,30 @@ class ShardServer:
         self._streams: dict[ShardStream, str] = {}  # open session streams -> their caller
         self._callers_seen: dict[str, float] = {}  # member -> its last open (fair shares)
         self._good_stats = entry.manifest_stats()  # weights files as last verified
-        self.batcher: RoundBatcher[StepJob, torch.Tensor] = RoundBatcher(
-            self._run_steps, executor, window_s=settings.batch_window_ms / 1000,
-            expected=lambda: self.active, prefill_budget=settings.prefill_chunk_tokens,
-            mixed_budget=settings.mixed_prefill_tokens, on_batch=self._observe_batch,
-            on_progress=self._progressed)
+        self._lane_active: Counter[int] = Counter()  # open sessions per lane
+        self._lanes: dict[int, RoundBatcher[StepJob, torch.Tensor]] = {}
+        self.batcher = self.lane_batcher(0)  # the lane of callers that name none
         self._waiting: dict[ShardStream, float] = {}  # streams whose step is queued -> since
         self._loop: asyncio.AbstractEventLoop | None = None  # for the compute thread's beats
         self._beat_at = 0.0
+
+    def lane_batcher(self, lane: int) -> RoundBatcher[StepJob, torch.Tensor]:
+        """The batcher of one micro-batch lane (M26 §5.3, DESIGN.md decision 12): an
+        orchestrator puts its concurrent chats in as many lanes as its pipeline has stages,
+        and each lane's rows run as their own rounds, so while this shard computes one lane
+        the next stage computes another instead of waiting for one batch of every chat.
+        Rounds of all lanes share the compute executor, one at a time."""
+        batcher = self._lanes.get(lane)
+        if batcher is None:
+            s = self.settings
+            batcher = RoundBatcher(
+                self._run_steps, self.executor, window_s=s.batch_window_ms / 1000,
+                expected=lambda: self._lane_active[lane],
+                prefill_budget=s.prefill_chunk_tokens, mixed_budget=s.mixed_prefill_tokens,
+                on_batch=self._observe_batch,
+                on_progress=self._progressed)
+            self._lanes[lane] = batcher
+        return batcher
 
     def _refuse_over_budget(self, shard_id: str) -> None:
         """A shard over `shard_max_vram_mb` is refused before loading (M26 §5.6)."""
@@ -329,6 +347,9 @@ class ShardServer:
         wire = params.get("wire_dtype", "fp16")
         if wire not in WIRE_DTYPES:
             raise BadRequest(f"wire_dtype must be one of {list(WIRE_DTYPES)}")
+        lane = params.get("lane", 0)
+        if not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < MAX_LANES:
+            raise BadRequest(f"lane must be an integer in 0..{MAX_LANES - 1}")
         self._callers_seen[caller] = self.clock()
         if self.active >= self.settings.max_concurrent_streams:
             raise ShardUnavailable(f"shard {self.shard_id} is at max_concurrent_streams "
@@ -340,11 +361,13 @@ class ShardServer:
                                    f"({share} of {self.settings.max_concurrent_streams} "
                                    f"streams) while other members use it; pick another or "
                                    f"wait", busy=True)
-        return OpenRequest(self.shard_id, start, end, max_len, str(wire), caller)
+        return OpenRequest(self.shard_id, start, end, max_len, str(wire), caller, lane)
 
     async def serve_session(self, stream: ShardStream, req: OpenRequest) -> None:
         """Run one accepted-to-be session on `stream` until the caller closes it."""
         self.active += 1  # counted before any await: a concurrent open sees it (M26 §5.6)
+        self._lane_active[req.lane] += 1
+        batcher = self.lane_batcher(req.lane)
         self._streams[stream] = req.caller
         self._gauge()
         session = None
@@ -362,7 +385,7 @@ class ShardServer:
                                  "compute_dtype": str(stack.dtype).removeprefix("torch."),
                                  "device": self.device.type})
             self.metrics.shard_sessions_total.labels(self.shard_id, "accepted", req.caller).inc()
-            await self._step_loop(stream, session, req.wire)
+            await self._step_loop(stream, session, req.wire, batcher)
         except (ConnectionLost, StreamStalled) as e:
             log.info("session_ended", shard_id=self.shard_id, caller=req.caller,
                      reason=e.code)
@@ -373,12 +396,14 @@ class ShardServer:
                 session.close()  # frees the KV cache also when the caller vanished
             self._streams.pop(stream, None)
             self.active -= 1
-            self.batcher.expected_changed()  # a round waiting for this session goes on
+            self._lane_active[req.lane] -= 1
+            batcher.expected_changed()  # a round waiting for this session goes on
             self.last_used = self.clock()
             self._gauge()
 
     async def _step_loop(self, stream: ShardStream, session: LayerSession,
-                         wire: torch.dtype) -> None:
+                         wire: torch.dtype,
+                         batcher: RoundBatcher[StepJob, torch.Tensor]) -> None:
         staging = Staging(self.device)  # this session's reused pinned buffers
         while True:
             inp = await stream.recv_step(deadline_s=self.settings.session_idle_timeout_s)
@@ -389,7 +414,7 @@ class ShardServer:
             try:
                 t0 = time.perf_counter()
                 out = await self._forward_chunked(session, staging, inp.tensor,
-                                                  inp.start_pos, inp.step, wire)
+                                                  inp.start_pos, inp.step, wire, batcher)
                 dt = time.perf_counter() - t0
             except BadRequest as e:  # a refused step leaves the session usable
                 await stream.send_error(e)
@@ -440,7 +465,8 @@ class ShardServer:
             stream.progress(since)
 
     async def _forward_chunked(self, session: LayerSession, staging: Staging, x: torch.Tensor,
-                               start_pos: int, step: int, wire: torch.dtype) -> torch.Tensor:
+                               start_pos: int, step: int, wire: torch.dtype,
+                               batcher: RoundBatcher[StepJob, torch.Tensor]) -> torch.Tensor:
         """Run a step through the shard's batcher (DESIGN.md decision 12): a decode step joins the
         next round's batch; a longer step runs in chunks of `prefill_chunk_tokens`
         positions, which join the rounds' forwards (mixed rounds) within
@@ -451,13 +477,13 @@ class ShardServer:
         n = self.settings.prefill_chunk_tokens
         t = int(x.shape[1]) if x.dim() == 3 else 1
         if x.dim() != 3 or t <= n:
-            return await self.batcher.submit(StepJob(session, staging, x, start_pos, step, wire),
+            return await batcher.submit(StepJob(session, staging, x, start_pos, step, wire),
                                              batchable=x.dim() == 3 and t == 1,
                                              key=id(session), tokens=t)
         outs = []
         for at in range(0, t, n):
             job = StepJob(session, None, x[:, at:at + n], start_pos + at, step, wire)
-            outs.append(await self.batcher.submit(job, batchable=False, key=id(session),
+            outs.append(await batcher.submit(job, batchable=False, key=id(session),
                                                   tokens=int(job.x.shape[1])))
         return torch.cat(outs, dim=1)
 
@@ -478,6 +504,11 @@ class ShardServer:
         for rows in groups.values():
             for i, out in zip(rows, self._batched([jobs[i] for i in rows]), strict=True):
                 results[i] = out
+        if any(job.x.dim() == 3 and job.x.shape[1] > 1 for job in jobs):
+            # a prefill chunk's activations (tens of MiB) leave the RSS instead of staying
+            # in glibc's arenas (M26 §5.6; 8 × 2,000-token prefills kept +394 MiB): 7-14 ms
+            # against seconds of prefill
+            release_free_heap()
         return results
 
     @staticmethod
