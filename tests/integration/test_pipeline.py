@@ -374,9 +374,4 @@ async def test_concurrent_chats_open_their_stages_in_one_lane_per_stage(smollm2,
     assert m.failovers_total._value.get() >= 1
     # each call's stages, the replacement's too, in one lane; the two calls apart
     assert sorted(lanes_of.values(), key=min) == [{0}, {1}], lanes_of
-    assert not +orch.lanes.calls
-
-    one, _ = _orch(mesh, model_store, lanes=1)
-    lanes_of.clear()
-    await asyncio.gather(*(_run(one, [{"role": "user", "content": p}]) for p in prompts))
-    assert set().union(*lanes_of.values()) == {0}
+    assert not +orch.lanes.calls  # a fixed count (lanes=1): tests/unit/test_lanes.py
