@@ -169,7 +169,8 @@ class Lanes:
     stage, stage 0 computes one lane while stage 1 computes another, and a round of half
     the rows costs well over half a round of all of them on a CPU (1.5B shape, int8, one
     thread: 4 rows 0.8 × the time of 8). `fixed` (the config's ``pipeline_lanes``) sets the
-    count instead; 1 is one batch of every chat.
+    count instead; 1, a node's default, is one batch of every chat (lanes are opt-in: on one
+    2-core machine they did not raise the aggregate, docs/benchmarks.md).
     """
 
     def __init__(self, fixed: int | None = None) -> None:
