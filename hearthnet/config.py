@@ -246,6 +246,11 @@ class DistributedInferenceSection(_Section):
     # compute different chats' rows at once (opt-in: on one 2-core machine it lowered the
     # inter-token p50 at 8 chats by ~20 % but not the aggregate, docs/benchmarks.md)
     pipeline_lanes: Annotated[int, Field(ge=0, le=8)] = 1
+    # a chat whose prompt begins as another running chat's through the same shards (the
+    # system prompt, a shared document) has its stages copy those positions' keys and
+    # values from that chat's sessions instead of computing them; only this node's own
+    # sessions, never another member's (docs/operations.md, "Shared prompt prefixes")
+    prefix_sharing: bool = True
     # DESIGN.md decision 11: the orchestrator's head (embeddings, norm, lm_head) and local fallback
     head_device: DeviceSpec = "auto"
     # DESIGN.md decision 16: the default proposer of a call (its `speculate` param): lookup

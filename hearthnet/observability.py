@@ -86,6 +86,11 @@ class Metrics:
             "shard accepted with", ["weights_format", "lossless"], registry=r)
         self.tokens_generated_total = Counter(
             p + "tokens_generated_total", "Tokens streamed to callers", registry=r)
+        # prompt positions a call's stages took from another of this node's calls instead
+        # of computing them (a shared prompt prefix, DESIGN.md decision 12)
+        self.prefix_reused_tokens_total = Counter(
+            p + "prefix_reused_tokens_total", "Prompt tokens whose cached keys and values "
+            "the stages copied from another call with the same first tokens", registry=r)
         # speculative passes (DESIGN.md decision 16): per model and proposer; a model's
         # acceptance is accepted / proposed
         self.speculative_proposed_total = Counter(

@@ -641,10 +641,14 @@ class _Builder:
         reason = self.done.finish_reason if self.done is not None else None
         return FINISH_REASONS.get(str(reason), "stop")
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         u = self.done.usage if self.done is not None else {}
         p, c = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c,
+                               "total_tokens": p + c}
+        if u.get("cached_prompt_tokens"):  # OpenAI's name for prompt tokens not computed again
+            out["prompt_tokens_details"] = {"cached_tokens": int(u["cached_prompt_tokens"])}
+        return out
 
     def extension(self) -> dict[str, Any]:
         """HearthNet's facts of the call (the ``hearthnet`` field)."""

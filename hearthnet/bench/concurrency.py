@@ -17,6 +17,8 @@ times. Per level:
 - the shard batch size histogram (rows per batched forward, from the shard nodes' own
   ``shard_batch_size`` Prometheus histogram, the difference over the level) and the
   orchestrator's head batch sizes (``head_batch_size``);
+- prompt tokens, and of them those the stages copied from another chat's sessions instead
+  of computing them (a shared prompt prefix: ``usage.cached_prompt_tokens`` of each `done`);
 - local fallbacks: chats that ended on the orchestrator's local engine (``fallback`` in
   their `done` frame) — a busy shard must make a chat wait for a slot, not fall back to local;
 - agreement: each chat's tokens against the same prompt run alone (the solo reference
@@ -152,9 +154,10 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
                 solo: dict[str, list[int]]) -> dict[str, Any]:
     """`c` chats at once, `a.runs` times; see the module docstring."""
     aggs, per_chat, gaps, steady, steady_aggs = [], [], [], [], []
-    fallbacks = 0
+    fallbacks = prompt_tokens = cached = 0
     prompts = [a.level_prompts[i % len(a.level_prompts)] for i in range(c)]
     agree: list[dict[str, Any]] = []
+    last: list[dict[str, Any]] = []
     before = scrape()
     for _ in range(a.runs):
         t0 = time.perf_counter()
@@ -164,6 +167,8 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
         aggs.append(sum(len(ch["ids"]) for ch in chats) / wall)
         per_chat += [ch["done"]["timings"]["tokens_per_second"] for ch in chats]
         fallbacks += sum(bool(ch["done"].get("fallback")) for ch in chats)
+        prompt_tokens += sum(int(ch["done"]["usage"]["prompt_tokens"]) for ch in chats)
+        cached += sum(int(ch["done"]["usage"].get("cached_prompt_tokens", 0)) for ch in chats)
         pairs = [(a_, b_) for ch in chats
                  for a_, b_ in zip(ch["times"], ch["times"][1:], strict=False)]
         all_decoding = max(ch["times"][0] for ch in chats if ch["times"])
@@ -173,6 +178,12 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
         if later and max(later) > all_decoding:
             steady_aggs.append(len(later) / (max(later) - all_decoding))
         agree.append(agreement(chats, prompts, solo))
+        # the last run's chats one by one: when each began answering, and its longest wait
+        last = [{"first_token_s": round(ch["times"][0] - t0, 3) if ch["times"] else None,
+                 "longest_gap_ms": round(max(((b_ - a_) * 1000 for a_, b_ in zip(
+                     ch["times"], ch["times"][1:], strict=False)), default=0.0), 1),
+                 "cached_prompt_tokens": int(ch["done"]["usage"].get(
+                     "cached_prompt_tokens", 0))} for ch in chats]
     after = scrape()
     return {"concurrency": c, "aggregate_tokens_per_second": round(median(aggs), 2),
             "aggregate_runs": [round(x, 2) for x in aggs],
@@ -183,6 +194,9 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
             "inter_token_ms_p95": round(percentile(gaps, 95), 1),
             "inter_token_ms_p95_all_decoding": round(percentile(steady, 95), 1),
             "local_fallbacks": fallbacks,
+            # prompt positions the stages copied from another chat instead of computing
+            "prompt_tokens": prompt_tokens, "cached_prompt_tokens": cached,
+            "last_run_chats": last,
             "shard_batches": size_histogram(histogram(before, "shard_batch_size"),
                                             histogram(after, "shard_batch_size")),
             "head_batches": size_histogram(histogram(before, "head_batch_size"),
@@ -225,7 +239,7 @@ def report(levels: list[dict[str, Any]], goal: dict[str, Any]) -> str:
 
     t = table(["chats", "aggregate tok/s", "all decoding tok/s", "per-chat tok/s",
                "ITL p50 ms", "ITL p95 ms", "p95 all decoding", "identical to solo",
-               "local fallbacks",
+               "local fallbacks", "prompt tokens (copied)",
                "shard batches (size:count)",
                "head batches"],
               [[c["concurrency"], c["aggregate_tokens_per_second"],
@@ -234,6 +248,7 @@ def report(levels: list[dict[str, Any]], goal: dict[str, Any]) -> str:
                 c["inter_token_ms_p95"], c["inter_token_ms_p95_all_decoding"],
                 f"{c['agreement']['identical']}/{c['agreement']['chats']}",
                 c["local_fallbacks"],
+                f"{c.get('prompt_tokens', '-')} ({c.get('cached_prompt_tokens', 0)})",
                 sizes(c["shard_batches"]), sizes(c["head_batches"])] for c in levels])
     lines = [t]
     diverged = [(c["concurrency"], c["agreement"]["first_divergences"]) for c in levels

@@ -102,6 +102,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="every node's batch_window_ms (default: the config default)")
     p.add_argument("--mixed-prefill-tokens", type=int, default=None,
                    help="every node's mixed_prefill_tokens (default: the config default)")
+    p.add_argument("--lanes", type=int, default=None, choices=range(9), metavar="{0..8}",
+                   help="the orchestrator's pipeline_lanes (0: one per stage; default: the "
+                        "config default, 1)")
+    p.add_argument("--no-prefix-sharing", action="store_true",
+                   help="chats compute every prompt position, also those they share with "
+                        "another running chat (prefix_sharing = false)")
     p.add_argument("--local-threads", type=positive, default=2,
                    help="torch threads of the local baseline (this process)")
     p.add_argument("--node-threads", type=positive, default=1, help="torch threads per node")
@@ -403,6 +409,8 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                      "wire_dtype": args.wire, "weights": args.weights,
                      "device": args.device, "batch_window_ms": args.batch_window_ms,
                      "mixed_prefill_tokens": args.mixed_prefill_tokens,
+                     "pipeline_lanes": args.lanes,
+                     "prefix_sharing": not args.no_prefix_sharing,
                      "sampling": "greedy", "prompt": args.prompt, "warmup_calls": 1,
                      "netem": net}}
     torch.set_num_threads(args.local_threads)
@@ -568,6 +576,10 @@ def _specs(args: argparse.Namespace, ranges: list[tuple[int, int]], head: str
         di["batch_window_ms"] = args.batch_window_ms
     if args.mixed_prefill_tokens is not None:
         di["mixed_prefill_tokens"] = args.mixed_prefill_tokens
+    if getattr(args, "lanes", None) is not None:
+        di["pipeline_lanes"] = args.lanes
+    if getattr(args, "no_prefix_sharing", False):
+        di["prefix_sharing"] = False
     host = {"device": args.device, "weights": args.weights}
     if getattr(args, "context", None):  # room for the long prompts and their answers
         di["max_prompt_tokens"] = max(4096, args.context + 256)

@@ -55,6 +55,7 @@ class Host:
     # restarted with another format while its advertisement lived on); "": the stack's
     held_format: str = ""
     trace: list[tuple[str, int]] | None = None  # (node id, start_pos) of every step, in order
+    by_ref: dict[str, Any] = field(default_factory=dict)  # open sessions by their ref
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Channel:
     wire: torch.dtype
     closed: bool = False
     accepted: dict[str, Any] = field(default_factory=dict)  # as a shard's ACCEPT states
+    ref: str | None = None  # the caller's name for the session (another open's fork)
 
     async def step(self, step: int, start_pos: int, x: torch.Tensor,
                    deadline_s: float | None = None) -> Result:
@@ -88,6 +90,8 @@ class Channel:
 
     async def close(self, reason: str = "") -> None:
         self.closed = True
+        if self.ref is not None and self.host.by_ref.get(self.ref) is self.session:
+            del self.host.by_ref[self.ref]
 
 
 @dataclass
@@ -132,10 +136,16 @@ class InProcessMesh:
                                    busy=True)  # as a shard's refusal says (issue 16 §2)
         host.opened += 1
         s = host.stack.open_session(params["start"], params["end"], params["max_length"])
+        fork = params.get("fork")  # as a shard takes it: an open session of the same caller
+        source = host.by_ref.get(fork["ref"]) if fork is not None else None
+        forked = s.copy_prefix(source, fork["positions"]) if source is not None else 0
+        ref = params.get("ref")
+        if ref is not None:
+            host.by_ref[ref] = s
         ch = Channel(host, s, _WIRE[params["wire_dtype"]], accepted={
             "shard_id": host.descriptor.shard_id, "weights_sha256": self.entry.weights_sha256,
             "layers": [params["start"], params["end"]],
             "weights_format": host.held_format or host.stack.format,
-            "kernel": host.descriptor.kernel})
+            "kernel": host.descriptor.kernel, "forked": forked}, ref=ref)
         self.channels.append(ch)
         return ch

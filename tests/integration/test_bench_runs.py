@@ -92,6 +92,10 @@ def test_bench_pipeline_three_shards(smollm2, tmp_path):
     assert two["inter_token_ms_p95"] >= two["inter_token_ms_p50"] > 0
     assert two["agreement"]["chats"] == 2 and len(two["shard_batches"]) == 3
     assert two["local_fallbacks"] == 0  # issue 16 §2: every chat through the shards
+    # the two prompts share the chat template's preamble (over half of each): computed once
+    assert 16 <= two["cached_prompt_tokens"] < two["prompt_tokens"]
+    assert len(two["last_run_chats"]) == 2
+    assert all(c["first_token_s"] > 0 for c in two["last_run_chats"])
     assert all(s["batches"] > 0 for s in two["shard_batches"].values())
     assert set(f["goals"]) == {"ratio_to_best_local", "first_token_ms", "construction_ms",
                                "overhead_p95_ms"}

@@ -165,6 +165,52 @@ async def test_a_bad_lane_is_refused_before_any_work(shard, lane):
     assert server.active == 0
 
 
+@pytest.mark.parametrize("extra", [
+    {"ref": ""}, {"ref": "r" * 65}, {"ref": 7},
+    {"fork": "r"}, {"fork": {"ref": "r"}}, {"fork": {"ref": "r", "positions": 0}},
+    {"fork": {"ref": "r", "positions": 32}}, {"fork": {"ref": "r", "positions": True}},
+    {"fork": {"ref": None, "positions": 4}}, {"fork": {"ref": "r", "positions": 4, "x": 1}}])
+async def test_a_bad_ref_or_fork_is_refused_before_any_work(shard, extra):
+    server, _ = shard
+    params = {"shard_id": server.shard_id, "model_id": server.entry.model_id,
+              "weights_sha256": server.entry.weights_sha256, "start": 0, "end": 5,
+              "max_length": 32, "wire_dtype": "fp32", **extra}
+    with pytest.raises(BadRequest, match=r"ref|fork"):
+        server.validate_open(params)
+    assert server.active == 0
+
+
+async def test_a_session_forks_the_first_positions_of_its_callers_session(shard, llama):
+    """An open naming another open session of the same caller (`fork`) starts with that
+    session's first positions: ACCEPT says how many, and the steps after them give what a
+    session that computed every position gives. Another caller's session, a ref no
+    longer open, or one past what the source holds: none, or as many as it holds."""
+    server, uri = shard
+    prompt = _x(1, 9)
+    source = await _open(server, uri, ref="src")
+    await source.step(1, 0, prompt)
+    fork = await _open(server, uri, ref="f1", fork={"ref": "src", "positions": 6})
+    assert fork.accepted["forked"] == 6
+    rest = [prompt[:, 6:], _x(2, 1)]
+    outs = [(await fork.step(1, 6, rest[0])).tensor, (await fork.step(2, 9, rest[1])).tensor]
+    want = _solo(llama, [prompt[:, :6], *rest])[1:]
+    for got, w in zip(outs, want, strict=True):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
+    longer = await _open(server, uri, fork={"ref": "src", "positions": 20})
+    assert longer.accepted["forked"] == 9  # all the source holds
+    server._by_ref[("someone-else", "theirs")] = server._by_ref[("anonymous", "src")]
+    other = await _open(server, uri, fork={"ref": "theirs", "positions": 6})
+    assert other.accepted["forked"] == 0  # another member's session is out of reach
+    del server._by_ref[("someone-else", "theirs")]
+    for ch in (source, fork, longer, other):
+        await ch.close()
+    await wait_until(lambda: server.active == 0, "every session closed")
+    assert not server._by_ref  # refs go with their sessions
+    gone = await _open(server, uri, fork={"ref": "src", "positions": 6})
+    assert gone.accepted["forked"] == 0
+    await gone.close()
+
+
 def _spy_batches(server: ShardServer, monkeypatch: Any, fail: bool = False
                  ) -> list[tuple[int, bool]]:
     """Record (rows, any row NaN) of every batched forward; with `fail`, each one raises

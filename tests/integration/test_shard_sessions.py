@@ -166,6 +166,9 @@ async def _attack_round(m: TestMesh, entry: Any) -> None:
     await _refused_open(m, entry, "bad_request", start=10, end=20)
     await _refused_open(m, entry, "bad_request", start=0, end=14, max_length=0)
     await _refused_open(m, entry, "bad_request", start=0, end=14, lane=9)
+    await _refused_open(m, entry, "bad_request", start=0, end=14, ref="x" * 65)
+    await _refused_open(m, entry, "bad_request", start=0, end=14,
+                        fork={"ref": "a", "positions": 10 ** 9})
     await _refused_open(m, entry, "shard_unavailable",
                         shard_id=f"{entry.model_id}:15-29@node-b")
     await _refused_open(m, entry, "auth_failed", signed=False)

@@ -125,6 +125,18 @@ async def test_non_streaming_shape_usage_finish_and_extension(served):
     assert s == {"max_tokens": 2, "temperature": 0.0, "top_p": 0.5, "seed": 3, "stop": ["\n"]}
 
 
+async def test_prompt_tokens_copied_from_another_chat_are_cached_tokens(served):
+    """A `done` whose stages copied prompt positions from another chat (a shared prefix)
+    reports them as OpenAI's `prompt_tokens_details.cached_tokens`; without, none."""
+    cached = {**DONE, "usage": {**DONE["usage"], "cached_prompt_tokens": 4}}
+    _, client = await served([tok("Hel", 0), tok("lo", 1), cached])
+    r = await client.chat.completions.create(model="smollm2", messages=MSG, max_tokens=2)
+    assert r.usage.prompt_tokens == 5 and r.usage.prompt_tokens_details.cached_tokens == 4
+    _, plain = await served([tok("Hel", 0), tok("lo", 1), DONE])
+    r = await plain.chat.completions.create(model="smollm2", messages=MSG, max_tokens=2)
+    assert r.usage.prompt_tokens_details is None
+
+
 async def test_streaming_one_chunk_per_token_then_extension_usage_done(served):
     _, client = await served([tok("Hel", 0), tok("lo", 1), DONE])
     stream = await client.chat.completions.create(

@@ -54,6 +54,11 @@ class LayerSession(Protocol):
         """
         ...
 
+    def copy_prefix(self, source: LayerSession, positions: int) -> int:
+        """Take up to `positions` cached positions of `source` (same stack and sub-range,
+        equal inputs there) instead of computing them; how many were taken (0: none)."""
+        ...
+
     def close(self) -> None:
         """Free the KV cache."""
         ...

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -56,6 +56,9 @@ from hearthnet.distributed_inference.engine.weights import (
 )
 from hearthnet.errors import BadRequest, ShardUnavailable
 from hearthnet.models.store import ModelEntry
+
+if TYPE_CHECKING:
+    from hearthnet.distributed_inference.engine.base import LayerSession
 
 
 class _Rotary:
@@ -201,6 +204,26 @@ class LayeredSession:
             out = self.step(h, positions, start_pos + t, plain=t == 1 or start_pos == 0)
         self._len = start_pos + t
         return out
+
+    @torch.inference_mode()
+    def copy_prefix(self, source: LayerSession, positions: int) -> int:
+        """Take the first `positions` cached positions of `source` — a session of the same
+        stack and sub-range whose inputs there equal this one's (the orchestrator knows: a
+        prompt that shares its first tokens with another of its calls) — instead of
+        computing them: this session then holds them, and its first step starts there.
+        Copies as many as `source` holds, keeping at least one position of this session's
+        own to compute; returns how many (0: none; a session that holds positions already
+        takes none)."""
+        if not isinstance(source, LayeredSession) or source.stack is not self.stack \
+                or (source.start, source.end) != (self.start, self.end) \
+                or source.layers is None or self._len:
+            return 0
+        n = max(0, min(positions, source.length, self.max_length - 1))
+        for mine, theirs in zip(self.slot.keys + self.slot.values,
+                                source.slot.keys + source.slot.values, strict=True):
+            mine[:, :, :n].copy_(theirs[:, :, :n])
+        self._len = n
+        return n
 
     def rewind(self, start_pos: int) -> None:
         """Cut the cache back to `start_pos` before a step there (a redo, M26 §5.4)."""

@@ -13,10 +13,11 @@ counts and shard ids only: no prompt, no token text, no tensor (M26 §5.8).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,8 @@ from hearthnet.frames import (
 from hearthnet.stats import LatencyWindow
 
 __all__ = ["CallState", "ClosedChannel", "Connector", "FellBack", "RunningCall",
-           "RunningCalls", "StageFailed", "StageSession", "decode_rate"]
+           "RunningCalls", "StageFailed", "StageSession", "decode_rate", "inputs_before",
+           "prefix_source", "shared_prefix", "worth_waiting_for"]
 
 
 def decode_rate(tokens: int, decode_t0: float, now: float) -> float:
@@ -104,6 +106,7 @@ class StageSession:
     # what the shard's ACCEPT stated it holds (not the advertisement: what served the call)
     weights_format: str = ""
     kernel: str = ""
+    ref: str = ""  # this node's name for the session on its shard (another call's `fork`)
 
     @property
     def shard_id(self) -> str:
@@ -113,18 +116,29 @@ class StageSession:
     def key(self) -> tuple[str, int, int]:
         return (self.stage.shard.shard_id, self.stage.start, self.stage.end)
 
+    @property
+    def route(self) -> tuple[str, int, int, str]:
+        """Shard, sub-range and wire dtype: sessions that agree on them compute the same
+        keys and values from the same inputs."""
+        return (self.stage.shard.shard_id, self.stage.start, self.stage.end, self.wire)
+
     def truncate(self, pos: int) -> None:
         """Drop recorded inputs at positions ≥ `pos` (a step about to be redone)."""
-        kept: list[torch.Tensor] = []
-        n = 0
-        for h in self.history:
-            if n + h.shape[1] > pos:
-                if pos > n:
-                    kept.append(h[:, :pos - n])
-                break
-            kept.append(h)
-            n += h.shape[1]
-        self.history = kept
+        self.history = inputs_before(self.history, pos)
+
+
+def inputs_before(history: list[torch.Tensor], pos: int) -> list[torch.Tensor]:
+    """The recorded inputs of positions < `pos` (views, no copy)."""
+    kept: list[torch.Tensor] = []
+    n = 0
+    for h in history:
+        if n + h.shape[1] > pos:
+            if pos > n:
+                kept.append(h[:, :pos - n])
+            break
+        kept.append(h)
+        n += h.shape[1]
+    return kept
 
 
 @dataclass
@@ -150,6 +164,42 @@ class CallState:
     decode_t0: float = 0.0  # perf_counter() at the first token
     lane: int = 0  # its micro-batch lane on every stage and the head (`Lanes`)
     lane_held: bool = True  # counted in `Lanes` until the call is closed
+    # shared prompt prefixes (DESIGN.md decision 12): positions its stages copied from
+    # another call (`prefix_source`), and how many of its prompt's every stage holds
+    prefix: int = 0
+    held: int = 0
+    # the prompt's first `share_at` positions go through as a step of their own, for calls
+    # that wait to copy them (0: the prompt in one go); `prefix_ready` is set once every
+    # stage holds them, or the whole prompt, or the call ended
+    share_at: int = 0
+    prefix_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # calls that meant to copy from this one and have not opened their stages yet: the
+    # rest of this prompt waits for them (`forks_opened`), so the prompts' other positions
+    # go through the stages together, not one prompt beside the others' decoding
+    forks: int = 0
+    forks_opened: asyncio.Event = field(default_factory=asyncio.Event)
+    # the calls this one waited for to copy from (`forks` counts it there until it sends
+    # the rest of its own prompt, or ends)
+    sources: list[CallState] = field(default_factory=list)
+
+    def fork_done(self) -> None:
+        """A call that meant to copy from this one is sending the rest of its prompt (or
+        gave up)."""
+        self.forks -= 1
+        if self.forks <= 0:
+            self.forks_opened.set()
+
+    def release_sources(self) -> None:
+        """This call is about to send the rest of its prompt, or ended: the calls it waited
+        for send theirs (once)."""
+        sources, self.sources = self.sources, []
+        for src in sources:
+            src.fork_done()
+
+    @property
+    def route(self) -> list[tuple[str, int, int, str]]:
+        """Each stage's shard, sub-range and wire dtype, in order."""
+        return [st.route for st in self.stages]
 
     def tokens_per_s(self, now: float) -> float:
         """Decode speed: tokens after the first over the time since it."""
@@ -158,6 +208,57 @@ class CallState:
     def take_frames(self) -> list[StreamFrame]:
         out, self.frames = self.frames, []
         return out
+
+
+PREFIX_MIN_TOKENS = 16  # fewer shared first tokens are not worth a session's fork
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens `a` and `b` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def worth_waiting_for(source: Sequence[int], ids: Sequence[int]) -> bool:
+    """Whether a call with prompt `ids` should wait for another call's prompt `source` to
+    be computed and copy its first positions (`prefix_source`): where they share at
+    least `PREFIX_MIN_TOKENS` first tokens and at least half of `ids` (the last of `ids`
+    not counted: it is always computed), and `source` is at most twice as long (a long
+    prompt's prefill is no time to wait for a short shared preamble)."""
+    n = min(shared_prefix(source, ids), len(ids) - 1)
+    return n >= PREFIX_MIN_TOKENS and 2 * n >= len(ids) and len(source) <= 2 * len(ids)
+
+
+def prefix_source(calls: Iterable[CallState], route: list[tuple[str, int, int, str]],
+                  ids: Sequence[int]) -> tuple[CallState, int] | None:
+    """The running call a new call with prompt `ids` through `route` copies its first
+    positions from, and how many (DESIGN.md decision 12): the one through the same
+    shards, sub-ranges and wire dtypes whose prompt shares the most first tokens — at
+    least `PREFIX_MIN_TOKENS`, and the last of `ids` always left to compute (its output
+    is the first token's). A call still sending those positions is chosen only where it
+    is `worth_waiting_for`; else the call that holds the most of them already
+    (`CallState.held`), if any."""
+    top = len(ids) - 1
+    held: tuple[CallState, int] | None = None
+    waiting: tuple[CallState, int] | None = None
+    for c in calls:
+        if c.route != route:
+            continue
+        n = min(shared_prefix(c.gen.prompt_ids, ids), top)
+        have = min(n, c.held)
+        if have >= PREFIX_MIN_TOKENS and (held is None or have > held[1]):
+            held = (c, have)
+        if n >= PREFIX_MIN_TOKENS and have < n and not c.prefix_ready.is_set() \
+                and worth_waiting_for(c.gen.prompt_ids, ids) \
+                and (waiting is None or n > waiting[1]):
+            waiting = (c, n)
+    if waiting is not None and (held is None or waiting[1] > held[1]):
+        return waiting
+    return held
 
 
 class Lanes:

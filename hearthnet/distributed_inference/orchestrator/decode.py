@@ -18,6 +18,7 @@ runs under one deadline (`Channel.step`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import weakref
 from collections import Counter
@@ -37,6 +38,8 @@ from hearthnet.errors import HearthNetError, PipelineStalled, StreamStalled, Wir
 from hearthnet.frames import StreamFrame
 from hearthnet.observability import Metrics
 from hearthnet.transport.codec import cast_to_wire
+
+FORKS_OPEN_WAIT_S = 2.0  # the longest a prompt's rest waits for the calls copying its start
 
 
 class DecodeLoop:
@@ -99,21 +102,43 @@ class DecodeLoop:
         heads = self.head_batcher(head, call.lane)
         loop = asyncio.get_running_loop()
         # the prompt's embeddings and their one cast to the first stage's wire dtype run off
-        # the loop: a long prompt is thousands of rows
-        x = await loop.run_in_executor(self.executor, embed_for_wire, head, gen.prompt_ids,
-                                       call.stages[0].channel.wire_dtype)
-        pos, proposed = 0, list[int]()
+        # the loop: a long prompt is thousands of rows. The stages hold the first
+        # `call.prefix` positions already (copied from another call's sessions)
+        pos, proposed = call.prefix, list[int]()
+        x = await loop.run_in_executor(self.executor, embed_for_wire, head,
+                                       gen.prompt_ids[pos:], call.stages[0].channel.wire_dtype)
+        if pos < call.share_at < len(gen.prompt_ids):  # others wait to copy these positions
+            await self.relay_chunked(call, x[:, :call.share_at - pos], pos, checker)
+            call.held = call.share_at
+            call.prefix_ready.set()
+            # the rest goes with theirs (bounded: a call that cannot open is not waited for)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(call.forks_opened.wait(), FORKS_OPEN_WAIT_S)
+            x, pos = x[:, call.share_at - pos:], call.share_at
+        # the calls this one copied from send the rest of their prompts now too, when every
+        # call that copies from them is ready to: every prompt's own positions reach the
+        # stages together, in the same rounds, before any of them decodes
+        sources = call.sources
+        call.release_sources()
+        for src in sources:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(src.forks_opened.wait(), FORKS_OPEN_WAIT_S)
         spec = call.speculator
+        prompt = True
         while not gen.done:
             h = await self.relay_chunked(call, x, pos, checker)
+            if prompt:  # every stage holds the prompt: others may copy it
+                call.held = len(gen.prompt_ids)
+                call.prefix_ready.set()
             for f in call.take_frames():
                 yield f
             # norm + lm_head (~7 ms for SmolLM2) run off the loop, batched with the other
             # calls' heads of this round (DESIGN.md decision 12): the last row, or every row
             # of a speculative pass (DESIGN.md decision 16)
             rows = await heads.submit(h[:, -(len(proposed) + 1):], key=id(call))
-            events = spec.accept(gen, rows, proposed) if spec is not None and pos > 0 \
+            events = spec.accept(gen, rows, proposed) if spec is not None and not prompt \
                 else [gen.step(rows[-1])]
+            prompt = False
             if call.first_ms is None:
                 call.first_ms = (time.perf_counter() - t0) * 1000
                 self.metrics.first_token_ms.observe(call.first_ms)

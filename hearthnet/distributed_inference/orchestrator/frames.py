@@ -28,7 +28,8 @@ def token_frame(ev: TokenEvent) -> TokenDelta:
 def done_frame(gen: Generation, *, t0: float, first_ms: float, tokens_per_s: float,
                pipeline: list[str], timings: dict[str, Any] | None = None,
                formats: dict[str, Any] | None = None, failovers: int | None = None,
-               fallback: bool = False, speculative: SpecStats | None = None) -> Done:
+               fallback: bool = False, speculative: SpecStats | None = None,
+               cached_prompt_tokens: int = 0) -> Done:
     """The final frame of a successful call.
 
     Args:
@@ -41,9 +42,13 @@ def done_frame(gen: Generation, *, t0: float, first_ms: float, tokens_per_s: flo
         formats: the head's and the stages' weight formats; failovers: the pipeline's
             count; fallback: the local engine finished the answer.
         speculative: the call's speculation statistics (DESIGN.md decision 16).
+        cached_prompt_tokens: prompt positions the stages copied from another call instead
+            of computing them (in ``usage`` when there were any).
     """
-    return Done(gen.finish_reason,
-                {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.tokens)},
+    usage = {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.tokens)}
+    if cached_prompt_tokens:
+        usage["cached_prompt_tokens"] = cached_prompt_tokens
+    return Done(gen.finish_reason, usage,
                 {"first_token_ms": round(first_ms, 1),
                  "tokens_per_second": round(tokens_per_s, 2),
                  "total_ms": round((time.perf_counter() - t0) * 1000, 1), **(timings or {})},

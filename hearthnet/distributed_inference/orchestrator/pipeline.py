@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hearthnet.distributed_inference.directory.descriptors import PipelineStage
@@ -45,12 +46,17 @@ from hearthnet.distributed_inference.engine.speculation import (
     check_draft_tokenizer,
 )
 from hearthnet.distributed_inference.orchestrator.calls import (
+    PREFIX_MIN_TOKENS,
     CallState,
     Connector,
     FellBack,
     Lanes,
     RunningCalls,
     StageSession,
+    inputs_before,
+    prefix_source,
+    shared_prefix,
+    worth_waiting_for,
 )
 from hearthnet.distributed_inference.orchestrator.decode import DecodeLoop
 from hearthnet.distributed_inference.orchestrator.failover import Failover
@@ -84,6 +90,18 @@ _OPEN_ATTEMPTS = 3
 OpenSigner = Callable[[dict[str, Any]], dict[str, Any]]
 
 
+@dataclass
+class _Opening:
+    """A call choosing and opening its stages: its prompt, an event set when that is done,
+    the shared lengths of the calls waiting to copy its prompt's first positions, and the
+    call once constructed."""
+
+    ids: list[int]
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    shares: list[int] = field(default_factory=list)
+    call: CallState | None = None
+
+
 @dataclass(frozen=True)
 class _Prepared:
     """What the orchestrator keeps per model: built whole or not at all: failures stay loud."""
@@ -104,7 +122,8 @@ class PipelineOrchestrator:
                  prefill_chunk_tokens: int = 256, head_device: str = "cpu",
                  batch_window_ms: float = 2.0, draft_models: dict[str, str] | None = None,
                  speculate_max_tokens: int = DEFAULT_MAX_PROPOSED,
-                 local_budget_mb: int = 0, lanes: int | None = None) -> None:
+                 local_budget_mb: int = 0, lanes: int | None = None,
+                 prefix_sharing: bool = True) -> None:
         self.models, self.router, self.health, self.metrics = models, router, health, metrics
         self.connect, self.executor = connect, executor
         self.defaults = defaults or DistributedChatParams()
@@ -133,6 +152,12 @@ class PipelineOrchestrator:
         self.limits = limits or PromptLimits()
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         self.lanes = Lanes(lanes)
+        # DESIGN.md decision 12: calls whose sessions a new call's may copy a shared prompt
+        # prefix from (constructed, not yet closed), by id
+        self.prefix_sharing = prefix_sharing
+        self._live: dict[int, CallState] = {}
+        # calls choosing and opening their stages, by id
+        self._constructing: dict[int, _Opening] = {}
         self.failover = Failover(models=models, router=router, health=health,
                                  metrics=metrics, open_stage=self._open)
         self.decoder = DecodeLoop(metrics=metrics, health=health, failover=self.failover,
@@ -202,6 +227,8 @@ class PipelineOrchestrator:
                 outcome = "fallback" if params.fallback_to_local else "aborted"
                 return
             call.speculator = spec
+            if call.prefix:
+                self.metrics.prefix_reused_tokens_total.inc(call.prefix)
             construct_ms = (time.perf_counter() - t0) * 1000
             self.metrics.pipeline_construct_ms.observe(construct_ms)
             for st in call.stages:
@@ -346,6 +373,50 @@ class PipelineOrchestrator:
 
     async def _construct(self, entry: ModelEntry, gen: Generation,
                          params: DistributedChatParams, wire: WirePlan) -> CallState:
+        """`_construct_now`, after any call being constructed whose prompt this one's
+        shares enough first tokens with (`worth_waiting_for`): chats that start together
+        with one system prompt or document open after the first, and copy its positions
+        once it has computed them (`_prefix_source`) instead of all computing them. The
+        first sends those positions as a step of their own (`CallState.share_at`, the
+        shortest shared length of the calls waiting for it), then the rest of its prompt
+        once they send theirs (`CallState.forks`), so every prompt's own positions go
+        through together, before any of them decodes."""
+        if not self.prefix_sharing:
+            return await self._construct_now(entry, gen, params, wire)
+        ids = gen.prompt_ids
+        # one call to wait for, the first being constructed that is worth it — none where
+        # a running call is (`_prefix_source` finds it): a call counted as another's fork
+        # holds back the rest of that one's prompt (`CallState.forks`), so it counts at one
+        source = None if any(worth_waiting_for(c.gen.prompt_ids, ids)
+                             for c in self._live.values()) \
+            else next((o for o in self._constructing.values()
+                       if worth_waiting_for(o.ids, ids)), None)
+        if source is not None:
+            source.shares.append(min(shared_prefix(source.ids, ids), len(ids) - 1))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(source.done.wait(), params.timeout_s)
+        mine = _Opening(ids)
+        self._constructing[id(mine)] = mine
+        waited = [source.call] if source is not None and source.call is not None else []
+        try:
+            call = await self._construct_now(entry, gen, params, wire)
+            call.share_at = min(mine.shares, default=0)
+            call.forks = len(mine.shares)
+            if not call.forks:
+                call.forks_opened.set()
+            call.sources = waited  # released as it sends its prompt's rest (`DecodeLoop`)
+            mine.call = call
+            return call
+        except BaseException:
+            for src in waited:  # never to send a prompt: theirs go on
+                src.fork_done()
+            raise
+        finally:
+            del self._constructing[id(mine)]
+            mine.done.set()
+
+    async def _construct_now(self, entry: ModelEntry, gen: Generation,
+                             params: DistributedChatParams, wire: WirePlan) -> CallState:
         """Pick a pipeline and open every stage concurrently (M26 §4.3 steps 1-2).
 
         A shard that cannot be reached or refuses the open is excluded and the router picks
@@ -382,16 +453,21 @@ class PipelineOrchestrator:
                                        f"max_shards is {params.max_shards}")
             lane = self.lanes.take(len(pipeline.stages))
             try:
+                source = await self._prefix_source(pipeline.stages, gen, params, wire)
                 opened = await asyncio.gather(
-                    *(self._open(s, entry, params, max_len, wire, lane)
-                      for s in pipeline.stages), return_exceptions=True)
+                    *(self._open(s, entry, params, max_len, wire, lane,
+                                 fork=(source[0].stages[k].ref, source[1]) if source else None)
+                      for k, s in enumerate(pipeline.stages)), return_exceptions=True)
             except BaseException:  # cancelled while opening: the lane was never used
                 self.lanes.drop(lane)
                 raise
             stages = [o for o in opened if isinstance(o, StageSession)]
             if len(stages) == len(opened):
-                return CallState(pipeline, stages, gen, params, max_len, wire, formats,
+                call = CallState(pipeline, stages, gen, params, max_len, wire, formats,
                                  lossless=lossless_of(entry), lane=lane)
+                call.prefix = call.held = self._take_prefix(call, source)
+                self._live[id(call)] = call
+                return call
             self.lanes.drop(lane)
             for st in stages:
                 with contextlib.suppress(Exception):
@@ -410,14 +486,58 @@ class PipelineOrchestrator:
         raise ShardUnavailable(f"could not open sessions in {_OPEN_ATTEMPTS} attempts: "
                                + "; ".join(reasons[-3:]))
 
+    async def _prefix_source(self, stages: list[PipelineStage], gen: Generation,
+                             params: DistributedChatParams, plan: WirePlan
+                             ) -> tuple[CallState, int] | None:
+        """The running call a new call through `stages` takes its prompt's first positions
+        from, and how many (`prefix_source`): one still sending its prompt is waited for
+        (up to the call's `timeout_s`). None where prefix sharing is off or no call fits."""
+        if not self.prefix_sharing or not self._live:
+            return None
+        route = [(s.shard.shard_id, s.start, s.end, plan.for_stage(s.start, s.end))
+                 for s in stages]
+        found = prefix_source(self._live.values(), route, gen.prompt_ids)
+        if found is None or found[0].held >= found[1]:
+            return found
+        src = found[0]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(src.prefix_ready.wait(), params.timeout_s)
+        # it may have ended, failed over, or hold fewer positions (its shared part)
+        n = min(found[1], src.held)
+        if id(src) not in self._live or src.route != route or n < PREFIX_MIN_TOKENS:
+            return None
+        return src, n
+
+    def _take_prefix(self, call: CallState, source: tuple[CallState, int] | None) -> int:
+        """How many first prompt positions every stage of `call` copied from `source` (the
+        fewest any stage's ACCEPT states; 0 without a source). Each stage's record of
+        inputs starts with the source's for those positions, so a failover replays them
+        into a replacement as if this call had sent them."""
+        if source is None:
+            return 0
+        src, _ = source
+        n = min(int(st.channel.accepted.get("forked") or 0) for st in call.stages)
+        if n <= 0 or id(src) not in self._live or src.route != call.route:
+            return 0
+        taken = [inputs_before(s.history, n) for s in src.stages]
+        if any(sum(int(h.shape[1]) for h in hs) < n for hs in taken):
+            return 0  # the source's record is shorter: send every position (a redo)
+        for st, hs in zip(call.stages, taken, strict=True):
+            st.history = hs
+        return n
+
     async def _open(self, stage: PipelineStage, entry: ModelEntry,
-                    params: DistributedChatParams, max_len: int, plan: WirePlan, lane: int = 0
-                    ) -> StageSession:
+                    params: DistributedChatParams, max_len: int, plan: WirePlan, lane: int = 0,
+                    fork: tuple[str, int] | None = None) -> StageSession:
         wire = plan.for_stage(stage.start, stage.end)
-        p = self.sign_open({
+        ref = secrets.token_hex(8)
+        open_params: dict[str, Any] = {
             "shard_id": stage.shard.shard_id, "model_id": entry.model_id,
             "weights_sha256": entry.weights_sha256, "start": stage.start, "end": stage.end,
-            "max_length": max_len, "wire_dtype": wire, "lane": lane})
+            "max_length": max_len, "wire_dtype": wire, "lane": lane, "ref": ref}
+        if fork is not None:
+            open_params["fork"] = {"ref": fork[0], "positions": fork[1]}
+        p = self.sign_open(open_params)
         uri = stage.shard.endpoint.rstrip("/") + SHARD_PATH
         try:
             ch = await self.connect(uri, p, params.timeout_s)
@@ -436,7 +556,7 @@ class PipelineOrchestrator:
             raise
         return StageSession(stage, ch, wire, self.metrics.shard_latency_ms.labels(sid),
                             self.metrics.hop_overhead_ms.labels(sid), weights_format=fmt,
-                            kernel=kernel)
+                            kernel=kernel, ref=ref)
 
     def _check_accept(self, stage: PipelineStage, entry: ModelEntry,
                       params: DistributedChatParams, accepted: dict[str, Any]
@@ -582,7 +702,8 @@ class PipelineOrchestrator:
                                    "failover_ms": [round(x, 1) for x in call.failover_ms],
                                    "per_shard": per_shard},
                           failovers=len(call.failover_ms),
-                          speculative=call.speculator.stats if call.speculator else None)
+                          speculative=call.speculator.stats if call.speculator else None,
+                          cached_prompt_tokens=call.prefix)
 
     def _own_format(self, call: CallState) -> str:
         # a head's format follows from its weights' dtype alone: any head of them says it
@@ -591,6 +712,9 @@ class PipelineOrchestrator:
                     self.local_weights)
 
     async def _close(self, call: CallState) -> None:
+        self._live.pop(id(call), None)
+        call.prefix_ready.set()  # a call waiting to copy its prompt goes on without it
+        call.release_sources()
         self.router.release(call.pipeline)
         self.lanes.give(call)
         for st in call.stages:

@@ -74,6 +74,16 @@ from hearthnet.transport.websocket import PROGRESS_EVERY_S
 
 log = get_logger("shard")
 FAIR_SHARE_WINDOW_S = 300.0  # another member's open in this window makes shares fair
+MAX_REF_CHARS = 64  # a session's `ref`: the caller's opaque name for it
+
+
+def _ref(value: Any, what: str) -> str | None:
+    """A validated session ref (a short str) or None; `BadRequest` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_REF_CHARS:
+        raise BadRequest(f"{what} must be a string of 1..{MAX_REF_CHARS} characters")
+    return value
 
 
 @dataclass(frozen=True)
@@ -121,11 +131,29 @@ class OpenRequest:
     wire_dtype: str
     caller: str
     lane: int = 0  # the caller's micro-batch lane (`ShardServer.lane_batcher`)
+    ref: str | None = None  # the caller's name for the session (a later open's `fork`)
+    fork: tuple[str, int] | None = None  # (another session's ref, positions to take)
 
     @property
     def wire(self) -> torch.dtype:
         """The torch dtype of `wire_dtype` (validated by `validate_open`)."""
         return WireDtype.from_name(self.wire_dtype).torch_dtype
+
+
+def _fork_of(value: Any, max_len: int) -> tuple[str, int] | None:
+    """An open's validated ``fork`` — {ref: another session's ref, positions: how many of
+    its first positions to take} — as (ref, positions), or None; `BadRequest` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"ref", "positions"}:
+        raise BadRequest("fork must be a map of ref and positions")
+    ref, at = _ref(value["ref"], "fork.ref"), value["positions"]
+    if ref is None:
+        raise BadRequest(f"fork.ref must be a string of 1..{MAX_REF_CHARS} characters")
+    if not isinstance(at, int) or isinstance(at, bool) or not 1 <= at < max_len:
+        raise BadRequest(f"fork.positions must be an integer in 1..{max_len - 1} (below "
+                         f"max_length)")
+    return ref, at
 
 
 class ShardServer:
@@ -160,6 +188,8 @@ class ShardServer:
         self.last_used = clock()
         self._latencies = LatencyWindow(256)
         self._streams: dict[ShardStream, str] = {}  # open session streams -> their caller
+        # open sessions by (caller, ref): what a later open of the same caller may fork
+        self._by_ref: dict[tuple[str, str], LayerSession] = {}
         self._callers_seen: dict[str, float] = {}  # member -> its last open (fair shares)
         self._good_stats = entry.manifest_stats()  # weights files as last verified
         self._lane_active: Counter[int] = Counter()  # open sessions per lane
@@ -350,6 +380,8 @@ class ShardServer:
         lane = params.get("lane", 0)
         if not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < MAX_LANES:
             raise BadRequest(f"lane must be an integer in 0..{MAX_LANES - 1}")
+        ref = _ref(params.get("ref"), "ref")
+        fork = _fork_of(params.get("fork"), max_len)
         self._callers_seen[caller] = self.clock()
         if self.active >= self.settings.max_concurrent_streams:
             raise ShardUnavailable(f"shard {self.shard_id} is at max_concurrent_streams "
@@ -361,7 +393,8 @@ class ShardServer:
                                    f"({share} of {self.settings.max_concurrent_streams} "
                                    f"streams) while other members use it; pick another or "
                                    f"wait", busy=True)
-        return OpenRequest(self.shard_id, start, end, max_len, str(wire), caller, lane)
+        return OpenRequest(self.shard_id, start, end, max_len, str(wire), caller, lane, ref,
+                           fork)
 
     async def serve_session(self, stream: ShardStream, req: OpenRequest) -> None:
         """Run one accepted-to-be session on `stream` until the caller closes it."""
@@ -375,6 +408,9 @@ class ShardServer:
             stack = await self._ensure_loaded()
             session = stack.open_session(req.start, req.end, req.max_length)  # budget: M26 §5.6
             stream.limit_tensor_bytes(self.session_tensor_bytes(req))
+            forked = self._fork(session, req)
+            if req.ref is not None:
+                self._by_ref.setdefault((req.caller, req.ref), session)
             # what this session really runs on (M26 §5.9): the orchestrator checks it
             # against the call, not the advertisement it picked us by
             await stream.accept({"shard_id": self.shard_id, "hidden_size": stack.hidden_size,
@@ -383,7 +419,7 @@ class ShardServer:
                                  "weights_format": self.weights_format,
                                  "kernel": self.descriptor.kernel,
                                  "compute_dtype": str(stack.dtype).removeprefix("torch."),
-                                 "device": self.device.type})
+                                 "device": self.device.type, "forked": forked})
             self.metrics.shard_sessions_total.labels(self.shard_id, "accepted", req.caller).inc()
             await self._step_loop(stream, session, req.wire, batcher)
         except (ConnectionLost, StreamStalled) as e:
@@ -392,6 +428,8 @@ class ShardServer:
         except StepFailed as e:  # the caller gets the typed step error; the session ends
             await stream.refuse(e, step=e.details.get("step"))
         finally:
+            if req.ref is not None and self._by_ref.get((req.caller, req.ref)) is session:
+                del self._by_ref[(req.caller, req.ref)]
             if session is not None:
                 session.close()  # frees the KV cache also when the caller vanished
             self._streams.pop(stream, None)
@@ -400,6 +438,22 @@ class ShardServer:
             batcher.expected_changed()  # a round waiting for this session goes on
             self.last_used = self.clock()
             self._gauge()
+
+    def _fork(self, session: LayerSession, req: OpenRequest) -> int:
+        """A new session's first positions taken from another open session of the same
+        caller (`fork`: its ref and how many positions), where that one is here, on the
+        same sub-range, and holds them; how many were taken (0: the caller sends them all).
+        Only the caller's own sessions: another member's cached prompt is never reachable
+        (its timing would tell what that prompt began with). The copy runs here, on the
+        loop, while no step of the source can be rewriting those positions: a source only
+        rewrites positions it is sent again, and its caller sends the prefix once."""
+        if req.fork is None:
+            return 0
+        ref, positions = req.fork
+        source = self._by_ref.get((req.caller, ref))
+        if source is None:
+            return 0
+        return session.copy_prefix(source, positions)
 
     async def _step_loop(self, stream: ShardStream, session: LayerSession,
                          wire: torch.dtype,

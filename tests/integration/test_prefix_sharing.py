@@ -1,0 +1,180 @@
+"""Shared prompt prefixes: a chat whose prompt begins as another running chat's copies those
+positions' keys and values on every stage instead of computing them (DESIGN.md decision 12).
+Over the in-process transport, real SmolLM2 layers: answers stay the local engine's."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.orchestrator.pipeline import PipelineOrchestrator
+from hearthnet.distributed_inference.orchestrator.request import ChatRequest, DistributedChatParams
+from hearthnet.observability import Metrics
+from tests.helpers.inprocess import InProcessMesh
+
+NOTE = ("Here is the note my neighbour left on the kitchen table this morning: the blue "
+        "bicycle in the shed needs a new chain, the cat has been fed twice already, and the "
+        "plumber comes on Thursday at ten to look at the leaking tap upstairs. ")
+QUESTIONS = [NOTE + "When does the plumber come?", NOTE + "What does the bicycle need?"]
+TOKENS = 12
+
+
+def _mesh(smollm2) -> InProcessMesh:
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    mesh.add("node-c", 15, 29)
+    return mesh
+
+
+def _orch(mesh: InProcessMesh, model_store, **kw) -> tuple[PipelineOrchestrator, Metrics]:
+    m = Metrics()
+    return PipelineOrchestrator(models=model_store, router=mesh.router(), health=mesh.health,
+                                metrics=m, connect=mesh.connect,
+                                executor=ThreadPoolExecutor(1), **kw), m
+
+
+async def _run(orch: PipelineOrchestrator, question: str) -> list[dict]:
+    params = DistributedChatParams(sampling=SamplingParams(max_tokens=TOKENS),
+                                   wire_dtype="fp32", speculate="off")
+    request = ChatRequest("smollm2", [{"role": "user", "content": question}])
+    return [f.to_wire() async for f in orch.chat(request, params)]
+
+
+def _tokens(frames: list[dict]) -> list[int]:
+    return [f["token_id"] for f in frames if f["type"] == "token_delta"]
+
+
+def _recording(mesh: InProcessMesh) -> list[dict]:
+    opens: list[dict] = []
+    connect = mesh.connect
+
+    async def recording(uri, params, deadline_s):
+        opens.append(dict(params))
+        return await connect(uri, params, deadline_s)
+
+    mesh.connect = recording  # type: ignore[method-assign]
+    return opens
+
+
+async def test_chats_that_start_together_compute_their_shared_prompt_once(
+        smollm2, model_store, local_answer):
+    """Two chats about one note, started at once: the second opens its stages after the
+    first has sent the shared positions and copies them from it on both shards, its `done`
+    says how many (and `/metrics`), and both answers equal the local engine's."""
+    mesh = _mesh(smollm2)
+    opens = _recording(mesh)
+    first_stage = next(h for h in mesh.hosts.values() if h.node_id == "node-b")
+    first_stage.trace = []
+    orch, m = _orch(mesh, model_store)
+    answers = await asyncio.gather(*(_run(orch, q) for q in QUESTIONS))
+    for q, frames in zip(QUESTIONS, answers, strict=True):
+        assert frames[-1]["type"] == "done", frames[-1]
+        assert _tokens(frames) == local_answer(q, TOKENS), q
+    cached = [f[-1]["usage"].get("cached_prompt_tokens", 0) for f in answers]
+    first, second = sorted(cached)
+    assert first == 0 and second >= 40, cached  # the template's preamble and the note
+    prompt = answers[cached.index(second)][-1]["usage"]["prompt_tokens"]
+    assert second < prompt
+    assert m.prefix_reused_tokens_total._value.get() == second
+    forks = [o["fork"] for o in opens if "fork" in o]
+    assert len(forks) == 2 and {f["positions"] for f in forks} == {second}
+    refs = {o["ref"] for o in opens}
+    assert len(refs) == 4 and {f["ref"] for f in forks} <= refs  # the first call's sessions
+    # the first call sent the shared positions as a step of their own, then the rest of
+    # its prompt: both calls' next steps start where the copy ends
+    assert first_stage.trace[0] == ("node-b", 0)
+    assert first_stage.trace.count(("node-b", second)) == 2, first_stage.trace
+    assert not orch._live and not orch._constructing
+    assert all(not h.by_ref for h in mesh.hosts.values())  # every session closed
+
+
+async def test_a_forked_call_fails_over_with_the_copied_positions_replayed(
+        smollm2, model_store, local_answer):
+    """The last stage of a call that copied its prompt's first positions dies mid-answer:
+    the replacement is replayed the copied positions too (the call's record starts with
+    the source's inputs), and the answer stays the local engine's."""
+    from hearthnet.errors import ConnectionLost
+
+    mesh = _mesh(smollm2)
+    connect = mesh.connect
+
+    async def dying_fork(uri, params, deadline_s):
+        ch = await connect(uri, params, deadline_s)
+        if "fork" in params and params["start"] == 15:  # the forked call's last stage
+            # a spare overlapping C, there from now on (before, the router would spread
+            # the two calls over C and it)
+            mesh.add("node-d", 10, 29)
+            step, steps = ch.step, 0
+
+            async def failing(*a, **kw):
+                nonlocal steps
+                steps += 1
+                if steps == 3:
+                    raise ConnectionLost(f"{ch.host.node_id} went away")
+                return await step(*a, **kw)
+
+            ch.step = failing  # type: ignore[method-assign]
+        return ch
+
+    mesh.connect = dying_fork  # type: ignore[method-assign]
+    orch, m = _orch(mesh, model_store)
+    first = asyncio.create_task(_run(orch, QUESTIONS[0]))
+    while not orch._live or not next(iter(orch._live.values())).prefix_ready.is_set():
+        await asyncio.sleep(0)
+    second = await _run(orch, QUESTIONS[1])
+    assert _tokens(await first) == local_answer(QUESTIONS[0], TOKENS)
+    assert second[-1]["type"] == "done", second[-1]
+    assert second[-1]["usage"].get("cached_prompt_tokens", 0) >= 40
+    assert m.failovers_total._value.get() == 1
+    assert _tokens(second) == local_answer(QUESTIONS[1], TOKENS)
+
+
+async def test_prefix_sharing_off_and_prompts_sharing_only_the_preamble(
+        smollm2, model_store, local_answer):
+    """`prefix_sharing = false`: no fork is asked for. On, prompts that share only the chat
+    template's preamble copy no more than that preamble."""
+    from hearthnet.distributed_inference.orchestrator.calls import shared_prefix
+
+    for sharing, questions in ((False, QUESTIONS), (True, ["Name three colours.",
+                                                           "What is the capital of France?"])):
+        mesh = _mesh(smollm2)
+        opens = _recording(mesh)
+        orch, _ = _orch(mesh, model_store, prefix_sharing=sharing)
+        answers = await asyncio.gather(*(_run(orch, q) for q in questions))
+        head = (await orch._head(smollm2)).head
+        preamble = shared_prefix(*(head.chat_prompt_ids([{"role": "user", "content": q}])
+                                   for q in questions))
+        for q, frames in zip(questions, answers, strict=True):
+            assert _tokens(frames) == local_answer(q, TOKENS), q
+            assert frames[-1]["usage"].get("cached_prompt_tokens", 0) <= preamble
+        if sharing:
+            assert 0 < preamble < 40
+        else:
+            assert not any("fork" in o for o in opens)
+            assert all("cached_prompt_tokens" not in f[-1]["usage"] for f in answers)
+
+
+def test_a_session_copies_another_sessions_first_positions(smollm2):
+    """`copy_prefix`: the positions a session takes from another of the same stack and
+    sub-range make its next step's output the one a full prefill gives; a session of
+    another sub-range, or one holding positions already, takes none."""
+    from hearthnet.distributed_inference.engine.layers import LayeredStack
+
+    stack = LayeredStack(smollm2, 0, 3, "fp32")
+    x = torch.randn(1, 24, stack.hidden_size, generator=torch.Generator().manual_seed(0))
+    whole = stack.open_session(0, 3, 64)
+    want = whole.forward(x, 0)
+    fork = stack.open_session(0, 3, 64)
+    assert fork.copy_prefix(whole, 16) == 16 and fork.length == 16
+    got = fork.forward(x[:, 16:], 16)
+    torch.testing.assert_close(got, want[:, 16:], rtol=1e-4, atol=1e-4)
+    other = stack.open_session(0, 2, 64)
+    assert other.copy_prefix(whole, 16) == 0
+    assert fork.copy_prefix(whole, 8) == 0  # holds positions already
+    short = stack.open_session(0, 3, 64)
+    assert short.copy_prefix(whole, 100) == 24  # no more than the source holds
+    for s in (whole, fork, other, short):
+        s.close()

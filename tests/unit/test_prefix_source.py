@@ -1,0 +1,90 @@
+"""Which running call a new call copies its prompt's first positions from (`prefix_source`)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from hearthnet.distributed_inference.orchestrator.calls import (
+    PREFIX_MIN_TOKENS,
+    inputs_before,
+    prefix_source,
+    shared_prefix,
+    worth_waiting_for,
+)
+
+ROUTE = [("shard-b", 0, 14, "fp16"), ("shard-c", 15, 29, "fp16")]
+
+
+def _call(ids: list[int], held: bool | int = True, route: list[Any] = ROUTE) -> Any:
+    """A running call: `held` True holds its whole prompt, False none yet (still sending
+    it), an int that many positions (its shared part, sent first)."""
+    event = asyncio.Event()
+    if held is not False:
+        event.set()
+    n = len(ids) if held is True else int(held)
+    return SimpleNamespace(route=route, gen=SimpleNamespace(prompt_ids=ids), held=n,
+                           prefix_ready=event)
+
+
+def test_shared_prefix():
+    assert shared_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert shared_prefix([], [1]) == 0
+    assert shared_prefix([1, 2], [1, 2]) == 2
+
+
+def test_the_longest_shared_prefix_through_the_same_route_wins():
+    ids = list(range(100))
+    near = _call(list(range(60)) + [-1] * 40)
+    nearer = _call([*range(80), -1])
+    elsewhere = _call(list(range(100)), route=[("shard-d", 0, 29, "fp16")])
+    other_wire = _call(list(range(100)), route=[(*ROUTE[0][:3], "fp32"), ROUTE[1]])
+    assert prefix_source([near, nearer, elsewhere, other_wire], ROUTE, ids) == (nearer, 80)
+
+
+def test_the_last_prompt_token_is_always_computed():
+    ids = list(range(40))
+    same = _call(list(ids))
+    assert prefix_source([same], ROUTE, ids) == (same, 39)
+
+
+def test_too_short_a_shared_prefix_is_not_copied():
+    ids = list(range(50))
+    assert prefix_source([_call([*range(PREFIX_MIN_TOKENS - 1), -1])], ROUTE, ids) is None
+    assert prefix_source([], ROUTE, ids) is None
+
+
+def test_a_call_still_sending_its_prompt_is_waited_for_only_when_worth_it():
+    ids = list(range(40))
+    # shares 30 of 40 and is no longer than twice: worth waiting for, beats a held shorter one
+    busy = _call(list(range(30)) + [-1] * 10, held=False)
+    held = _call([*range(20), -1])
+    assert prefix_source([busy, held], ROUTE, ids) == (busy, 30)
+    # shares 18 of 40 (under half): the held call's 20 instead
+    shy = _call([*range(18), -1], held=False)
+    assert prefix_source([shy, held], ROUTE, ids) == (held, 20)
+    # a long prompt still computing: not worth waiting for a preamble of it
+    long = _call(list(range(30)) + [-1] * 100, held=False)
+    assert prefix_source([long], ROUTE, ids) is None
+    assert not worth_waiting_for(long.gen.prompt_ids, ids)
+    assert worth_waiting_for(busy.gen.prompt_ids, ids)
+
+
+def test_a_call_that_sent_its_shared_part_gives_what_it_holds():
+    ids = list(range(40))
+    # sent its first 24 positions as a step of their own (others wait for them): 24 now,
+    # not worth waiting for the rest
+    first = _call(list(range(35)) + [-1] * 5, held=24)
+    assert prefix_source([first], ROUTE, ids) == (first, 24)
+    assert prefix_source([_call(list(range(35)), held=10)], ROUTE, ids) is None
+
+
+def test_inputs_before_cuts_the_record_at_a_position():
+    import torch
+
+    hist = [torch.zeros(1, 5, 2), torch.ones(1, 3, 2), torch.full((1, 4, 2), 2.0)]
+    cut = inputs_before(hist, 7)
+    assert [h.shape[1] for h in cut] == [5, 2]
+    assert inputs_before(hist, 0) == []
+    assert sum(h.shape[1] for h in inputs_before(hist, 100)) == 12
