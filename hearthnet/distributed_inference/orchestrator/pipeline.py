@@ -96,6 +96,7 @@ class _Opening:
     the shared lengths of the calls waiting to copy its prompt's first positions, and the
     call once constructed."""
 
+    weights: str  # the model's weights_sha256: only the same model's prompts are shared
     ids: list[int]
     done: asyncio.Event = field(default_factory=asyncio.Event)
     shares: list[int] = field(default_factory=list)
@@ -383,19 +384,20 @@ class PipelineOrchestrator:
         through together, before any of them decodes."""
         if not self.prefix_sharing:
             return await self._construct_now(entry, gen, params, wire)
-        ids = gen.prompt_ids
+        ids, weights = gen.prompt_ids, entry.weights_sha256
         # one call to wait for, the first being constructed that is worth it — none where
         # a running call is (`_prefix_source` finds it): a call counted as another's fork
         # holds back the rest of that one's prompt (`CallState.forks`), so it counts at one
-        source = None if any(worth_waiting_for(c.gen.prompt_ids, ids)
+        source = None if any(c.pipeline.weights_sha256 == weights
+                             and worth_waiting_for(c.gen.prompt_ids, ids)
                              for c in self._live.values()) \
             else next((o for o in self._constructing.values()
-                       if worth_waiting_for(o.ids, ids)), None)
+                       if o.weights == weights and worth_waiting_for(o.ids, ids)), None)
         if source is not None:
             source.shares.append(min(shared_prefix(source.ids, ids), len(ids) - 1))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(source.done.wait(), params.timeout_s)
-        mine = _Opening(ids)
+        mine = _Opening(weights, ids)
         self._constructing[id(mine)] = mine
         waited = [source.call] if source is not None and source.call is not None else []
         try:

@@ -3,7 +3,9 @@
 A session is one WebSocket stream (transport `ServerStream`): the caller OPENs it with the
 model, `weights_sha256`, a sub-range `[start, end]` inside the hosted range, a max length and
 a wire dtype; every STEP carries the new positions' hidden state and gets the sub-range's
-output back. Each session has its own KV cache (DESIGN.md decision 2).
+output back. Each session has its own KV cache (DESIGN.md decision 2); an OPEN may name
+another open session of the same caller (`fork`) whose first positions the new one copies
+instead of being sent them (a shared prompt prefix, DESIGN.md decision 12).
 
 Limits are checked before any work (DESIGN.md decision 5): a wrong hash is
 `weights_mismatch`, a range outside is `bad_request`, one open over
