@@ -24,6 +24,17 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+INTERRUPTIBLE = {"preexec_fn": _default_sigint}
+"""`subprocess.Popen` keywords for a command a test stops with Ctrl-C (`interrupt`): SIGINT
+at its default in the child, as in a terminal's foreground, whatever this process inherited —
+a suite started in the background by a non-interactive shell (`make test &`) ignores SIGINT,
+and a Python started with it ignored never turns it into KeyboardInterrupt."""
+
+
 def interrupt(p: subprocess.Popen[str], timeout: float = 120.0) -> tuple[str, str]:
     """SIGINT `p` (Ctrl-C) and return its (stdout, stderr); killed if it outlives
     `timeout`, so no test leaves it behind."""

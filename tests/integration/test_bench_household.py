@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hearthnet.bench import lan
 from tests.helpers.marks import IN_MAKE_BENCH
-from tests.helpers.processes import alive, interrupt, wait_all_gone
+from tests.helpers.processes import INTERRUPTIBLE, alive, interrupt, wait_all_gone
 from tests.helpers.waiting import wait_for
 
 
@@ -42,7 +42,7 @@ def _start(scratch: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "hearthnet.cli", "bench", "household",
                              "--nodes", "2", "--budget-fraction", "0.6", "--profile", "wifi",
                              "--import-on", "all", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, **INTERRUPTIBLE)
 
 
 def _assert_nothing_left(scratch: Path, pid: int) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hearthnet.bench.pipeline import split_layers
-from tests.helpers.processes import alive, interrupt, wait_all_gone
+from tests.helpers.processes import INTERRUPTIBLE, alive, interrupt, wait_all_gone
 
 CLI = [sys.executable, "-m", "hearthnet.cli"]
 
@@ -101,7 +101,8 @@ def test_demo_json_streams_through_the_mesh_and_stops_every_node(smollm2):
 
 def test_demo_ctrl_c_stops_every_node(smollm2):
     p = subprocess.Popen([*CLI, "demo", "--max-tokens", "400", "--json"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                         **INTERRUPTIBLE)
     try:
         assert p.stdout is not None
         mesh = json.loads(p.stdout.readline())

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers.processes import alive, interrupt, wait_all_gone
+from tests.helpers.processes import INTERRUPTIBLE, alive, interrupt, wait_all_gone
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ def test_demo_serve_keeps_the_mesh_until_ctrl_c(smollm2):
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     p = subprocess.Popen([sys.executable, "-m", "hearthnet.cli", "demo", "--serve",
                           "--api-port", "0", "--max-tokens", "8"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
+                         stderr=subprocess.PIPE, text=True, env=env, **INTERRUPTIBLE)
     try:
         assert p.stdout is not None
         lines: list[str] = []
