@@ -191,7 +191,9 @@ async def test_a_session_forks_the_first_positions_of_its_callers_session(shard,
     await source.step(1, 0, prompt)
     fork = await _open(server, uri, ref="f1", fork={"ref": "src", "positions": 6})
     assert fork.accepted["forked"] == 6
-    rest = [prompt[:, 6:], _x(2, 1)]
+    # steps of several positions (chunks): this fixture's rounds of single positions would
+    # wait out its long batch window for the source's step
+    rest = [prompt[:, 6:], _x(2, 2)]
     outs = [(await fork.step(1, 6, rest[0])).tensor, (await fork.step(2, 9, rest[1])).tensor]
     want = _solo(llama, [prompt[:, :6], *rest])[1:]
     for got, w in zip(outs, want, strict=True):
