@@ -380,8 +380,9 @@ class PipelineOrchestrator:
         once it has computed them (`_prefix_source`) instead of all computing them. The
         first sends those positions as a step of their own (`CallState.share_at`, the
         shortest shared length of the calls waiting for it), then the rest of its prompt
-        once they send theirs (`CallState.forks`), so every prompt's own positions go
-        through together, before any of them decodes."""
+        once they send theirs (`CallState.forks`), so the prompts' own positions are sent
+        together rather than the first decoding while the others' prompts take its
+        rounds."""
         if not self.prefix_sharing:
             return await self._construct_now(entry, gen, params, wire)
         ids, weights = gen.prompt_ids, entry.weights_sha256
