@@ -116,8 +116,8 @@ class DecodeLoop:
                 await asyncio.wait_for(call.forks_opened.wait(), FORKS_OPEN_WAIT_S)
             x, pos = x[:, call.share_at - pos:], call.share_at
         # the calls this one copied from send the rest of their prompts now too, when every
-        # call that copies from them is ready to: every prompt's own positions reach the
-        # stages together, in the same rounds, before any of them decodes
+        # call that copies from them is ready to: the prompts' own positions are sent
+        # together (a shard still starts a round with the first chunk that arrives)
         sources = call.sources
         call.release_sources()
         for src in sources:
