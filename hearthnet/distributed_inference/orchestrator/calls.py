@@ -189,12 +189,18 @@ class CallState:
         if self.forks <= 0:
             self.forks_opened.set()
 
-    def release_sources(self) -> None:
+    def release_sources(self) -> list[CallState]:
         """This call is about to send the rest of its prompt, or ended: the calls it waited
-        for send theirs (once)."""
+        for send theirs (once); those calls."""
         sources, self.sources = self.sources, []
         for src in sources:
             src.fork_done()
+        return sources
+
+    def hold(self, positions: int) -> None:
+        """Every stage holds the prompt's first `positions`: other calls may copy them."""
+        self.held = positions
+        self.prefix_ready.set()
 
     @property
     def route(self) -> list[tuple[str, int, int, str]]:

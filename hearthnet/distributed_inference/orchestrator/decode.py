@@ -109,27 +109,21 @@ class DecodeLoop:
                                        gen.prompt_ids[pos:], call.stages[0].channel.wire_dtype)
         if pos < call.share_at < len(gen.prompt_ids):  # others wait to copy these positions
             await self.relay_chunked(call, x[:, :call.share_at - pos], pos, checker)
-            call.held = call.share_at
-            call.prefix_ready.set()
+            call.hold(call.share_at)
             # the rest goes with theirs (bounded: a call that cannot open is not waited for)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(call.forks_opened.wait(), FORKS_OPEN_WAIT_S)
+            await _forks_opened(call)
             x, pos = x[:, call.share_at - pos:], call.share_at
         # the calls this one copied from send the rest of their prompts now too, when every
         # call that copies from them is ready to: the prompts' own positions are sent
         # together (a shard still starts a round with the first chunk that arrives)
-        sources = call.sources
-        call.release_sources()
-        for src in sources:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(src.forks_opened.wait(), FORKS_OPEN_WAIT_S)
+        for src in call.release_sources():
+            await _forks_opened(src)
         spec = call.speculator
         prompt = True
         while not gen.done:
             h = await self.relay_chunked(call, x, pos, checker)
             if prompt:  # every stage holds the prompt: others may copy it
-                call.held = len(gen.prompt_ids)
-                call.prefix_ready.set()
+                call.hold(len(gen.prompt_ids))
             for f in call.take_frames():
                 yield f
             # norm + lm_head (~7 ms for SmolLM2) run off the loop, batched with the other
@@ -273,6 +267,13 @@ class DecodeLoop:
         st.overhead.observe(overhead)
         self.health.observe_latency(st.shard_id, rtt)
         return res.tensor
+
+
+async def _forks_opened(call: CallState) -> None:
+    """Until every call that meant to copy `call`'s first positions sends the rest of its
+    prompt, at most `FORKS_OPEN_WAIT_S`."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(call.forks_opened.wait(), FORKS_OPEN_WAIT_S)
 
 
 def embed_for_wire(head: ClientHead, token_ids: list[int], wire: torch.dtype) -> torch.Tensor:

@@ -79,9 +79,10 @@ FAIR_SHARE_WINDOW_S = 300.0  # another member's open in this window makes shares
 MAX_REF_CHARS = 64  # a session's `ref`: the caller's opaque name for it
 
 
-def _ref(value: Any, what: str) -> str | None:
-    """A validated session ref (a short str) or None; `BadRequest` otherwise."""
-    if value is None:
+def _ref(value: Any, what: str, *, required: bool = False) -> str | None:
+    """A validated session ref (a short str) or None (absent, unless `required`);
+    `BadRequest` otherwise."""
+    if value is None and not required:
         return None
     if not isinstance(value, str) or not 1 <= len(value) <= MAX_REF_CHARS:
         raise BadRequest(f"{what} must be a string of 1..{MAX_REF_CHARS} characters")
@@ -149,9 +150,8 @@ def _fork_of(value: Any, max_len: int) -> tuple[str, int] | None:
         return None
     if not isinstance(value, dict) or set(value) != {"ref", "positions"}:
         raise BadRequest("fork must be a map of ref and positions")
-    ref, at = _ref(value["ref"], "fork.ref"), value["positions"]
-    if ref is None:
-        raise BadRequest(f"fork.ref must be a string of 1..{MAX_REF_CHARS} characters")
+    ref, at = _ref(value["ref"], "fork.ref", required=True), value["positions"]
+    assert ref is not None  # required
     if not isinstance(at, int) or isinstance(at, bool) or not 1 <= at < max_len:
         raise BadRequest(f"fork.positions must be an integer in 1..{max_len - 1} (below "
                          f"max_length)")
