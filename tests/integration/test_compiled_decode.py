@@ -12,6 +12,7 @@ from hearthnet.config import COMPILE_ENV
 from hearthnet.distributed_inference.engine import compiled as compiled_mod
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
+from hearthnet.distributed_inference.engine.quant import FusedLinear, Int4Linear
 from tests.helpers.marks import IN_MAKE_BENCH
 from tests.helpers.tiny_models import FAMILIES
 
@@ -100,13 +101,21 @@ def test_quantised_formats_compile_to_their_eager_tokens(weights, family_models,
     entry = family_models[1]["llama"]
     stack, state = _compiled_stack(entry, tmp_path, weights)
     if weights == "int8":
-        assert state == ("eager: int8's fused q|k|v and gate|up share one product per input "
-                         "through Python state, which torch.compile cannot trace")
+        assert state == ("eager: int8's integer GEMMs take weights packed by fbgemm (script "
+                         "objects), which torch.compile cannot trace")
         return
     assert state.startswith("compiled in "), state
     head = LayeredHead(entry)
-    toks, logits = _greedy(head, stack, PROMPT, DECODE)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        toks, logits = _greedy(head, stack, PROMPT, DECODE)
     assert stack.compiled.calls == DECODE
+    # siblings held as one matrix (gate|up here) run once per compiled step, not once per
+    # member: every int4 matrix the layers hold, once per position
+    held = {m for m in stack.layers.modules() if isinstance(m, Int4Linear)}
+    assert any(isinstance(m, FusedLinear) for m in stack.layers.modules())
+    products = sum(e.count for e in prof.key_averages()
+                   if e.key == "aten::_weight_int4pack_mm_for_cpu")
+    assert products == len(held) * (1 + DECODE)  # the eager prefill, then each step
     eager_toks, eager_logits = _greedy(head, LayeredStack(entry, 0, entry.num_layers - 1,
                                                           weights), PROMPT, DECODE)
     assert toks == eager_toks

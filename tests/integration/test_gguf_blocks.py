@@ -18,7 +18,7 @@ from hearthnet.distributed_inference.engine.blocks import GgmlBlocks, inexact_ze
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.engine.memory import layer_weight_bytes
-from hearthnet.distributed_inference.engine.quant import Int4Linear
+from hearthnet.distributed_inference.engine.quant import FusedLinear, FusedMember, Int4Linear
 from hearthnet.models import ModelStore
 from hearthnet.models.hashing import weights_sha256
 from hearthnet.models.importer import import_model, smollm2_gguf_path
@@ -79,7 +79,15 @@ def test_kept_blocks_held_as_int4_answer_as_the_fp32_dequantised_model(family, q
     tokens, logits, stack = _greedy(entry, "int4")
     mods = list(stack.layers.modules())
     assert not [m for m in mods if isinstance(m, torch.nn.Linear)]
-    assert sum(isinstance(m, Int4Linear) and m.group == 32 for m in mods) == 4 * 7
+    # each layer's 7 matrices held as int4 groups of 32, siblings that read one input
+    # (gate|up, and q|k|v where their packed rows join) as one matrix
+    fused = [m for m in mods if isinstance(m, FusedLinear)]
+    assert fused and all(isinstance(g.inner, Int4Linear) for g in fused)
+    joined = {id(g.inner) for g in fused}
+    slots = [m for m in mods if isinstance(m, FusedMember)
+             or (isinstance(m, Int4Linear) and id(m) not in joined)]
+    assert len(slots) == 4 * 7
+    assert all(m.group == 32 for m in mods if isinstance(m, Int4Linear))
     assert stack.param_bytes() == layer_weight_bytes(entry, 0, entry.num_layers - 1, "int4")
     ref_tokens, ref_logits, _ = _greedy(entry, "fp32")
     assert tokens == ref_tokens

@@ -261,7 +261,7 @@ def test_siblings_reading_one_input_run_as_one_fused_gemm(kernel, monkeypatch):
     with torch.device("meta"):
         held = _Attn()
     quant.load_module(held, iter(ref.state_dict().items()), "int8", "test")
-    assert isinstance(held.q_proj, quant.Int8Member) and held.q_proj.group is held.v_proj.group
+    assert isinstance(held.q_proj, quant.FusedMember) and held.q_proj.group is held.v_proj.group
     assert isinstance(held.o_proj, Int8Linear) and held.o_proj.packed
     group = held.q_proj.group
     assert "weight_int8" not in group.inner._buffers and group.splits == [64, 16, 16]
@@ -285,3 +285,46 @@ def test_siblings_reading_one_input_run_as_one_fused_gemm(kernel, monkeypatch):
         assert len(calls) == 4
         want = torch.nn.functional.linear(x, ref.q_proj.weight, ref.q_proj.bias)
         assert float((outs["q_proj"] - want).norm() / want.norm()) < 0.02
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, rows: tuple[int, int]) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(64, rows[0])
+        self.up_proj = torch.nn.Linear(64, rows[1], bias=False)
+
+
+@pytest.mark.parametrize("rows", [(128, 64), (64, 16)])
+def test_int4_siblings_are_held_as_one_matrix_where_their_packed_rows_join(rows, monkeypatch):
+    """gate/up in int4 are one packed matrix (one kernel call per input, each member's
+    output as its own linear gives it, nothing held twice) where torch's packing of their
+    rows joins (blocks of 64 rows on AVX-512: 16 rows do not), else two linears."""
+    torch.manual_seed(0)
+    ref = _Mlp(rows)
+    with torch.device("meta"):
+        held = _Mlp(rows)
+    quant.load_module(held, iter(ref.state_dict().items()), "int4", "test")
+    solo = {n: Int4Linear(getattr(ref, n).weight.detach(),
+                          None if getattr(ref, n).bias is None
+                          else getattr(ref, n).bias.detach()) for n in ("gate_proj", "up_proj")}
+    joins = quant._packs_join(rows)
+    if rows == (128, 64):
+        assert joins  # whole blocks in every layout torch packs (32 or 64 rows)
+    assert isinstance(held.gate_proj, quant.FusedMember) == joins
+    calls = []
+    real = torch._weight_int4pack_mm_for_cpu
+    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu",
+                        lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        outs = {n: getattr(held, n)(x) for n in ("up_proj", "gate_proj")}
+        assert len(calls) == (1 if joins else 2)
+        for n, y in outs.items():
+            assert torch.equal(y, solo[n](x)), n
+    if joins:
+        group = held.gate_proj.group
+        assert group.splits == list(rows) and getattr(group._last, "v", None) is None
+        groups = 64 // group.inner.group
+        packed = sum(r * 64 // 2 + groups * r * 2 * 2 for r in rows)  # nibbles, bf16 (s, z)
+        # and the fp32 bias of both (up's zeros: the members' biases are one vector)
+        assert quant.held_bytes(held) == packed + sum(rows) * 4

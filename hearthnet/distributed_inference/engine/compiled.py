@@ -297,8 +297,8 @@ class CompiledDecode:
         if s.additive_mask is not None:
             return "the family uses eager attention with an additive mask"
         if s.format == "int8":
-            return ("int8's fused q|k|v and gate|up share one product per input through "
-                    "Python state, which torch.compile cannot trace")
+            return ("int8's integer GEMMs take weights packed by fbgemm (script objects), "
+                    "which torch.compile cannot trace")
         if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
             return "no C++ compiler on this machine (torch.compile's CPU backend needs one)"
         return ""

@@ -76,7 +76,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 from typing import Any, TypeGuard
 
 import torch
@@ -713,12 +713,31 @@ def _int4_shape_check(n: int, k: int, gs: int) -> None:
                          f"output sizes by 16; this model has a {n}x{k} matrix — use int8")
 
 
+@cache
+def _packs_join(rows: tuple[int, ...]) -> bool:
+    """Whether torch's int4 packing of matrices of `rows` rows each, one after the
+    other, equals the packing of all their rows at once (`Int4Linear.joinable`)."""
+    g = torch.Generator().manual_seed(2)
+    qs = [torch.randint(0, 16, (n, 2 * GROUP), dtype=torch.int32, generator=g) for n in rows]
+    try:
+        parts = [torch._convert_weight_to_int4pack_for_cpu(q, 1) for q in qs]
+        whole = torch._convert_weight_to_int4pack_for_cpu(torch.cat(qs), 1)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.equal(torch.cat(parts), whole))
+
+
 class Int4Linear(nn.Module):
     """`nn.Linear` with int4 weights, asymmetric per group of inputs (`INT4_GROUPS`), or
     (`from_blocks`) a GGUF's Q4 blocks as they are."""
 
     weight_int4: torch.Tensor
     scales_and_zeros: torch.Tensor
+    in_features: int
+    out_features: int
+    group: int
+    dense: bool
+    bias: nn.Parameter | None
 
     @classmethod
     def from_blocks(cls, blocks: GgmlBlocks, bias: torch.Tensor | None,
@@ -751,6 +770,36 @@ class Int4Linear(nn.Module):
             sz[:, r:r + len(w), 0] = s.squeeze(-1).t()
             sz[:, r:r + len(w), 1] = (lo + 8 * s).squeeze(-1).t()  # zero point of q=8
         self._hold(q, sz.to(torch.bfloat16), gs, bias)
+
+    @staticmethod
+    def joinable(parts: list[Int4Linear]) -> bool:
+        """Whether `parts` can be held as one matrix (`joined`): the same inputs, groups
+        and scale dtype, and packed rows that join — torch packs rows in blocks (64 on
+        AVX-512, 32 on AVX2), so the parts' packed matrices, one after the other, must be
+        the packing of their rows one after the other (`_packs_join`)."""
+        first = parts[0]
+        return all(p.in_features == first.in_features and p.group == first.group
+                   and p.scales_and_zeros.dtype == first.scales_and_zeros.dtype
+                   for p in parts) and _packs_join(tuple(p.out_features for p in parts))
+
+    @classmethod
+    def joined(cls, parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
+        """`parts` (`joinable`) as one linear: their outputs one after the other. Each
+        part's buffers are let go as they are taken (the group held twice at most)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        first = parts[0]
+        self.in_features, self.group = first.in_features, first.group
+        self.out_features = sum(p.out_features for p in parts)
+        self.dense = self.out_features % DENSE_BLOCK == 0 and all(p.dense for p in parts)
+        self.register_buffer("weight_int4", torch.cat([p.weight_int4 for p in parts]))
+        self.register_buffer("scales_and_zeros",
+                             torch.cat([p.scales_and_zeros for p in parts], dim=1))
+        for p in parts:
+            del p._buffers["weight_int4"], p._buffers["scales_and_zeros"]
+        self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None \
+            else None
+        return self
 
     def _hold(self, q: torch.Tensor, sz: torch.Tensor, gs: int,
               bias: torch.Tensor | None) -> None:
@@ -791,47 +840,62 @@ FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings th
 _FUSED_NAMES = {n for names in FUSE for n in names}
 
 
-class Int8Fused(nn.Module):
-    """Sibling int8 linears that read the same input (`FUSE`), held as one packed matrix:
-    one activation split and one GEMM for all of them (its small members — k_proj and
-    v_proj are 256 rows in a 1.5B — no longer pay a call's fixed cost each).
+class FusedLinear(nn.Module):
+    """Sibling quantised linears that read the same input (`FUSE`), held as one matrix:
+    one activation split and one product for all of them. Their small members — k_proj
+    and v_proj are 192 rows in SmolLM2, 256 in a 1.5B — no longer pay a call's fixed cost
+    each: SmolLM2's decode step makes 4 int4 products a layer, not 7.
 
     The first member called with an input computes every member's output; the others
-    take theirs for the same input object (per thread), and the outputs are let go once
-    all are taken. A member called with another input, or twice, computes afresh.
+    take theirs for the same input object, and the outputs are let go once all are taken.
+    A member called with another input, or twice, computes afresh. Eagerly the outputs are
+    kept per thread (a shard's executor runs sessions in several). While torch.compile
+    traces, they are kept on the module instead: the trace resolves the members' reads
+    then (the compiled step computes the product once), and what is stored there at run
+    time is never read back.
     """
 
-    def __init__(self, parts: list[Int8Linear]) -> None:
+    def __init__(self, parts: list[Int8Linear] | list[Int4Linear]) -> None:
         super().__init__()
-        biases = [p.bias for p in parts]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(p.out_features) for b, p in
-             zip(biases, parts, strict=True)])
-        q = torch.cat([p.weight_int8 for p in parts])
-        for p in parts:
-            del p._buffers["weight_int8"]  # the load's transient: the group twice, not 3×
-        self.inner = Int8Linear(q, bias, scales=torch.cat([p.scales.float() for p in parts]))
-        del q
+        members: list[Int8Linear | Int4Linear] = list(parts)
+        bias = None if all(p.bias is None for p in members) else torch.cat(
+            [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in members])
+        self.inner: Int8Linear | Int4Linear
+        int8 = [p for p in parts if isinstance(p, Int8Linear)]
+        if not int8:
+            self.inner = Int4Linear.joined([p for p in parts if isinstance(p, Int4Linear)],
+                                           bias)
+        else:
+            q = torch.cat([p.weight_int8 for p in int8])
+            for p in int8:
+                del p._buffers["weight_int8"]  # the load's transient: the group twice, not 3×
+            self.inner = Int8Linear(q, bias,
+                                    scales=torch.cat([p.scales.float() for p in int8]))
+            del q
         self.splits = [p.out_features for p in parts]
         self._last = threading.local()
+        self._traced: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = None
 
     def output(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        last: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = getattr(
-            self._last, "v", None)
+        tracing = torch.compiler.is_compiling()
+        last: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = \
+            self._traced if tracing else getattr(self._last, "v", None)
         if last is None or last[0] is not x or i in last[2]:
             last = (x, self.inner(x).split(self.splits, dim=-1), set())
-            self._last.v = last
-        last[2].add(i)
-        if len(last[2]) == len(self.splits):
-            self._last.v = None
+        taken = last[2] | {i}
+        keep = None if len(taken) == len(self.splits) else (last[0], last[1], taken)
+        if tracing:
+            self._traced = keep
+        else:
+            self._last.v = keep
         y: torch.Tensor = last[1][i].contiguous()
         return y
 
 
-class Int8Member(nn.Module):
-    """One member of an `Int8Fused` group, in its linear's place."""
+class FusedMember(nn.Module):
+    """One member of a `FusedLinear` group, in its linear's place."""
 
-    def __init__(self, group: Int8Fused, index: int) -> None:
+    def __init__(self, group: FusedLinear, index: int) -> None:
         super().__init__()
         self.group, self.index = group, index
         self.in_features, self.out_features = group.inner.in_features, group.splits[index]
@@ -846,20 +910,36 @@ def _plain(m: object) -> TypeGuard[Int8Linear]:
         and (m.bias is None or not m.bias.is_meta)
 
 
-def pack_int8(module: nn.Module) -> None:
-    """Pack `module`'s plain int8 linears for oneDNN, `FUSE` siblings as one matrix."""
-    if int8_kernel_name() == "int8pack":
-        return
+def _whole_int4(m: object) -> TypeGuard[Int4Linear]:
+    """An int4 linear whose weights and bias are all loaded."""
+    return isinstance(m, Int4Linear) and "weight_int4" in m._buffers \
+        and (m.bias is None or not m.bias.is_meta)
+
+
+def fuse_siblings(module: nn.Module) -> None:
+    """Hold `module`'s `FUSE` siblings as one matrix each (`FusedLinear`) where they are
+    all plain int8 linears (packed here for the integer GEMM, as every other int8 linear)
+    or all int4 linears whose packed rows can be joined (`Int4Linear.joinable`)."""
+    int8 = int8_kernel_name() != "int8pack"
     for parent in list(module.modules()):
         for names in FUSE:
-            parts = [p for n in names if _plain(p := getattr(parent, n, None))]
-            if len(parts) == len(names) and len({p.in_features for p in parts}) == 1:
-                group = Int8Fused(parts)
-                for i, n in enumerate(names):
-                    setattr(parent, n, Int8Member(group, i))
-    for m in module.modules():
-        if isinstance(m, Int8Linear) and not m.packed:
-            m.pack(drop_rows=True)
+            members = [getattr(parent, n, None) for n in names]
+            p8 = [p for p in members if _plain(p)]
+            p4 = [p for p in members if _whole_int4(p)]
+            parts: list[Int8Linear] | list[Int4Linear] | None = None
+            if int8 and len(p8) == len(names):
+                parts = p8
+            elif len(p4) == len(names) and Int4Linear.joinable(p4):
+                parts = p4
+            if parts is None or len({p.in_features for p in parts}) != 1:
+                continue
+            group = FusedLinear(parts)
+            for i, n in enumerate(names):
+                setattr(parent, n, FusedMember(group, i))
+    if int8:
+        for m in module.modules():
+            if isinstance(m, Int8Linear) and not m.packed:
+                m.pack(drop_rows=True)
 
 
 _QUANT_LINEAR: dict[str, type[Int8Linear] | type[Int4Linear]] = {
@@ -907,7 +987,7 @@ def load_module(module: nn.Module,
         t = value.dequantise() if isinstance(value, GgmlBlocks) else value
         if quant is not None and lin is not None:
             # int8: packed at once, but `FUSE` siblings stay plain until the module is
-            # whole, then are packed as one matrix (`pack_int8`)
+            # whole, then are packed as one matrix (`fuse_siblings`)
             module.set_submodule(owner_name, Int8Linear(
                 t, bias, keep_rows=owner_name.rpartition(".")[2] in _FUSED_NAMES)
                 if quant is Int8Linear else quant(t, bias))
@@ -915,8 +995,8 @@ def load_module(module: nn.Module,
                 _meta_bias(module.get_submodule(owner_name), lin.bias)
             continue
         _assign(owner, attr, _place(t.to(dtype)), name, where)
-    if quant is Int8Linear:
-        pack_int8(module)
+    if quant is not None:
+        fuse_siblings(module)
 
 
 def _meta_bias(qmod: nn.Module, meta: torch.Tensor) -> None:
