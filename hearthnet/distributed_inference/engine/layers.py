@@ -198,7 +198,9 @@ class LayeredSession:
             out = self._graph()(h, start_pos)
         elif compiled is not None:  # a decode step, or a speculative pass's few rows
             positions = torch.arange(start_pos, start_pos + t, device=self.stack.device)
-            out = compiled(self, h, positions, start_pos + t)
+            # contiguous: the compiled step reads its inputs by the strides it was traced
+            # with and does not check them (`compiled._aot_compile`)
+            out = compiled(self, h.contiguous(), positions, start_pos + t)
         else:
             positions = torch.arange(start_pos, start_pos + t, device=self.stack.device)
             out = self.step(h, positions, start_pos + t, plain=t == 1 or start_pos == 0)
