@@ -63,7 +63,8 @@ if TYPE_CHECKING:
 
 log = get_logger("compiled")
 
-_ENGINE_FILES = ("layers.py", "kv_cache.py", "quant.py", "blocks.py", "compiled.py")
+_ENGINE_FILES = ("layers.py", "kv_cache.py", "quant.py", "blocks.py", "attention.py",
+                 "compiled.py")  # what a compiled step traces through
 _INDUCTOR_LOCK = threading.Lock()
 # the largest output difference from the eager step, relative to the output's largest
 # magnitude, that counts as the compute dtype's rounding (fp32: fusion reorders sums;
