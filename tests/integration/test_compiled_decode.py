@@ -5,6 +5,8 @@ eagerly and says why."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -32,6 +34,9 @@ EAGER = {"gemma2": "eager attention", "phi3": "rope's frequencies depend on the 
 @pytest.fixture(autouse=True)
 def compiling(monkeypatch):
     monkeypatch.setenv(COMPILE_ENV, "1")  # the suite turns compilation off
+    # inductor's Python wrapper: half the C++ one's compile time; the default (C++) is
+    # built by the quantised formats' test
+    monkeypatch.setenv(compiled_mod.WRAPPER_ENV, "python")
 
 
 def _compiled_stack(entry, tmp_path, weights="fp32"):
@@ -94,10 +99,17 @@ def _speculative_pass_compiled(entry, stack, family_reference):
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_quantised_formats_compile_to_their_eager_tokens(weights, family_models, tmp_path):
+def test_quantised_formats_compile_to_their_eager_tokens(weights, family_models, tmp_path,
+                                                        monkeypatch):
     """int4's linears (the GGUF-block and re-quantised kernel) trace into the compiled
-    step, which answers as the same format's eager layers do; int8 says why it stays
-    eager."""
+    step — built as shipped, with inductor's C++ wrapper, its kernels kept in the model
+    store's compiled dir though inductor already wrote its /tmp default into the
+    environment — which answers as the same format's eager layers do; int8 says why it
+    stays eager."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.delenv(compiled_mod.WRAPPER_ENV)
+    monkeypatch.setenv(compiled_mod.INDUCTOR_CACHE_ENV, default_cache_dir())
     entry = family_models[1]["llama"]
     stack, state = _compiled_stack(entry, tmp_path, weights)
     if weights == "int8":
@@ -105,6 +117,9 @@ def test_quantised_formats_compile_to_their_eager_tokens(weights, family_models,
                          "objects), which torch.compile cannot trace")
         return
     assert state.startswith("compiled in "), state
+    kernels = tmp_path / "compiled" / "inductor"
+    assert os.environ[compiled_mod.INDUCTOR_CACHE_ENV] == str(kernels)
+    assert any(kernels.rglob("*.so"))  # a reboot that empties /tmp keeps them
     head = LayeredHead(entry)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         toks, logits = _greedy(head, stack, PROMPT, DECODE)
@@ -162,6 +177,13 @@ def test_a_step_that_differs_from_eager_is_not_used(family_models, tmp_path, mon
     assert not list((tmp_path / "compiled").glob("decode-*.bin"))  # not kept for a restart
     _greedy(LayeredHead(entry), stack, PROMPT, DECODE)
     assert stack.compiled.calls == 0  # every step ran eagerly
+
+
+def test_a_bad_wrapper_setting_runs_eagerly_and_says_why(family_models, tmp_path,
+                                                        monkeypatch):
+    monkeypatch.setenv(compiled_mod.WRAPPER_ENV, "rust")
+    _, state = _compiled_stack(family_models[1]["llama"], tmp_path)
+    assert state == "eager: HEARTHNET_COMPILE_WRAPPER='rust': expected one of cpp, python"
 
 
 def test_turned_off(family_models, tmp_path, monkeypatch):
