@@ -132,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _decode_steps(mesh: Any, as_json: bool) -> None:
     """Wait for the shards' compiled decode steps (M26 §5.7): compiled once into the model
-    store by the first demo on a machine (about half a minute), loaded in seconds by every
+    store by the first demo on a machine (about a minute), loaded in seconds by every
     later one; say what each shard's steps run as."""
     states = mesh.decode_steps()
     if "compiling" in states.values():

@@ -785,7 +785,7 @@ class Int4Linear(nn.Module):
     @classmethod
     def joined(cls, parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
         """`parts` (`joinable`) as one linear: their outputs one after the other. Each
-        part's buffers are let go as they are taken (the group held twice at most)."""
+        part's buffers are let go once joined (the group held twice at most)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         first = parts[0]
