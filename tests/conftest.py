@@ -13,6 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # compiled decode steps (engine/compiled.py) take 30-70 s of both cores to build: off for
 # the suite (nodes it starts inherit this), on in the tests of compiled steps themselves
 os.environ.setdefault("HEARTHNET_COMPILE", "0")
+# inductor's kernels for the suite's compiled steps in one cache shared by its runs (as
+# inductor's /tmp default is): each test's store would otherwise build them all again
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      str(Path.home() / ".cache" / "hearthnet" / "test-suite-inductor"))
 
 
 @pytest.fixture(scope="session")
