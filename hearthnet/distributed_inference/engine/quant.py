@@ -788,27 +788,26 @@ class Int4Linear(nn.Module):
         part's buffers are let go once joined (the group held twice at most)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        first = parts[0]
-        self.in_features, self.group = first.in_features, first.group
-        self.out_features = sum(p.out_features for p in parts)
-        self.dense = self.out_features % DENSE_BLOCK == 0 and all(p.dense for p in parts)
-        self.register_buffer("weight_int4", torch.cat([p.weight_int4 for p in parts]))
-        self.register_buffer("scales_and_zeros",
-                             torch.cat([p.scales_and_zeros for p in parts], dim=1))
+        packed = torch.cat([p.weight_int4 for p in parts])
+        sz = torch.cat([p.scales_and_zeros for p in parts], dim=1)
         for p in parts:
             del p._buffers["weight_int4"], p._buffers["scales_and_zeros"]
-        self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None \
-            else None
+        self._keep(packed, sz, parts[0].group, parts[0].in_features, bias)
         return self
 
     def _hold(self, q: torch.Tensor, sz: torch.Tensor, gs: int,
               bias: torch.Tensor | None) -> None:
         """Pack int32 `q` (n, k) in 0..15 with `sz` (k / gs, n, 2) (scale, zero) for the
         kernel: weight ``(q − 8) · scale + zero``; activations are computed in sz's dtype."""
-        self.in_features, self.out_features, self.group = q.shape[1], q.shape[0], gs
+        self._keep(torch._convert_weight_to_int4pack_for_cpu(q, 1), sz, gs, q.shape[1], bias)
+
+    def _keep(self, packed: torch.Tensor, sz: torch.Tensor, gs: int, k: int,
+              bias: torch.Tensor | None) -> None:
+        """Hold `packed` rows (torch's int4 pack of n rows of `k` inputs) with `sz`."""
+        self.in_features, self.out_features, self.group = k, packed.shape[0], gs
         dense_setting()  # a bad HEARTHNET_INT4_DENSE_ROWS is refused at load, not mid-call
-        self.dense = q.shape[0] % DENSE_BLOCK == 0  # whole blocks: `dense_product` reads them
-        self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.dense = packed.shape[0] % DENSE_BLOCK == 0  # whole blocks: `dense_product`
+        self.register_buffer("weight_int4", packed)
         self.register_buffer("scales_and_zeros", sz)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None \
             else None
