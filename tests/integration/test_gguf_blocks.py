@@ -13,7 +13,6 @@ from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
 from hearthnet.commands.models import _list
 from hearthnet.distributed_inference.directory.formats import lossless_of
-from hearthnet.distributed_inference.engine import quant as quant_module
 from hearthnet.distributed_inference.engine.blocks import GgmlBlocks, inexact_zeros
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
@@ -22,6 +21,7 @@ from hearthnet.distributed_inference.engine.quant import FusedLinear, FusedMembe
 from hearthnet.models import ModelStore
 from hearthnet.models.hashing import weights_sha256
 from hearthnet.models.importer import import_model, smollm2_gguf_path
+from tests.helpers.kernels import use_int4_kernel
 from tests.helpers.tiny_gguf import GGUF_VOCAB, write_tiny_gguf
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -60,7 +60,7 @@ def test_kept_blocks_held_as_int4_answer_as_the_fp32_dequantised_model(family, q
     """In the exact kernel (`int4pack-fp32`); the fast one rounds to bf16 (below)."""
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(quant_module, "INT4_BLOCKS_DTYPE", torch.float32)
+    use_int4_kernel(monkeypatch, "int4pack-fp32")
     path = ggufs / f"tiny-{family}.gguf"
     entry = import_model(ModelStore(tmp_path / "store"), str(path), dtype="gguf")
     assert entry.ggml_types == {quant: 4 * 7 + 1}  # every layer matrix and the embeddings
@@ -99,7 +99,7 @@ def test_kept_blocks_held_as_int4_answer_as_the_fp32_dequantised_model(family, q
         expected = hf(torch.tensor([IDS])).logits[0, -1]
     assert (logits[0] - expected).abs().max() < 1e-4 * expected.abs().max()
 
-    monkeypatch.setattr(quant_module, "INT4_BLOCKS_DTYPE", torch.bfloat16)  # int4pack-bf16
+    use_int4_kernel(monkeypatch, "int4pack-bf16")  # int4pack-bf16
     _, fast, stack = _greedy(entry, "int4", n=1)
     assert {m.scales_and_zeros.dtype for m in stack.layers.modules()
             if isinstance(m, Int4Linear)} == {torch.bfloat16}
@@ -133,7 +133,7 @@ def test_bench_quality_gguf_scores_kept_blocks_against_transformers(ggufs, tmp_p
     everywhere, and the kernel is named."""
     from hearthnet.bench import quality
 
-    monkeypatch.setattr(quant_module, "INT4_BLOCKS_DTYPE", torch.float32)
+    use_int4_kernel(monkeypatch, "int4pack-fp32")
     args = argparse.Namespace(gguf=str(ggufs / "tiny-qwen2.gguf"), formats=["int4", "fp32"],
                               prompts=2, tokens=8, head="fp32", store=None, threads=2,
                               results_dir=str(tmp_path), model=["smollm2"])

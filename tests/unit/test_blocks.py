@@ -10,14 +10,16 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
-from hearthnet.distributed_inference.engine import quant
+from hearthnet.distributed_inference.engine import q4vnni, quant
 from hearthnet.distributed_inference.engine.blocks import (
     GgmlBlocks,
     inexact_zeros,
     int4_groups,
 )
 from hearthnet.distributed_inference.engine.quant import Int4Linear, held_nbytes
+from hearthnet.errors import ConfigError
 from hearthnet.models.hashing import hash_dtype
+from tests.helpers.kernels import use_int4_kernel
 
 N, K = 48, 512  # Q4_K needs inputs in super-blocks of 256; outputs a multiple of 16
 
@@ -60,7 +62,7 @@ def test_q4_blocks_map_onto_int4_groups_exactly(kind):
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 def test_a_linear_held_from_blocks_in_the_exact_kernel_computes_the_fp32_product(
         kind, monkeypatch):
-    monkeypatch.setattr(quant, "INT4_BLOCKS_DTYPE", torch.float32)  # int4pack-fp32
+    use_int4_kernel(monkeypatch, "int4pack-fp32")  # int4pack-fp32
     b = _blocks(kind)
     bias = torch.randn(N)
     lin = Int4Linear.from_blocks(b, bias)
@@ -85,7 +87,7 @@ def test_the_fast_bf16_kernel_rounds_scales_zeros_activations_and_outputs_only(
     and output rounds to bf16 (relative 2^-9): the product is within that of the fp32
     de-quantised one, element by element and (~3 significant digits) over the whole —
     a wrong scale or zero mapping (zero off by 8·scale, a 1 % scale) is far outside."""
-    monkeypatch.setattr(quant, "INT4_BLOCKS_DTYPE", torch.bfloat16)
+    use_int4_kernel(monkeypatch, "int4pack-bf16")
     b = _blocks(kind)
     lin = Int4Linear.from_blocks(b, None)
     assert lin.scales_and_zeros.dtype == torch.bfloat16
@@ -104,6 +106,82 @@ def test_the_fast_bf16_kernel_rounds_scales_zeros_activations_and_outputs_only(
     assert bool(((got.double() - exact).abs() <= bound).all())
     rel = float((got.double() - exact).norm() / exact.norm())
     assert 1e-4 < rel < 2.0 ** -7  # rounded (the bf16 path), but only that
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_the_vnni_kernel_keeps_the_blocks_own_scales_and_is_faithful(kind, monkeypatch):
+    """`int4-vnni`: the blocks' nibbles and their own scales (fp16 d, m for Q4_0/Q4_1 —
+    the file's bytes; fp32 d·sc, −dmin·m for Q4_K), activations as two int8 digits: a
+    product within ~1e-4 of the fp32 de-quantised one (the bf16 path: ~3e-3), every row's
+    result the same whatever the rows beside it, and the bias added."""
+    use_int4_kernel(monkeypatch, q4vnni.KERNEL)
+    b = _blocks(kind)
+    bias = torch.randn(N)
+    lin = Int4Linear.from_blocks(b, bias)
+    assert lin.vnni and lin.weight_int4.shape == (N // 16, K // 32, 256)
+    if kind != "Q4_K":
+        blocks = b.raw.reshape(N, K // 32, -1)
+        d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+        assert torch.equal(lin.scales_and_zeros, d.reshape(N // 16, 16, -1).transpose(1, 2))
+        assert (lin.offsets is None) == (kind == "Q4_0")
+        # as many bytes as the file's blocks: 18 (Q4_0) or 20 (Q4_1) per 32 weights
+        assert sum(t.numel() * t.element_size() for t in lin.buffers()) == b.raw.numel()
+    held = sum(t.numel() * t.element_size() for t in lin.buffers())
+    assert held == held_nbytes((N, K), "int4", True, kind)
+    torch.manual_seed(0)
+    x = torch.randn(46, K) * torch.logspace(-2, 1, K)  # groups of very different sizes
+    got = lin(x)
+    exact = x.double() @ _reference(b).double().t() + bias.double()
+    rel = float((got.double() - exact).norm() / exact.norm())
+    assert rel < 1e-4
+    bound = 2e-4 * (x.abs().double() @ _reference(b).abs().double().t()) + 1e-5
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    for rows in (slice(0, 1), slice(3, 8), slice(40, 46)):  # alone, in 4s and the rest
+        assert torch.equal(lin(x[rows]), got[rows])
+    assert lin(x[:0]).shape == (0, N)
+
+
+def test_vnni_siblings_join_into_one_matrix_with_the_same_outputs(monkeypatch):
+    """Q4_0 and Q4_1 matrices (scales of one dtype, offsets or none) join only with their
+    own kind; the joined product is each member's, bit for bit."""
+    use_int4_kernel(monkeypatch, q4vnni.KERNEL)
+    parts = [Int4Linear.from_blocks(_blocks(k), None) for k in ("Q4_1", "Q4_1")]
+    assert Int4Linear.joinable(parts)
+    assert not Int4Linear.joinable([parts[0], Int4Linear.from_blocks(_blocks("Q4_0"), None)])
+    assert not Int4Linear.joinable([parts[0], Int4Linear.from_blocks(_blocks("Q4_K"), None)])
+    x = torch.randn(3, K)
+    alone = [p(x) for p in parts]
+    joined = Int4Linear.joined(parts, None)
+    assert joined.out_features == 2 * N
+    assert torch.equal(joined(x), torch.cat(alone, dim=-1))
+
+
+def test_the_vnni_kernel_refuses_malformed_operands_with_a_clear_error(monkeypatch):
+    use_int4_kernel(monkeypatch, q4vnni.KERNEL)
+    lin = Int4Linear.from_blocks(_blocks("Q4_0"), None)
+    w, s = lin.weight_int4, lin.scales_and_zeros
+    bad = [((torch.randn(2, K).half(), w, s, None), "x must be contiguous fp32"),
+           ((torch.randn(2, K + 32), w, s, None), f"x has {K + 32} inputs"),
+           ((torch.randn(2, K), w.float(), s, None), "w must be contiguous uint8"),
+           ((torch.randn(2, K), w, s.float().double(), None), "s must be"),
+           ((torch.randn(2, K), w, s, s.float()), "o must be as s")]
+    for args, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            q4vnni.mm(*args)
+
+
+def test_the_vnni_kernel_needs_avx512_vnni_and_says_what_is_missing(monkeypatch):
+    zen1 = "processor : 0\nflags : fpu sse avx avx2 fma f16c\n"
+    assert q4vnni.missing_cpu_flags(zen1) == ["avx512f", "avx512bw", "avx512vl", "avx512dq",
+                                              "avx512_vnni"]
+    zen4 = "flags : avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16\n"
+    assert q4vnni.missing_cpu_flags(zen4) == []
+    # asked for by name where it is not available: a config error naming why
+    monkeypatch.setattr(q4vnni, "_state", {"reason": "int4-vnni unavailable: the CPU lacks "
+                                                     "avx512_vnni"})
+    with pytest.raises(ConfigError, match="the CPU lacks avx512_vnni"):
+        quant.int4_kernel(q4vnni.KERNEL)
+    assert quant.faster_int4(quant._int4_probe_ms()) != q4vnni.KERNEL  # never probed
 
 
 def test_gguf_block_tensors_are_hashed_with_their_type():

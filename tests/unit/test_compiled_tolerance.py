@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
-from hearthnet.distributed_inference.engine import compiled, quant
+from hearthnet.distributed_inference.engine import compiled
+from tests.helpers.kernels import use_int4_kernel
 
 
 def _stack(fmt: str, dtype: torch.dtype, blocks: bool = False) -> SimpleNamespace:
@@ -19,9 +20,9 @@ def test_int4_in_the_bf16_kernel_is_held_to_bf16s_rounding(monkeypatch):
     eager layers by bf16 roundings: it is held to bf16's tolerance, not fp32's."""
     bf16, fp32 = compiled.TOLERANCE[torch.bfloat16], compiled.TOLERANCE[torch.float32]
     assert compiled.tolerance(_stack("int4", torch.float32)) == bf16  # quantised at load
-    monkeypatch.setattr(quant, "INT4_BLOCKS_DTYPE", torch.bfloat16, raising=False)
+    use_int4_kernel(monkeypatch, "int4pack-bf16")
     assert compiled.tolerance(_stack("int4", torch.float32, blocks=True)) == bf16
-    monkeypatch.setattr(quant, "INT4_BLOCKS_DTYPE", torch.float32, raising=False)
+    use_int4_kernel(monkeypatch, "int4pack-fp32")
     assert compiled.tolerance(_stack("int4", torch.float32, blocks=True)) == fp32  # exact path
     assert compiled.tolerance(_stack("fp32", torch.float32)) == fp32
     assert compiled.tolerance(_stack("bf16", torch.bfloat16)) == bf16

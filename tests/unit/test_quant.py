@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hearthnet.distributed_inference.directory import formats
-from hearthnet.distributed_inference.engine import quant
+from hearthnet.distributed_inference.engine import q4vnni, quant
 from hearthnet.distributed_inference.engine.quant import Int4Linear, Int8Linear
 from hearthnet.errors import BadRequest, ConfigError
 
@@ -136,7 +136,8 @@ def test_int4_from_blocks_runs_in_the_kernel_path_a_probe_chose_and_names_it(mon
         assert torch.get_num_threads() == 3  # the probe leaves the process's count alone
     finally:
         torch.set_num_threads(threads)
-    assert set(ms) == set(quant.INT4_KERNELS) and min(ms.values()) > 0
+    vnni = {q4vnni.KERNEL} if q4vnni.available() else set()
+    assert set(ms) == {"int4pack-fp32", "int4pack-bf16"} | vnni and min(ms.values()) > 0
     assert quant.int4_kernel(probe=lambda: ms) == quant.faster_int4(ms)
     if probed:  # every process on one machine must choose alike (answers must agree)
         assert quant.faster_int4(ms) == quant.INT4_KERNEL
@@ -146,16 +147,21 @@ def test_int4_from_blocks_runs_in_the_kernel_path_a_probe_chose_and_names_it(mon
     for bf16 in (20.8, 13.7, 8.0):
         assert quant.faster_int4({"int4pack-fp32": 13.7, "int4pack-bf16": bf16}) == \
             "int4pack-fp32"
+    # the faster faithful path, unless bf16 is twice as fast as it (Zen 4, 1024 × 1024)
+    probed_zen4 = {"int4pack-fp32": 1.76, "int4pack-bf16": 0.057, q4vnni.KERNEL: 0.020}
+    assert quant.faster_int4(probed_zen4) == q4vnni.KERNEL
+    assert quant.faster_int4({**probed_zen4, q4vnni.KERNEL: 0.2}) == "int4pack-bf16"
+    assert quant.faster_int4({**probed_zen4, q4vnni.KERNEL: 2.0}) == "int4pack-bf16"
+    assert quant.faster_int4({**probed_zen4, "int4pack-bf16": 1.0}) == q4vnni.KERNEL
 
     def broken() -> dict[str, float]:
         raise RuntimeError("no bf16 int4pack kernel in this build")
 
     assert quant.int4_kernel("auto", probe=broken) == "int4pack-fp32"
-    # kernel_of follows the dtype the blocks are held in
-    monkeypatch.setattr(quant, "INT4_BLOCKS_DTYPE", torch.float32)
-    assert quant.kernel_of("int4", blocks=True) == "int4pack-fp32"
-    monkeypatch.setattr(quant, "INT4_BLOCKS_DTYPE", torch.bfloat16)
-    assert quant.kernel_of("int4", blocks=True) == "int4pack-bf16"
+    # kernel_of names the path chosen
+    for name in quant.INT4_KERNELS:
+        monkeypatch.setattr(quant, "INT4_KERNEL", name)
+        assert quant.kernel_of("int4", blocks=True) == name
 
 
 def test_the_int4_kernel_can_be_chosen_by_environment_and_a_bad_name_is_refused(monkeypatch):

@@ -105,6 +105,33 @@ def int4_groups(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...]
     raise ValueError(f"{ggml_type} blocks have no exact int4 form")
 
 
+def int4_affine(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Q4 blocks as (q, scale, offset) for the `int4-vnni` kernel (`q4vnni`), each value
+    as the file has it: q uint8 (n, k) in 0..15; per group of 32, weight ``q·scale +
+    offset`` — Q4_0: d and no offset (``(q − 8)·d``), both fp16; Q4_1: d and m, fp16;
+    Q4_K: d·sc and −dmin·m in fp32 (11 × 6 bits: exact)."""
+    n, k = shape
+    if ggml_type == "Q4_0":
+        b = raw.reshape(n, k // 32, 18)
+        return _nibbles(b[..., 2:]).reshape(n, k), _half(b[..., 0:2]), None
+    if ggml_type == "Q4_1":
+        b = raw.reshape(n, k // 32, 20)
+        return _nibbles(b[..., 4:]).reshape(n, k), _half(b[..., 0:2]), _half(b[..., 2:4])
+    if ggml_type == "Q4_K":
+        q, scale, _ = int4_groups(raw, ggml_type, shape)
+        b = raw.reshape(n, k // 256, 144)
+        _, mins = _q4k_scales(b[..., 4:16])
+        offset = -(_fp16(b[..., 2:4])[..., None] * mins.float()).reshape(n, -1)
+        return q, scale, offset
+    raise ValueError(f"{ggml_type} blocks have no exact int4 form")
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 numbers stored as byte pairs (..., 2), as fp16."""
+    return b.contiguous().view(torch.float16).squeeze(-1)
+
+
 def _q4k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 8 six-bit scales and mins packed in a Q4_K super-block's 12 bytes: groups 0..3
     in the low 6 bits of bytes 0..3 (scales) and 4..7 (mins); groups 4..7 in the nibbles

@@ -82,7 +82,8 @@ def wrapper() -> str:
 
 
 _ENGINE_FILES = ("layers.py", "kv_cache.py", "quant.py", "blocks.py", "attention.py",
-                 "compiled.py")  # what a compiled step traces through
+                 "compiled.py", "q4vnni.py", "csrc/q4_vnni.cpp")  # what a compiled step
+# traces through (or calls: the int4-vnni kernel's source)
 _INDUCTOR_LOCK = threading.Lock()
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # the largest output difference from the eager step, relative to the output's largest

@@ -26,7 +26,7 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
   From a store that kept a GGUF's blocks (DESIGN.md decision 15) the Q4_0/Q4_1/Q4_K
   blocks are held as they are — int4 groups of 32 with the blocks' own scales and zeros,
   no second quantisation (`blocks.int4_groups`) — and their products run in one of the
-  kernel's two paths, `INT4_KERNEL`, chosen on first use:
+  kernel's two paths or in HearthNet's own, `INT4_KERNEL`, chosen on first use:
   - `int4pack-fp32`: fp32 scales, zeros, activations and outputs; exact — a product
     equals the fp32 de-quantised weights' to fp32 rounding — but torch's non-vectorised
     path (a 8960 × 1536 matrix and one row on an AVX-512 CPU: 13.7 ms, against 0.97 ms
@@ -37,11 +37,18 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
     SmolLM2 GGUF's blocks, with an fp32 head, it agrees with the fp32 de-quantised model
     on 99.69 % of teacher-forced next tokens (measured by `hearthnet bench quality
     --gguf`).
-  A probe times both on one (1024 × 1024) matrix and one activation row (`_int4_probe_ms`);
-  the exact path is kept unless the bf16 one is at least `INT4_MIN_SPEEDUP` times faster
-  — where torch's build has no vectorised bf16 path for this CPU it is not — so noise
-  never flips the choice. `HEARTHNET_INT4_KERNEL` overrides it: `auto` (the default), `exact` or
-  `int4pack-fp32`, `int4pack-bf16`. `INT4_BLOCKS_DTYPE` is the chosen path's dtype.
+  - `int4-vnni` (`q4vnni`, AVX-512 VNNI CPUs where a C++ compiler builds it): the blocks'
+    nibbles with their own fp16 (Q4_0, Q4_1) or fp32 (Q4_K) scales, in integer dot
+    products against two int8 digits of each activation; a product is within ~2e-5 of
+    the fp32 one, and it is the fastest of the three on a 2-core Zen 4 (one row of a
+    1024 × 1024 matrix, one thread: 0.020 ms, against 0.057 bf16 and 1.76 fp32; ~2× bf16's
+    speed on 46 rows). Held in the file's own bytes for Q4_0 and Q4_1.
+  A probe times them on one (1024 × 1024) matrix and one activation row
+  (`_int4_probe_ms`); the faster of the faithful paths (exact fp32, `int4-vnni`) is kept
+  unless the bf16 one is at least `INT4_MIN_SPEEDUP` times faster — where torch's build
+  has no vectorised bf16 path for this CPU it is not — so noise never flips the choice.
+  `HEARTHNET_INT4_KERNEL` overrides it: `auto` (the default), `exact` or `int4pack-fp32`,
+  `int4pack-bf16`, `int4-vnni`. `INT4_BLOCKS_DTYPE` is the chosen path's dtype.
   Products of many rows (a prefill) can run instead in torch's fp32 GEMM on the weights
   de-quantised a tile at a time (`dense_product`: the kernel works through its rows four
   at a time, so its cost grows with every row, while a GEMM reuses each de-quantised
@@ -83,7 +90,13 @@ import torch
 from torch import nn
 
 from hearthnet.distributed_inference.directory.formats import STORED
-from hearthnet.distributed_inference.engine.blocks import GROUP, GgmlBlocks, int4_groups
+from hearthnet.distributed_inference.engine import q4vnni
+from hearthnet.distributed_inference.engine.blocks import (
+    GROUP,
+    GgmlBlocks,
+    int4_affine,
+    int4_groups,
+)
 from hearthnet.dtypes import FLOAT_DTYPES
 from hearthnet.errors import BadRequest, ConfigError, WeightsMismatch
 from hearthnet.models.hashing import Q4_TYPES  # held exactly as int4 groups of 32
@@ -255,9 +268,10 @@ def _int8_kernel() -> str:
 
 
 
-INT4_KERNELS = {"int4pack-fp32": torch.float32, "int4pack-bf16": torch.bfloat16}
-"""The two paths of `_weight_int4pack_mm_for_cpu` for int4 held from Q4 blocks: the dtype
-of their scales, zeros, activations and outputs (module docstring)."""
+INT4_KERNELS = {"int4pack-fp32": torch.float32, "int4pack-bf16": torch.bfloat16,
+                q4vnni.KERNEL: torch.float32}
+"""The paths int4 held from Q4 blocks can run in: the two of `_weight_int4pack_mm_for_cpu`
+and `q4vnni`'s; the dtype of their activations and outputs (module docstring)."""
 INT4_EXACT = "int4pack-fp32"
 INT4_MIN_SPEEDUP = 2.0  # the bf16 path must be this much faster to be chosen: measured
 # ~30-35× with AVX-512, far from 1 either way, so a noisy probe does not flip the choice
@@ -266,25 +280,32 @@ _INT4_CHOICES = {"auto": "", "exact": INT4_EXACT, **{k: k for k in INT4_KERNELS}
 
 
 def _int4_probe_ms() -> dict[str, float]:
-    """ms of a (1024 × 1024) int4 product of one activation row in each of `INT4_KERNELS`,
-    best of 10, on one thread (as `_probe_ms`)."""
+    """ms of a (1024 × 1024) int4 product of one activation row in each of `INT4_KERNELS`
+    this process has (`q4vnni.available`), best of 10, on one thread (as `_probe_ms`)."""
     n, k = _PROBE
     g = torch.Generator().manual_seed(0)
-    packed = torch._convert_weight_to_int4pack_for_cpu(
-        torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g), 1)
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
     sz = torch.rand(k // GROUP, n, 2, generator=g) * 1e-2
     x = torch.randn(1, k, generator=g)
+    run: dict[str, Callable[[], object]] = {
+        name: partial(torch._weight_int4pack_mm_for_cpu, x.to(dtype), packed, GROUP,
+                      sz.to(dtype))
+        for name, dtype in INT4_KERNELS.items() if name != q4vnni.KERNEL}
+    if q4vnni.available():
+        w, s, _ = q4vnni.pack(q, sz[..., 0].t().half(), None)
+        run[q4vnni.KERNEL] = partial(q4vnni.mm, x, w, s, None)
     with _one_thread():
-        return {name: _best_ms(partial(torch._weight_int4pack_mm_for_cpu, x.to(dtype),
-                                       packed, GROUP, sz.to(dtype)), runs=10)
-                for name, dtype in INT4_KERNELS.items()}
+        return {name: _best_ms(f, runs=10) for name, f in run.items()}
 
 
 def faster_int4(ms: dict[str, float]) -> str:
-    """The int4 path to use given probe times `ms`: bf16 where it is at least
-    `INT4_MIN_SPEEDUP` times faster than the exact fp32 path, else the exact one."""
-    fast = ms["int4pack-bf16"] * INT4_MIN_SPEEDUP <= ms[INT4_EXACT]
-    return "int4pack-bf16" if fast else INT4_EXACT
+    """The int4 path to use given probe times `ms`: the faster of the faithful ones (the
+    exact fp32 path; `int4-vnni`, ~2e-5 of a product, where probed), unless the bf16 path
+    is at least `INT4_MIN_SPEEDUP` times faster than that."""
+    faithful = min((k for k in (q4vnni.KERNEL, INT4_EXACT) if k in ms), key=ms.__getitem__)
+    fast = ms["int4pack-bf16"] * INT4_MIN_SPEEDUP <= ms[faithful]
+    return "int4pack-bf16" if fast else faithful
 
 
 def int4_kernel(choice: str | None = None,
@@ -298,6 +319,9 @@ def int4_kernel(choice: str | None = None,
         raise ConfigError(f"{INT4_KERNEL_ENV}={value!r} is not an int4 kernel; use one of "
                           f"{', '.join(_INT4_CHOICES)}", key=INT4_KERNEL_ENV,
                           reason="unknown int4 kernel")
+    if value == q4vnni.KERNEL and not q4vnni.available():
+        raise ConfigError(f"{INT4_KERNEL_ENV}={value!r}: {q4vnni.unavailable_reason()}",
+                          key=INT4_KERNEL_ENV, reason="int4 kernel unavailable")
     if value != "auto":
         return _INT4_CHOICES[value]
     try:
@@ -357,8 +381,7 @@ def kernel_of(fmt: str, blocks: bool = False) -> str:
     float format). `blocks`: the weights are a GGUF's kept blocks, whose Q4 linears run
     in the path of `INT4_BLOCKS_DTYPE`; int4 quantised at load always runs in bf16."""
     if fmt == "int4":
-        return next(k for k, d in INT4_KERNELS.items() if d == int4_blocks_dtype()) \
-            if blocks else "int4pack-bf16"
+        return int4_kernel_name() if blocks else "int4pack-bf16"
     return int8_kernel_name() if fmt == "int8" else ""
 
 
@@ -733,6 +756,8 @@ class Int4Linear(nn.Module):
 
     weight_int4: torch.Tensor
     scales_and_zeros: torch.Tensor
+    offsets: torch.Tensor | None
+    vnni: bool
     in_features: int
     out_features: int
     group: int
@@ -742,14 +767,19 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_blocks(cls, blocks: GgmlBlocks, bias: torch.Tensor | None,
                     dtype: torch.dtype | None = None) -> Int4Linear:
-        """Q4_0/Q4_1/Q4_K `blocks` held exactly: groups of 32 with the blocks' scales and
-        zeros (`blocks.int4_groups`) in `dtype` (default `INT4_BLOCKS_DTYPE`), which is
-        also what activations are computed in."""
+        """Q4_0/Q4_1/Q4_K `blocks` held exactly: in `int4-vnni`'s layout with the blocks'
+        own scales (`blocks.int4_affine`) where that is `INT4_KERNEL`, else groups of 32
+        with the blocks' scales and zeros (`blocks.int4_groups`) in `dtype` (default
+        `INT4_BLOCKS_DTYPE`), which is also what activations are computed in."""
         n, k = blocks.shape
         _int4_shape_check(n, k, GROUP if k % GROUP == 0 else 0)
-        q, scales, zeros = int4_groups(blocks.raw.cpu(), blocks.ggml_type, blocks.shape)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
+        if dtype is None and int4_kernel_name() == q4vnni.KERNEL:
+            w, s, o = q4vnni.pack(*int4_affine(blocks.raw.cpu(), blocks.ggml_type, blocks.shape))
+            self._keep(w, s, GROUP, k, bias, offsets=o)
+            return self
+        q, scales, zeros = int4_groups(blocks.raw.cpu(), blocks.ggml_type, blocks.shape)
         sz = torch.stack((scales.t(), zeros.t()), dim=-1)  # (k / 32, n, 2), the kernel's
         self._hold(q.int(), sz.to(dtype or int4_blocks_dtype()), GROUP, bias)
         return self
@@ -778,9 +808,12 @@ class Int4Linear(nn.Module):
         AVX-512, 32 on AVX2), so the parts' packed matrices, one after the other, must be
         the packing of their rows one after the other (`_packs_join`)."""
         first = parts[0]
-        return all(p.in_features == first.in_features and p.group == first.group
+        same = all(p.in_features == first.in_features and p.group == first.group
                    and p.scales_and_zeros.dtype == first.scales_and_zeros.dtype
-                   for p in parts) and _packs_join(tuple(p.out_features for p in parts))
+                   and p.vnni == first.vnni and (p.offsets is None) == (first.offsets is None)
+                   for p in parts)
+        # int4-vnni's tiles of 16 rows always join
+        return same and (first.vnni or _packs_join(tuple(p.out_features for p in parts)))
 
     @classmethod
     def joined(cls, parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
@@ -788,11 +821,14 @@ class Int4Linear(nn.Module):
         part's buffers are let go once joined (the group held twice at most)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
+        vnni = parts[0].vnni  # scales (tiles, groups, 16), else (groups, rows, 2)
         packed = torch.cat([p.weight_int4 for p in parts])
-        sz = torch.cat([p.scales_and_zeros for p in parts], dim=1)
+        sz = torch.cat([p.scales_and_zeros for p in parts], dim=0 if vnni else 1)
+        offsets = None if parts[0].offsets is None else \
+            torch.cat([p.offsets for p in parts if p.offsets is not None])
         for p in parts:
-            del p._buffers["weight_int4"], p._buffers["scales_and_zeros"]
-        self._keep(packed, sz, parts[0].group, parts[0].in_features, bias)
+            del p._buffers["weight_int4"], p._buffers["scales_and_zeros"], p._buffers["offsets"]
+        self._keep(packed, sz, parts[0].group, parts[0].in_features, bias, offsets=offsets)
         return self
 
     def _hold(self, q: torch.Tensor, sz: torch.Tensor, gs: int,
@@ -802,19 +838,27 @@ class Int4Linear(nn.Module):
         self._keep(torch._convert_weight_to_int4pack_for_cpu(q, 1), sz, gs, q.shape[1], bias)
 
     def _keep(self, packed: torch.Tensor, sz: torch.Tensor, gs: int, k: int,
-              bias: torch.Tensor | None) -> None:
-        """Hold `packed` rows (torch's int4 pack of n rows of `k` inputs) with `sz`."""
-        self.in_features, self.out_features, self.group = k, packed.shape[0], gs
+              bias: torch.Tensor | None, offsets: torch.Tensor | None = None) -> None:
+        """Hold `packed` rows (torch's int4 pack of n rows of `k` inputs) with `sz`, or
+        (3-d `packed`) `q4vnni`'s tiles with their scales `sz` and `offsets`."""
+        self.vnni = packed.dim() == 3
+        self.in_features, self.group = k, gs
+        self.out_features = packed.shape[0] * (q4vnni.TILE if self.vnni else 1)
         dense_setting()  # a bad HEARTHNET_INT4_DENSE_ROWS is refused at load, not mid-call
-        self.dense = packed.shape[0] % DENSE_BLOCK == 0  # whole blocks: `dense_product`
+        # whole blocks of torch's layout: `dense_product`
+        self.dense = not self.vnni and packed.shape[0] % DENSE_BLOCK == 0
         self.register_buffer("weight_int4", packed)
         self.register_buffer("scales_and_zeros", sz)
+        self.register_buffer("offsets", offsets)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None \
             else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self._dense_rows(x2):  # a prefill: de-quantised tiles in fp32 GEMMs
+        if self.vnni:
+            y = q4vnni.mm(x2.float().contiguous(), self.weight_int4, self.scales_and_zeros,
+                          self.offsets).to(x.dtype)
+        elif self._dense_rows(x2):  # a prefill: de-quantised tiles in fp32 GEMMs
             y = dense_product(x2.float(), self.weight_int4, self.scales_and_zeros, self.group,
                               _DEQUANTISE).to(x.dtype)
         else:
@@ -1042,8 +1086,11 @@ def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool, ggml_type: str =
     if fmt == "int4" and linear and ggml_type:
         if ggml_type not in Q4_TYPES:
             return held_nbytes(shape, "int8", linear)
+        groups = (shape[1] // GROUP) * shape[0]
+        if int4_kernel_name() == q4vnni.KERNEL:  # `blocks.int4_affine`'s scales and offsets
+            return n // 2 + groups * {"Q4_0": 2, "Q4_1": 4}.get(ggml_type, 8)
         scale = torch.empty((), dtype=int4_blocks_dtype()).element_size()
-        return n // 2 + (shape[1] // GROUP) * shape[0] * 2 * scale
+        return n // 2 + groups * 2 * scale
     if fmt == "int8" and linear:
         return n + shape[0] * 2  # int8 values + one bf16 scale per output channel
     if fmt == "int4" and linear:

@@ -1,0 +1,176 @@
+// int4 weights × two int8 digits of each activation, in AVX-512 VNNI integer dot products
+// (M26 §5.7: the engine's per-token cost). Built and loaded by engine/q4vnni.py, which
+// documents the layout; registered as torch.ops.hearthnet.q4_mm.
+//
+// Why two digits: one int8 digit per activation (llama.cpp's Q8_0 activations) leaves a
+// relative error of ~5e-3 in a product; the residual as a second digit brings it to ~2e-5
+// (x ≈ d·(hi + lo/254)), and decode stays memory-bound (the weights are read once for both).
+// Every integer sum is exact: |Σ q·(254·hi + lo)| over a group of 32 is < 2^24, so its
+// conversion to fp32 is exact too.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kGroup = 32;       // inputs per group: a Q4_0/Q4_1 block, a Q4_K sub-block
+constexpr int64_t kTile = 16;        // output rows per tile: one 512-bit lane each
+constexpr int64_t kTileBytes = 256;  // a tile's group: 16 rows × 32 nibbles
+constexpr int kRows = 4;             // activation rows sharing a tile's unpacked nibbles
+
+// Rows x (m, k) fp32 → digits (2, m, k) int8, one scale d per group of 32 (m, k / 32) and
+// each group's digit sum 254·Σhi + Σlo (m, k / 32).
+void digits_of(const float* x, int64_t m, int64_t k, int8_t* q, float* d, int32_t* sum) {
+  const int64_t groups = m * (k / kGroup);
+  int8_t* lo = q + m * k;
+  at::parallel_for(0, groups, 256, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* xi = x + i * kGroup;
+      const __m512 a0 = _mm512_loadu_ps(xi), a1 = _mm512_loadu_ps(xi + 16);
+      const float amax = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+      const float di = amax / 127.0f;
+      const float inv = di != 0.0f ? 1.0f / di : 0.0f;
+      const __m512i h0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(inv)));
+      const __m512i h1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(inv)));
+      // the residual x − hi·d lies in [−d/2, d/2]: a second digit of d / 254
+      const __m512 r0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(h0), _mm512_set1_ps(di), a0);
+      const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(h1), _mm512_set1_ps(di), a1);
+      const __m512 inv_lo = _mm512_set1_ps(254.0f * inv);
+      const __m512i l0 = _mm512_cvtps_epi32(_mm512_mul_ps(r0, inv_lo));
+      const __m512i l1 = _mm512_cvtps_epi32(_mm512_mul_ps(r1, inv_lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtsepi32_epi8(h0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtsepi32_epi8(h1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i * kGroup), _mm512_cvtsepi32_epi8(l0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i * kGroup + 16), _mm512_cvtsepi32_epi8(l1));
+      d[i] = di;
+      sum[i] = 254 * _mm512_reduce_add_epi32(_mm512_add_epi32(h0, h1)) +
+               _mm512_reduce_add_epi32(_mm512_add_epi32(l0, l1));
+    }
+  });
+}
+
+template <typename S>
+inline __m512 load16(const S* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i dot8(const __m512i* v, const int8_t* a) {
+  __m512i s = _mm512_setzero_si512();
+  for (int c = 0; c < 8; ++c) {
+    s = _mm512_dpbusd_epi32(s, v[c], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + 4 * c)));
+  }
+  return s;
+}
+
+// One tile (16 output rows) for R activation rows: y[r][0..16).
+// OFFSET: weight = q·s + o per group; else weight = (q − 8)·s (Q4_0).
+template <typename S, bool OFFSET, int R>
+inline void tile(const uint8_t* w, const S* s, const S* o, int64_t groups, const int8_t* hi,
+                 const int8_t* lo, const float* d, const int32_t* sum, int64_t k, float* y,
+                 int64_t n) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    // 4 × 64 bytes: lane j holds row j's inputs 8c..8c+3 (low nibbles), 8c+4..8c+7 (high)
+    const uint8_t* wg = w + g * kTileBytes;
+    __m512i v[8];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i b = _mm512_loadu_si512(wg + 64 * c);
+      v[2 * c] = _mm512_and_si512(b, nib);
+      v[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+    }
+    const __m512 sc = load16<S>(s + g * kTile);
+    __m512 of = _mm512_setzero_ps();
+    if constexpr (OFFSET) of = load16<S>(o + g * kTile);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = r * k + g * kGroup;
+      __m512i isum = _mm512_add_epi32(
+          _mm512_mullo_epi32(dot8(v, hi + at), _mm512_set1_epi32(254)), dot8(v, lo + at));
+      const int32_t asum = sum[r * groups + g];
+      if constexpr (!OFFSET) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * asum));
+      const float da = d[r * groups + g] * (1.0f / 254.0f);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(da)),
+                               acc[r]);
+      if constexpr (OFFSET) acc[r] = _mm512_fmadd_ps(of, _mm512_set1_ps(da * float(asum)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, acc[r]);
+}
+
+template <typename S, bool OFFSET>
+void product(const uint8_t* w, const S* s, const S* o, const int8_t* q, const float* d,
+             const int32_t* sum, int64_t m, int64_t n, int64_t k, float* y) {
+  const int64_t groups = k / kGroup;
+  const int8_t* lo = q + m * k;
+  at::parallel_for(0, n / kTile, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const uint8_t* wt = w + t * groups * kTileBytes;
+      const S* st = s + t * groups * kTile;
+      const S* ot = OFFSET ? o + t * groups * kTile : nullptr;
+      int64_t r = 0;
+      for (; r + kRows <= m; r += kRows) {
+        tile<S, OFFSET, kRows>(wt, st, ot, groups, q + r * k, lo + r * k, d + r * groups,
+                               sum + r * groups, k, y + r * n + t * kTile, n);
+      }
+      for (; r < m; ++r) {
+        tile<S, OFFSET, 1>(wt, st, ot, groups, q + r * k, lo + r * k, d + r * groups,
+                           sum + r * groups, k, y + r * n + t * kTile, n);
+      }
+    }
+  });
+}
+
+template <typename S>
+void dispatch(const at::Tensor& w, const at::Tensor& s, const c10::optional<at::Tensor>& o,
+              const at::Tensor& q, const at::Tensor& d, const at::Tensor& sum, int64_t m,
+              int64_t n, int64_t k, at::Tensor& y) {
+  const S* op = o.has_value() ? o->data_ptr<S>() : nullptr;
+  auto run = o.has_value() ? product<S, true> : product<S, false>;
+  run(w.data_ptr<uint8_t>(), s.data_ptr<S>(), op, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+      sum.data_ptr<int32_t>(), m, n, k, y.data_ptr<float>());
+}
+
+at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                 const c10::optional<at::Tensor>& o) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.is_cpu(),
+              "q4_mm: x must be contiguous fp32 (rows, inputs) on the CPU");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.size(2) == kTileBytes,
+              "q4_mm: w must be contiguous uint8 (tiles, groups, 256)");
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup, n = w.size(0) * kTile;
+  TORCH_CHECK(k % kGroup == 0 && w.size(1) == groups, "q4_mm: x has ", k,
+              " inputs; w is for ", w.size(1) * kGroup);
+  TORCH_CHECK(s.is_contiguous() && (s.scalar_type() == at::kHalf || s.scalar_type() == at::kFloat) &&
+                  s.dim() == 3 && s.size(0) == w.size(0) && s.size(1) == groups && s.size(2) == kTile,
+              "q4_mm: s must be contiguous fp16 or fp32 (tiles, groups, 16)");
+  TORCH_CHECK(!o.has_value() || (o->is_contiguous() && o->scalar_type() == s.scalar_type() &&
+                                 o->sizes() == s.sizes()),
+              "q4_mm: o must be as s");
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  auto q = at::empty({2 * m, k}, x.options().dtype(at::kChar));
+  auto d = at::empty({m, groups}, x.options());
+  auto sum = at::empty({m, groups}, x.options().dtype(at::kInt));
+  digits_of(x.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+            sum.data_ptr<int32_t>());
+  if (s.scalar_type() == at::kHalf) {
+    dispatch<at::Half>(w, s, o, q, d, sum, m, n, k, y);
+  } else {
+    dispatch<float>(w, s, o, q, d, sum, m, n, k, y);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hearthnet, m) { m.def("q4_mm(Tensor x, Tensor w, Tensor s, Tensor? o) -> Tensor"); }
+TORCH_LIBRARY_IMPL(hearthnet, CPU, m) { m.impl("q4_mm", &q4_mm); }

@@ -1,0 +1,134 @@
+"""int4 products in AVX-512 VNNI integer dot products (`int4-vnni`; M26 §5.7).
+
+torch's own int4 kernel (`_weight_int4pack_mm_for_cpu`) either rounds scales, zeros,
+activations and outputs to bf16 or runs a scalar fp32 loop; llama.cpp's Q4 kernels are
+fast because they multiply the 4-bit values by int8 activations with integer
+dot-product instructions. This kernel does that, with two int8 digits per activation so
+that it stays faithful: an activation group of 32 with largest magnitude a is written as
+``d·(hi + lo/254)``, d = a / 127 (relative error of a product ~2e-5, against ~3e-3 for
+the bf16 path and ~5e-3 for one int8 digit), and every integer sum is exact. The weights
+are the blocks' own 4-bit values with the blocks' own scales (fp16 for Q4_0/Q4_1, fp32
+for Q4_K's d·sc), so nothing of the GGUF is rounded.
+
+Layout (`pack`): rows in tiles of 16, each tile's groups of 32 inputs as 256 bytes — four
+64-byte chunks, byte 4j + i of chunk c holding row j's input 8c + i in its low nibble and
+8c + 4 + i in its high one — so one 512-bit VNNI instruction sums 4 products for each of
+16 rows, and no horizontal sums are needed. Scales (and offsets, where a group has one)
+are (tiles, groups, 16).
+
+The source (csrc/q4_vnni.cpp) is compiled on first use by torch's C++ extension builder
+(a C++ compiler and ninja are needed; ~15 s) into ``$XDG_CACHE_HOME/hearthnet/kernels/``
+(``HEARTHNET_KERNEL_DIR`` overrides), keyed by the source, torch and the compiler flags,
+so every later process loads it in well under a second. Where the CPU lacks AVX-512 VNNI
+or the build fails, `available` is false and says why; int4 then runs in torch's kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from hearthnet.observability import get_logger
+
+log = get_logger("quant")
+
+KERNEL = "int4-vnni"
+TILE = 16  # output rows per tile
+GROUP = 32  # inputs per group
+KERNEL_DIR_ENV = "HEARTHNET_KERNEL_DIR"
+_SOURCE = Path(__file__).parent / "csrc" / "q4_vnni.cpp"
+_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+          "-mf16c", "-mfma", "-fopenmp")  # -fopenmp: ATen's parallel_for pragmas; the
+# symbols resolve to torch's own libgomp (already loaded), so torch.set_num_threads holds
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
+_lock = threading.Lock()
+_state: dict[str, str] = {}  # "ok" or "reason": set once per process
+
+
+def kernel_dir() -> Path:
+    """Where built kernels are kept (`HEARTHNET_KERNEL_DIR`, else the user's cache)."""
+    if os.environ.get(KERNEL_DIR_ENV):
+        return Path(os.environ[KERNEL_DIR_ENV])
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "hearthnet" / "kernels"
+
+
+def missing_cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """The instruction sets the kernel needs that this CPU (`/proc/cpuinfo`) lacks."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return list(_CPU_FLAGS)
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
+    have = set(line.partition(":")[2].split())
+    return [f for f in _CPU_FLAGS if f not in have]
+
+
+def _build_key() -> str:
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    h.update(" ".join((torch.__version__, *_FLAGS)).encode())
+    return h.hexdigest()[:16]
+
+
+def _load() -> None:
+    missing = missing_cpu_flags()
+    if missing:
+        raise RuntimeError(f"the CPU lacks {', '.join(missing)}")
+    from torch.utils.cpp_extension import load
+
+    folder = kernel_dir() / f"q4_vnni-{_build_key()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    load(name="hearthnet_q4_vnni", sources=[str(_SOURCE)], build_directory=str(folder),
+         extra_cflags=list(_FLAGS), is_python_module=False, verbose=False)
+    torch.library.register_fake("hearthnet::q4_mm")(_fake)
+
+
+def _fake(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
+          o: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0] * TILE))
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded in this process (built on first call)."""
+    with _lock:
+        if not _state:
+            try:
+                _load()
+                _state["ok"] = "1"
+            except Exception as e:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                _state["reason"] = f"{KERNEL} unavailable: {reason[:300]}"
+                log.info("int4_vnni_unavailable", reason=_state["reason"])
+        return "ok" in _state
+
+
+def unavailable_reason() -> str:
+    """Why `available` is false ("" when it is true or was not asked yet)."""
+    return _state.get("reason", "")
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Values `q` (n, k) in 0..15 with per-group `scale` and `offset` (n, k / 32; the
+    weight is ``q·scale + offset``, or ``(q − 8)·scale`` without offsets) in the kernel's
+    layout (module docstring); the scales keep their dtype (fp16 or fp32)."""
+    n, k = q.shape
+    t = q.to(torch.uint8).reshape(n // TILE, TILE, k // GROUP, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)
+    w = (t[..., 0, :] | (t[..., 1, :] << 4)).reshape(n // TILE, k // GROUP, 256).contiguous()
+
+    def tiles(v: torch.Tensor) -> torch.Tensor:
+        return v.reshape(n // TILE, TILE, k // GROUP).permute(0, 2, 1).contiguous()
+
+    return w, tiles(scale), None if offset is None else tiles(offset)
+
+
+def mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, o: torch.Tensor | None
+       ) -> torch.Tensor:
+    """fp32 rows `x` (m, k) times the packed weights: (m, n) fp32."""
+    out: torch.Tensor = torch.ops.hearthnet.q4_mm(x, w, s, o)
+    return out
