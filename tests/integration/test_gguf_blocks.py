@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
 from hearthnet.commands.models import _list
 from hearthnet.distributed_inference.directory.formats import lossless_of
+from hearthnet.distributed_inference.engine import q4vnni
 from hearthnet.distributed_inference.engine.blocks import GgmlBlocks, inexact_zeros
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
@@ -105,6 +106,52 @@ def test_kept_blocks_held_as_int4_answer_as_the_fp32_dequantised_model(family, q
             if isinstance(m, Int4Linear)} == {torch.bfloat16}
     assert stack.param_bytes() == layer_weight_bytes(entry, 0, entry.num_layers - 1, "int4")
     assert (fast[0] - expected).abs().max() < 2e-2 * expected.abs().max()  # bf16 rounding
+
+    # int4-vnni: the blocks' own scales, activations as two int8 digits — the fp32 tokens,
+    # logits ~100× closer than bf16's
+    if q4vnni.available():
+        use_int4_kernel(monkeypatch, q4vnni.KERNEL)
+        vnni_tokens, vnni, stack = _greedy(entry, "int4")
+        assert all(m.vnni for m in stack.layers.modules() if isinstance(m, Int4Linear))
+        assert stack.param_bytes() == layer_weight_bytes(entry, 0, entry.num_layers - 1,
+                                                         "int4")
+        assert vnni_tokens == ref_tokens
+        assert (vnni - ref_logits).abs().max() < 2e-4 * ref_logits.abs().max()
+
+
+def test_the_vnni_kernel_compiles_into_the_decode_step(ggufs, tmp_path, monkeypatch):
+    """A compiled step (inductor's C++ wrapper, as shipped) calls the int4-vnni kernel
+    once per held int4 matrix per position and answers as the eager layers do."""
+    from hearthnet.distributed_inference.engine import compiled
+
+    from hearthnet.config import COMPILE_ENV
+
+    use_int4_kernel(monkeypatch, q4vnni.KERNEL)
+    monkeypatch.setenv(COMPILE_ENV, "1")  # the suite turns compilation off
+    monkeypatch.setenv(compiled.WRAPPER_ENV, "cpp")
+    entry = import_model(ModelStore(tmp_path / "store"), str(ggufs / "tiny-llama.gguf"),
+                         dtype="gguf")
+    stack = LayeredStack(entry, 0, entry.num_layers - 1, "int4", compile_decode=True,
+                         compile_dir=tmp_path / "compiled")
+    assert stack.compiled is not None
+    stack.compiled.start(0, entry.num_layers - 1)
+    state = stack.compiled.wait(0, entry.num_layers - 1)
+    assert state.startswith("compiled in "), state
+    head = LayeredHead(entry, "fp32")
+    session = stack.open_session(0, entry.num_layers - 1, 64)
+    h = session.forward(head.embed(IDS), 0)
+    toks = [int(head.logits(h).argmax())]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for i in range(6):
+            h = session.forward(head.embed(toks[-1:]), len(IDS) + i)
+            toks.append(int(head.logits(h).argmax()))
+    assert stack.compiled.calls == 6
+    held = {m for m in stack.layers.modules() if isinstance(m, Int4Linear)}
+    assert held and all(m.vnni for m in held)
+    products = sum(e.count for e in prof.key_averages() if e.key == "hearthnet::q4_mm")
+    assert products == len(held) * 6
+    eager, _, _ = _greedy(entry, "int4", n=7)
+    assert toks == eager
 
 
 def test_smollm2s_real_q4_1_blocks_are_held_exactly():
