@@ -20,6 +20,7 @@ constexpr int64_t kGroup = 32;       // inputs per group: a Q4_0/Q4_1 block, a Q
 constexpr int64_t kTile = 16;        // output rows per tile: one 512-bit lane each
 constexpr int64_t kTileBytes = 256;  // a tile's group: 16 rows × 32 nibbles
 constexpr int kRows = 4;             // activation rows sharing a tile's unpacked nibbles
+constexpr int64_t kAhead = 16 * kTileBytes;  // prefetch distance in a tile's bytes
 
 // Rows x (m, k) fp32 → digits (2, m, k) int8, one scale d per group of 32 (m, k / 32) and
 // each group's digit sum 254·Σhi + Σlo (m, k / 32).
@@ -82,6 +83,9 @@ inline void tile(const uint8_t* w, const S* s, const S* o, int64_t groups, const
   for (int64_t g = 0; g < groups; ++g) {
     // 4 × 64 bytes: lane j holds row j's inputs 8c..8c+3 (low nibbles), 8c+4..8c+7 (high)
     const uint8_t* wg = w + g * kTileBytes;
+    // 16 groups ahead: with several activation rows (a batch, a speculative pass) the
+    // hardware prefetcher falls behind (8 rows: ~20 % faster from memory; one row: same)
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + 64 * c), _MM_HINT_T0);
     __m512i v[8];
     for (int c = 0; c < 4; ++c) {
       const __m512i b = _mm512_loadu_si512(wg + 64 * c);
