@@ -18,7 +18,13 @@ from hearthnet.distributed_inference.engine.blocks import GgmlBlocks, inexact_ze
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.engine.memory import layer_weight_bytes
-from hearthnet.distributed_inference.engine.quant import FusedLinear, FusedMember, Int4Linear
+from hearthnet.distributed_inference.engine.quant import (
+    FusedLinear,
+    FusedMember,
+    Int4Linear,
+    Int8Linear,
+    Q8Linear,
+)
 from hearthnet.models import ModelStore
 from hearthnet.models.hashing import weights_sha256
 from hearthnet.models.importer import import_model, smollm2_gguf_path
@@ -122,9 +128,8 @@ def test_kept_blocks_held_as_int4_answer_as_the_fp32_dequantised_model(family, q
 def test_the_vnni_kernel_compiles_into_the_decode_step(ggufs, tmp_path, monkeypatch):
     """A compiled step (inductor's C++ wrapper, as shipped) calls the int4-vnni kernel
     once per held int4 matrix per position and answers as the eager layers do."""
-    from hearthnet.distributed_inference.engine import compiled
-
     from hearthnet.config import COMPILE_ENV
+    from hearthnet.distributed_inference.engine import compiled
 
     use_int4_kernel(monkeypatch, q4vnni.KERNEL)
     monkeypatch.setenv(COMPILE_ENV, "1")  # the suite turns compilation off
@@ -152,6 +157,47 @@ def test_the_vnni_kernel_compiles_into_the_decode_step(ggufs, tmp_path, monkeypa
     assert products == len(held) * 6
     eager, _, _ = _greedy(entry, "int4", n=7)
     assert toks == eager
+
+
+def test_q8_0_blocks_are_held_as_they_are_where_the_vnni_kernel_runs(ggufs, tmp_path,
+                                                                     monkeypatch):
+    """A GGUF quantised to Q8_0 throughout: held as int4, its layer matrices stay the
+    file's Q8_0 blocks (`Q8Linear`, no second rounding) and answer as fp32 does; the
+    planner's bytes are the held ones."""
+    use_int4_kernel(monkeypatch, q4vnni.KERNEL)
+    src = ggufs / "src" / "llama"
+    path = write_tiny_gguf("llama", src, tmp_path / "tiny-q8.gguf", quant="Q8_0")
+    entry = import_model(ModelStore(tmp_path / "store"), str(path), dtype="gguf")
+    tokens, logits, stack = _greedy(entry, "int4")
+    q8 = [m for m in stack.layers.modules() if isinstance(m, Q8Linear)]
+    assert len(q8) == 4 * 7
+    assert not [m for m in stack.layers.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    assert stack.param_bytes() == layer_weight_bytes(entry, 0, entry.num_layers - 1, "int4")
+    ref_tokens, ref_logits, _ = _greedy(entry, "fp32")
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() < 2e-4 * ref_logits.abs().max()
+
+
+def test_smollm2s_q8_0_embeddings_make_an_exact_int8_head(tmp_path, monkeypatch):
+    """SmolLM2's GGUF ties its lm_head to Q8_0 embeddings: an int8 head (the default
+    beside int4 shards) holds those blocks as they are — embedding rows exactly the fp32
+    de-quantised ones, logits within ~1e-4 of an fp32 head's — in the file's bytes."""
+    use_int4_kernel(monkeypatch, q4vnni.KERNEL)
+    entry = import_model(ModelStore(tmp_path / "store"), str(smollm2_gguf_path()),
+                         dtype="gguf")
+    head, exact = LayeredHead(entry, "int8"), LayeredHead(entry, "fp32")
+    assert isinstance(head.embed_q, Q8Linear) and head.lm_head_q is head.embed_q
+    reader = GGUFReader(str(smollm2_gguf_path()))
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert embd.tensor_type == GGMLQuantizationType.Q8_0
+    norm_bytes = exact.norm.weight.numel() * 4
+    assert head.param_bytes() == int(embd.n_bytes) + norm_bytes
+    ids = [1, 504, 3260, 49151]
+    assert torch.equal(head.embed(ids), exact.embed(ids))
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 3, exact.norm.weight.numel())
+    got, want = head.logits_rows([hidden])[0], exact.logits_rows([hidden])[0]
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
 
 
 def test_smollm2s_real_q4_1_blocks_are_held_exactly():

@@ -170,6 +170,37 @@ def test_the_vnni_kernel_refuses_malformed_operands_with_a_clear_error(monkeypat
             q4vnni.mm(*args)
 
 
+def test_q8_0_blocks_held_as_they_are_compute_within_the_digits_rounding(monkeypatch):
+    """`Q8Linear`: the file's int8 values and fp16 scales (its bytes, no more), rows for
+    embeddings exactly the de-quantised ones, products ~2e-5 of fp32 and each row's the
+    same beside any others; blocks it cannot hold are refused before any work."""
+    use_int4_kernel(monkeypatch, q4vnni.KERNEL)
+    rng = np.random.default_rng(3)
+    raw = quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.05,
+                   GGMLQuantizationType.Q8_0)
+    b = GgmlBlocks(torch.from_numpy(raw), "Q8_0", (N, K))
+    assert quant.Q8Linear.takes(b)
+    lin = quant.Q8Linear(b, bias=torch.ones(N))
+    assert sum(t.numel() * t.element_size() for t in lin.buffers()) == raw.size
+    assert held_nbytes((N, K), "int4", True, "Q8_0") == raw.size
+    ref = _reference(b)
+    assert torch.equal(lin.dequantised(), ref)
+    ids = torch.tensor([[5, 0], [N - 1, 17]])
+    assert torch.equal(lin.rows(ids), ref[ids])
+    x = torch.randn(9, K)
+    got = lin(x)
+    exact = x.double() @ ref.double().t() + 1
+    assert float((got.double() - exact).norm() / exact.norm()) < 1e-4
+    assert torch.equal(lin(x[4:5]), got[4:5])
+    with pytest.raises(ValueError, match="not Q8_0"):
+        quant.Q8Linear(_blocks("Q4_0"))
+    odd = GgmlBlocks(torch.from_numpy(raw[:N - 8]), "Q8_0", (N - 8, K))  # not whole tiles
+    assert not quant.Q8Linear.takes(odd)
+    use_int4_kernel(monkeypatch, "int4pack-bf16")  # not this process's kernel: int8 rows
+    assert not quant.Q8Linear.takes(b)
+    assert held_nbytes((N, K), "int4", True, "Q8_0") == N * K + 2 * N
+
+
 def test_the_vnni_kernel_needs_avx512_vnni_and_says_what_is_missing(monkeypatch):
     zen1 = "processor : 0\nflags : fpu sse avx avx2 fma f16c\n"
     assert q4vnni.missing_cpu_flags(zen1) == ["avx512f", "avx512bw", "avx512vl", "avx512dq",

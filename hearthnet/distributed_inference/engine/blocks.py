@@ -127,6 +127,14 @@ def int4_affine(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...]
     raise ValueError(f"{ggml_type} blocks have no exact int4 form")
 
 
+def q8_groups(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks as the file has them: int8 values q (n, k) and each group of 32's fp16
+    scale d (n, k / 32); weight ``q·d``. A block is d (fp16) then 32 int8 values."""
+    n, k = shape
+    b = raw.reshape(n, k // 32, 34)
+    return b[..., 2:].contiguous().view(torch.int8).reshape(n, k), _half(b[..., 0:2])
+
+
 def _half(b: torch.Tensor) -> torch.Tensor:
     """Little-endian fp16 numbers stored as byte pairs (..., 2), as fp16."""
     return b.contiguous().view(torch.float16).squeeze(-1)

@@ -16,6 +16,7 @@ from hearthnet.distributed_inference.directory.formats import (
     HEAD_FORMATS,
     resolve_format,
 )
+from hearthnet.distributed_inference.engine.blocks import GgmlBlocks
 from hearthnet.distributed_inference.engine.device import (
     resolve_device,
 )
@@ -27,6 +28,7 @@ from hearthnet.distributed_inference.engine.families import (
 from hearthnet.distributed_inference.engine.grammar import template_has_tools
 from hearthnet.distributed_inference.engine.quant import (
     Int8Linear,
+    Q8Linear,
     compute_dtype_of,
     format_name,
     held_bytes,
@@ -76,7 +78,7 @@ class LayeredHead:
         # Gemma-2's final-logit soft-capping, applied as its CausalLM head does
         cap = getattr(self.config, "final_logit_softcapping", None)
         self.final_logit_softcapping: float | None = float(cap) if cap else None
-        self.lm_head_q: Int8Linear | None = None
+        self.lm_head_q: Int8Linear | Q8Linear | None = None
         self.lm_head_weight: torch.Tensor = torch.empty(0)
         if lm_head:
             self._load_lm_head(reader)
@@ -87,13 +89,12 @@ class LayeredHead:
         """Embeddings as held: a float matrix, or (int8) an `Int8Linear` whose rows are
         looked up — the family's embedding module keeps its scale buffers (Gemma)."""
         where = f"{self.entry.path} embeddings"
-        self.embed_q: Int8Linear | None = None
+        self.embed_q: Int8Linear | Q8Linear | None = None
         if self.format != "int8":
             fill_module(self.embed_tokens, reader, [prefix + "weight"], prefix, self.format,
                         where, base, self.device)
             return
-        self.embed_q = Int8Linear(reader.read([prefix + "weight"])[prefix + "weight"], None,
-                                  keep_rows=True)
+        self.embed_q = self._int8(reader, prefix + "weight", keep_rows=True)
         self.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         materialise_buffers(self.embed_tokens, base, where, self.device)
 
@@ -103,13 +104,24 @@ class LayeredHead:
         if self.format == "int8":
             if tied and self.embed_q is not None:
                 self.embed_q.pack()  # rows for embeddings, packed for the product
-            self.lm_head_q = self.embed_q if tied else Int8Linear(
-                reader.read(["lm_head.weight"])["lm_head.weight"], None)
+            self.lm_head_q = self.embed_q if tied else self._int8(reader, "lm_head.weight")
         elif tied:
             self.lm_head_weight = self.embed_tokens.weight  # type: ignore[assignment]
         else:
             self.lm_head_weight = reader.read(["lm_head.weight"], self.device)[
                 "lm_head.weight"].to(self.dtype)
+
+    def _int8(self, reader: WeightsReader, key: str, keep_rows: bool = False
+              ) -> Int8Linear | Q8Linear:
+        """An int8 head matrix: a GGUF's Q8_0 blocks as they are where this process holds
+        them so (`Q8Linear.takes`; on the CPU), else int8 per output channel (other blocks
+        de-quantised exactly first)."""
+        ((_, value),) = reader.tensors([key], "", blocks=True)
+        if torch.device(self.device).type == "cpu" and Q8Linear.takes(value):
+            assert isinstance(value, GgmlBlocks)  # for mypy: `takes` checked it
+            return Q8Linear(value)
+        weight = value.dequantise() if isinstance(value, GgmlBlocks) else value
+        return Int8Linear(weight, None, keep_rows=keep_rows)
 
     def param_bytes(self) -> int:
         """Bytes of the head's weights in their held format (a tied matrix counted once)."""

@@ -1,4 +1,4 @@
-"""int4 products in AVX-512 VNNI integer dot products (`int4-vnni`; M26 §5.7).
+"""int4 (and Q8_0) products in AVX-512 VNNI integer dot products (`int4-vnni`; M26 §5.7).
 
 torch's own int4 kernel (`_weight_int4pack_mm_for_cpu`) either rounds scales, zeros,
 activations and outputs to bf16 or runs a scalar fp32 loop; llama.cpp's Q4 kernels are
@@ -14,7 +14,9 @@ Layout (`pack`): rows in tiles of 16, each tile's groups of 32 inputs as 256 byt
 64-byte chunks, byte 4j + i of chunk c holding row j's input 8c + i in its low nibble and
 8c + 4 + i in its high one — so one 512-bit VNNI instruction sums 4 products for each of
 16 rows, and no horizontal sums are needed. Scales (and offsets, where a group has one)
-are (tiles, groups, 16).
+are (tiles, groups, 16). A GGUF's Q8_0 blocks (a head's embeddings, a layer's Q8_0
+matrices) use the same kernel with 8-bit values (`pack8`, torch.ops.hearthnet.q8_mm), so
+they too are held as the file has them instead of re-quantised.
 
 The source (csrc/q4_vnni.cpp) is compiled on first use by torch's C++ extension builder
 (a C++ compiler and ninja are needed; ~12 s on 2 cores) into
@@ -90,6 +92,7 @@ def _load() -> None:
     else:
         _build(folder)
     torch.library.register_fake("hearthnet::q4_mm")(_fake)
+    torch.library.register_fake("hearthnet::q8_mm")(_fake8)
 
 
 def _build(folder: Path) -> None:
@@ -116,6 +119,10 @@ def _fake(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
     return x.new_empty((x.shape[0], w.shape[0] * TILE))
 
 
+def _fake8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0] * TILE))
+
+
 def available() -> bool:
     """Whether the kernel is built and loaded in this process (built on first call)."""
     with _lock:
@@ -135,11 +142,18 @@ def unavailable_reason() -> str:
     return _state.get("reason", "")
 
 
+def _require() -> None:
+    """Load the kernel before weights are packed for it; `RuntimeError` saying why not."""
+    if not available():
+        raise RuntimeError(unavailable_reason())
+
+
 def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Values `q` (n, k) in 0..15 with per-group `scale` and `offset` (n, k / 32; the
     weight is ``q·scale + offset``, or ``(q − 8)·scale`` without offsets) in the kernel's
     layout (module docstring); the scales keep their dtype (fp16 or fp32)."""
+    _require()
     n, k = q.shape
     t = q.to(torch.uint8).reshape(n // TILE, TILE, k // GROUP, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)
     w = (t[..., 0, :] | (t[..., 1, :] << 4)).reshape(n // TILE, k // GROUP, 256).contiguous()
@@ -150,8 +164,37 @@ def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
     return w, tiles(scale), None if offset is None else tiles(offset)
 
 
+def pack8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values `q` (n, k) with per-group `scale` (n, k / 32; weight ``q·scale``, a
+    Q8_0 block's) in the kernel's 8-bit layout: each tile's group as 512 bytes, eight
+    64-byte chunks, byte 4j + i of chunk c holding row j's input 4c + i as ``q + 128``
+    (VNNI multiplies unsigned by signed bytes; the kernel takes 128 · Σ digits back)."""
+    _require()
+    n, k = q.shape
+    u = (q.view(torch.uint8) ^ 0x80).reshape(n // TILE, TILE, k // GROUP, 8, 4)
+    w = u.permute(0, 2, 3, 1, 4).reshape(n // TILE, k // GROUP, 512).contiguous()
+    return w, scale.reshape(n // TILE, TILE, k // GROUP).permute(0, 2, 1).contiguous()
+
+
+def unpack8_rows(w: torch.Tensor, s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 rows `ids` (any shape) of a `pack8` matrix: an embedding lookup."""
+    t, j = ids // TILE, ids % TILE
+    groups = w.shape[1]
+    q = w.view(w.shape[0], groups, 8, TILE, 4)[t, :, :, j, :]  # (*ids, groups, 8, 4)
+    values = (q ^ 0x80).view(torch.int8).float().reshape(*ids.shape, groups, GROUP)
+    scales = s[t, :, j].float()  # (*ids, groups)
+    out: torch.Tensor = (values * scales[..., None]).reshape(*ids.shape, groups * GROUP)
+    return out
+
+
 def mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, o: torch.Tensor | None
        ) -> torch.Tensor:
-    """fp32 rows `x` (m, k) times the packed weights: (m, n) fp32."""
+    """fp32 rows `x` (m, k) times the packed 4-bit weights: (m, n) fp32."""
     out: torch.Tensor = torch.ops.hearthnet.q4_mm(x, w, s, o)
+    return out
+
+
+def mm8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp32 rows `x` (m, k) times the packed 8-bit weights (`pack8`): (m, n) fp32."""
+    out: torch.Tensor = torch.ops.hearthnet.q8_mm(x, w, s)
     return out

@@ -96,6 +96,7 @@ from hearthnet.distributed_inference.engine.blocks import (
     GgmlBlocks,
     int4_affine,
     int4_groups,
+    q8_groups,
 )
 from hearthnet.dtypes import FLOAT_DTYPES
 from hearthnet.errors import BadRequest, ConfigError, WeightsMismatch
@@ -878,6 +879,61 @@ class Int4Linear(nn.Module):
         return not torch.compiler.is_compiling() and len(x2) >= int4_dense_rows()
 
 
+class Q8Linear(nn.Module):
+    """`nn.Linear` (or an embedding, `rows`) with a GGUF's Q8_0 blocks as they are: int8
+    values with each group of 32's fp16 scale, in `q4vnni`'s 8-bit layout; products in
+    the `int4-vnni` kernel (two int8 digits of each activation: ~2e-5 of the fp32
+    product). Where the blocks' host runs `int4-vnni` (`vnni_q8`), it stands for int8 per
+    output channel, which would de-quantise them and round them a second time."""
+
+    weight_q8: torch.Tensor
+    scales: torch.Tensor
+    bias: nn.Parameter | None
+
+    def __init__(self, blocks: GgmlBlocks, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        n, k = blocks.shape
+        if blocks.ggml_type != "Q8_0" or n % q4vnni.TILE or k % GROUP:
+            raise ValueError(f"{blocks.ggml_type} {n}x{k} blocks are not Q8_0 in whole tiles")
+        w, sc = q4vnni.pack8(*q8_groups(blocks.raw.cpu(), blocks.shape))
+        self.in_features, self.out_features = k, n
+        self.register_buffer("weight_q8", w)
+        self.register_buffer("scales", sc)
+        self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None \
+            else None
+
+    @staticmethod
+    def takes(blocks: object) -> bool:
+        """Whether `blocks` are Q8_0 this process holds as they are (`vnni_q8`)."""
+        return isinstance(blocks, GgmlBlocks) and blocks.ggml_type == "Q8_0" \
+            and blocks.shape[0] % q4vnni.TILE == 0 and vnni_q8()
+
+    def pack(self) -> None:
+        """As `Int8Linear.pack`: the one layout serves lookups and products."""
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows `ids` of the weight (an embedding lookup), exactly the file's."""
+        return q4vnni.unpack8_rows(self.weight_q8, self.scales, ids)
+
+    def dequantised(self) -> torch.Tensor:
+        """The fp32 weight (tests, quality checks)."""
+        return self.rows(torch.arange(self.out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        y = q4vnni.mm8(x2.float().contiguous(), self.weight_q8, self.scales).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def vnni_q8() -> bool:
+    """Whether Q8_0 blocks are held as they are (`Q8Linear`): where int4 from Q4 blocks
+    runs in `int4-vnni` (the same kernel), else they are de-quantised into int8 per
+    output channel."""
+    return int4_kernel_name() == q4vnni.KERNEL
+
+
 FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read
 # the same input in every family's decoder layer (Phi-3's are fused in its checkpoint)
 _FUSED_NAMES = {n for names in FUSE for n in names}
@@ -1020,9 +1076,11 @@ def load_module(module: nn.Module,
         bias = lin.bias if lin is not None and lin.bias is not None \
             and not lin.bias.is_meta else None
         if isinstance(value, GgmlBlocks) and lin is not None and quant is Int4Linear:
-            # DESIGN.md decision 15: a GGUF's Q4 blocks held as they are; others as int8
+            # DESIGN.md decision 15: a GGUF's Q4 blocks held as they are, and Q8_0 ones
+            # where the kernel takes them; others as int8
             module.set_submodule(owner_name, Int4Linear.from_blocks(value, bias)
                                  if value.ggml_type in Q4_TYPES
+                                 else Q8Linear(value, bias) if Q8Linear.takes(value)
                                  else Int8Linear(value.dequantise(), bias))
             if lin.bias is not None and bias is None:
                 _meta_bias(module.get_submodule(owner_name), lin.bias)
@@ -1084,6 +1142,8 @@ def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool, ggml_type: str =
     """
     n = math.prod(shape)
     if fmt == "int4" and linear and ggml_type:
+        if ggml_type == "Q8_0" and shape[0] % q4vnni.TILE == 0 and vnni_q8():
+            return n + (n // GROUP) * 2  # `Q8Linear`: the blocks' bytes
         if ggml_type not in Q4_TYPES:
             return held_nbytes(shape, "int8", linear)
         groups = (shape[1] // GROUP) * shape[0]

@@ -1,12 +1,13 @@
-// int4 weights × two int8 digits of each activation, in AVX-512 VNNI integer dot products
-// (M26 §5.7: the engine's per-token cost). Built and loaded by engine/q4vnni.py, which
-// documents the layout; registered as torch.ops.hearthnet.q4_mm.
+// int4 (and int8) weights × two int8 digits of each activation, in AVX-512 VNNI integer
+// dot products (M26 §5.7: the engine's per-token cost). Built and loaded by
+// engine/q4vnni.py, which documents the layouts; registered as torch.ops.hearthnet.q4_mm
+// (4-bit values, a GGUF's Q4 blocks) and torch.ops.hearthnet.q8_mm (8-bit, Q8_0 blocks).
 //
 // Why two digits: one int8 digit per activation (llama.cpp's Q8_0 activations) leaves a
 // relative error of ~5e-3 in a product; the residual as a second digit brings it to ~2e-5
 // (x ≈ d·(hi + lo/254)), and decode stays memory-bound (the weights are read once for both).
-// Every integer sum is exact: |Σ q·(254·hi + lo)| over a group of 32 is < 2^24, so its
-// conversion to fp32 is exact too.
+// Every integer sum is exact; for 4-bit values |Σ q·(254·hi + lo)| over a group of 32 is
+// < 2^24, so its conversion to fp32 is exact too (8-bit: one fp32 rounding, 2^-24).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,9 +19,11 @@ namespace {
 
 constexpr int64_t kGroup = 32;       // inputs per group: a Q4_0/Q4_1 block, a Q4_K sub-block
 constexpr int64_t kTile = 16;        // output rows per tile: one 512-bit lane each
-constexpr int64_t kTileBytes = 256;  // a tile's group: 16 rows × 32 nibbles
-constexpr int kRows = 4;             // activation rows sharing a tile's unpacked nibbles
-constexpr int64_t kAhead = 16 * kTileBytes;  // prefetch distance in a tile's bytes
+constexpr int kRows = 4;             // activation rows sharing a tile's unpacked values
+
+// a tile's group: 16 rows × 32 values of BITS bits
+template <int BITS>
+constexpr int64_t group_bytes() { return 16 * 32 * BITS / 8; }
 
 // Rows x (m, k) fp32 → digits (2, m, k) int8, one scale d per group of 32 (m, k / 32) and
 // each group's digit sum 254·Σhi + Σlo (m, k / 32).
@@ -72,25 +75,34 @@ inline __m512i dot8(const __m512i* v, const int8_t* a) {
 }
 
 // One tile (16 output rows) for R activation rows: y[r][0..16).
-// OFFSET: weight = q·s + o per group; else weight = (q − 8)·s (Q4_0).
-template <typename S, bool OFFSET, int R>
+// OFFSET: weight = q·s + o per group; else weight = (q − z)·s, z = 8 for 4-bit values
+// (Q4_0), 128 for 8-bit ones (Q8_0's int8 held as u8 = q + 128: VNNI multiplies u8 × s8).
+template <typename S, bool OFFSET, int BITS, int R>
 inline void tile(const uint8_t* w, const S* s, const S* o, int64_t groups, const int8_t* hi,
                  const int8_t* lo, const float* d, const int32_t* sum, int64_t k, float* y,
                  int64_t n) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr int64_t bytes = group_bytes<BITS>();
+  constexpr int32_t zero = BITS == 4 ? 8 : 128;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
-    // 4 × 64 bytes: lane j holds row j's inputs 8c..8c+3 (low nibbles), 8c+4..8c+7 (high)
-    const uint8_t* wg = w + g * kTileBytes;
+    const uint8_t* wg = w + g * bytes;
     // 16 groups ahead: with several activation rows (a batch, a speculative pass) the
     // hardware prefetcher falls behind (8 rows: ~20 % faster from memory; one row: same)
-    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + 64 * c), _MM_HINT_T0);
-    __m512i v[8];
-    for (int c = 0; c < 4; ++c) {
-      const __m512i b = _mm512_loadu_si512(wg + 64 * c);
-      v[2 * c] = _mm512_and_si512(b, nib);
-      v[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+    for (int64_t c = 0; c < bytes; c += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(wg + 16 * bytes + c), _MM_HINT_T0);
+    }
+    __m512i v[8];  // v[c]: lane j holds row j's inputs 4c..4c+3
+    if constexpr (BITS == 4) {
+      // 4 × 64 bytes: inputs 8c..8c+3 in the low nibbles, 8c+4..8c+7 in the high ones
+      for (int c = 0; c < 4; ++c) {
+        const __m512i b = _mm512_loadu_si512(wg + 64 * c);
+        v[2 * c] = _mm512_and_si512(b, nib);
+        v[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) v[c] = _mm512_loadu_si512(wg + 64 * c);
     }
     const __m512 sc = load16<S>(s + g * kTile);
     __m512 of = _mm512_setzero_ps();
@@ -100,7 +112,7 @@ inline void tile(const uint8_t* w, const S* s, const S* o, int64_t groups, const
       __m512i isum = _mm512_add_epi32(
           _mm512_mullo_epi32(dot8(v, hi + at), _mm512_set1_epi32(254)), dot8(v, lo + at));
       const int32_t asum = sum[r * groups + g];
-      if constexpr (!OFFSET) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * asum));
+      if constexpr (!OFFSET) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zero * asum));
       const float da = d[r * groups + g] * (1.0f / 254.0f);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(da)),
                                acc[r]);
@@ -110,55 +122,57 @@ inline void tile(const uint8_t* w, const S* s, const S* o, int64_t groups, const
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, acc[r]);
 }
 
-template <typename S, bool OFFSET>
+template <typename S, bool OFFSET, int BITS>
 void product(const uint8_t* w, const S* s, const S* o, const int8_t* q, const float* d,
              const int32_t* sum, int64_t m, int64_t n, int64_t k, float* y) {
   const int64_t groups = k / kGroup;
   const int8_t* lo = q + m * k;
   at::parallel_for(0, n / kTile, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const uint8_t* wt = w + t * groups * kTileBytes;
+      const uint8_t* wt = w + t * groups * group_bytes<BITS>();
       const S* st = s + t * groups * kTile;
       const S* ot = OFFSET ? o + t * groups * kTile : nullptr;
       int64_t r = 0;
       for (; r + kRows <= m; r += kRows) {
-        tile<S, OFFSET, kRows>(wt, st, ot, groups, q + r * k, lo + r * k, d + r * groups,
+        tile<S, OFFSET, BITS, kRows>(wt, st, ot, groups, q + r * k, lo + r * k, d + r * groups,
                                sum + r * groups, k, y + r * n + t * kTile, n);
       }
       for (; r < m; ++r) {
-        tile<S, OFFSET, 1>(wt, st, ot, groups, q + r * k, lo + r * k, d + r * groups,
+        tile<S, OFFSET, BITS, 1>(wt, st, ot, groups, q + r * k, lo + r * k, d + r * groups,
                            sum + r * groups, k, y + r * n + t * kTile, n);
       }
     }
   });
 }
 
-template <typename S>
+template <typename S, int BITS>
 void dispatch(const at::Tensor& w, const at::Tensor& s, const c10::optional<at::Tensor>& o,
               const at::Tensor& q, const at::Tensor& d, const at::Tensor& sum, int64_t m,
               int64_t n, int64_t k, at::Tensor& y) {
   const S* op = o.has_value() ? o->data_ptr<S>() : nullptr;
-  auto run = o.has_value() ? product<S, true> : product<S, false>;
+  auto run = o.has_value() ? product<S, true, BITS> : product<S, false, BITS>;
   run(w.data_ptr<uint8_t>(), s.data_ptr<S>(), op, q.data_ptr<int8_t>(), d.data_ptr<float>(),
       sum.data_ptr<int32_t>(), m, n, k, y.data_ptr<float>());
 }
 
-at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
-                 const c10::optional<at::Tensor>& o) {
+template <int BITS>
+at::Tensor mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+              const c10::optional<at::Tensor>& o) {
+  constexpr const char* name = BITS == 4 ? "q4_mm" : "q8_mm";
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.is_cpu(),
-              "q4_mm: x must be contiguous fp32 (rows, inputs) on the CPU");
+              name, ": x must be contiguous fp32 (rows, inputs) on the CPU");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  w.size(2) == kTileBytes,
-              "q4_mm: w must be contiguous uint8 (tiles, groups, 256)");
+                  w.size(2) == group_bytes<BITS>(),
+              name, ": w must be contiguous uint8 (tiles, groups, ", group_bytes<BITS>(), ")");
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup, n = w.size(0) * kTile;
-  TORCH_CHECK(k % kGroup == 0 && w.size(1) == groups, "q4_mm: x has ", k,
+  TORCH_CHECK(k % kGroup == 0 && w.size(1) == groups, name, ": x has ", k,
               " inputs; w is for ", w.size(1) * kGroup);
   TORCH_CHECK(s.is_contiguous() && (s.scalar_type() == at::kHalf || s.scalar_type() == at::kFloat) &&
                   s.dim() == 3 && s.size(0) == w.size(0) && s.size(1) == groups && s.size(2) == kTile,
-              "q4_mm: s must be contiguous fp16 or fp32 (tiles, groups, 16)");
+              name, ": s must be contiguous fp16 or fp32 (tiles, groups, 16)");
   TORCH_CHECK(!o.has_value() || (o->is_contiguous() && o->scalar_type() == s.scalar_type() &&
                                  o->sizes() == s.sizes()),
-              "q4_mm: o must be as s");
+              name, ": o must be as s");
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   auto q = at::empty({2 * m, k}, x.options().dtype(at::kChar));
@@ -167,14 +181,29 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
   digits_of(x.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
             sum.data_ptr<int32_t>());
   if (s.scalar_type() == at::kHalf) {
-    dispatch<at::Half>(w, s, o, q, d, sum, m, n, k, y);
+    dispatch<at::Half, BITS>(w, s, o, q, d, sum, m, n, k, y);
   } else {
-    dispatch<float>(w, s, o, q, d, sum, m, n, k, y);
+    dispatch<float, BITS>(w, s, o, q, d, sum, m, n, k, y);
   }
   return y;
 }
 
+at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                 const c10::optional<at::Tensor>& o) {
+  return mm<4>(x, w, s, o);
+}
+
+at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) {
+  return mm<8>(x, w, s, c10::nullopt);
+}
+
 }  // namespace
 
-TORCH_LIBRARY(hearthnet, m) { m.def("q4_mm(Tensor x, Tensor w, Tensor s, Tensor? o) -> Tensor"); }
-TORCH_LIBRARY_IMPL(hearthnet, CPU, m) { m.impl("q4_mm", &q4_mm); }
+TORCH_LIBRARY(hearthnet, m) {
+  m.def("q4_mm(Tensor x, Tensor w, Tensor s, Tensor? o) -> Tensor");
+  m.def("q8_mm(Tensor x, Tensor w, Tensor s) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(hearthnet, CPU, m) {
+  m.impl("q4_mm", &q4_mm);
+  m.impl("q8_mm", &q8_mm);
+}
