@@ -128,8 +128,9 @@ def test_quantised_formats_compile_to_their_eager_tokens(weights, family_models,
     # member: every int4 matrix the layers hold, once per position
     held = {m for m in stack.layers.modules() if isinstance(m, Int4Linear)}
     assert any(isinstance(m, FusedLinear) for m in stack.layers.modules())
-    products = sum(e.count for e in prof.key_averages()
-                   if e.key == "aten::_weight_int4pack_mm_for_cpu")
+    kernel = "hearthnet::q4_mm" if all(m.vnni for m in held) \
+        else "aten::_weight_int4pack_mm_for_cpu"  # int4-vnni where this process chose it
+    products = sum(e.count for e in prof.key_averages() if e.key == kernel)
     assert products == len(held) * (1 + DECODE)  # the eager prefill, then each step
     eager_toks, eager_logits = _greedy(head, LayeredStack(entry, 0, entry.num_layers - 1,
                                                           weights), PROMPT, DECODE)

@@ -163,7 +163,9 @@ def test_q8_0_blocks_are_held_as_they_are_where_the_vnni_kernel_runs(ggufs, tmp_
                                                                      monkeypatch):
     """A GGUF quantised to Q8_0 throughout: held as int4, its layer matrices stay the
     file's Q8_0 blocks (`Q8Linear`, no second rounding) and answer as fp32 does; the
-    planner's bytes are the held ones."""
+    planner's bytes are the held ones. An int8 head (the default beside int4 shards)
+    holds its Q8_0 embeddings as they are too — a vocabulary of 261 rows, padded to
+    whole tiles — and its logits are an fp32 head's to ~1e-4."""
     use_int4_kernel(monkeypatch, q4vnni.KERNEL)
     src = ggufs / "src" / "llama"
     path = write_tiny_gguf("llama", src, tmp_path / "tiny-q8.gguf", quant="Q8_0")
@@ -177,27 +179,32 @@ def test_q8_0_blocks_are_held_as_they_are_where_the_vnni_kernel_runs(ggufs, tmp_
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < 2e-4 * ref_logits.abs().max()
 
-
-def test_smollm2s_q8_0_embeddings_make_an_exact_int8_head(tmp_path, monkeypatch):
-    """SmolLM2's GGUF ties its lm_head to Q8_0 embeddings: an int8 head (the default
-    beside int4 shards) holds those blocks as they are — embedding rows exactly the fp32
-    de-quantised ones, logits within ~1e-4 of an fp32 head's — in the file's bytes."""
-    use_int4_kernel(monkeypatch, q4vnni.KERNEL)
-    entry = import_model(ModelStore(tmp_path / "store"), str(smollm2_gguf_path()),
-                         dtype="gguf")
     head, exact = LayeredHead(entry, "int8"), LayeredHead(entry, "fp32")
-    assert isinstance(head.embed_q, Q8Linear) and head.lm_head_q is head.embed_q
+    assert isinstance(head.embed_q, Q8Linear) and head.embed_q.out_features == GGUF_VOCAB
+    assert isinstance(head.lm_head_q, Q8Linear)  # tied, or Q8_0 blocks of its own
+    assert torch.equal(head.embed(IDS), exact.embed(IDS))
+    hidden = torch.randn(1, 3, exact.norm.weight.numel())
+    got, want = head.logits_rows([hidden])[0], exact.logits_rows([hidden])[0]
+    assert got.shape == want.shape == (3, GGUF_VOCAB)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+
+
+def test_smollm2s_q8_0_embeddings_are_held_as_they_are():
+    """SmolLM2's GGUF ties its lm_head to Q8_0 embeddings (49,152 × 576), the matrix an
+    int8 head holds: rows exactly gguf-py's de-quantisation, products ~1e-4 of fp32."""
+    if not q4vnni.available():
+        pytest.skip(q4vnni.unavailable_reason())
     reader = GGUFReader(str(smollm2_gguf_path()))
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert embd.tensor_type == GGMLQuantizationType.Q8_0
-    norm_bytes = exact.norm.weight.numel() * 4
-    assert head.param_bytes() == int(embd.n_bytes) + norm_bytes
-    ids = [1, 504, 3260, 49151]
-    assert torch.equal(head.embed(ids), exact.embed(ids))
-    torch.manual_seed(0)
-    hidden = torch.randn(1, 3, exact.norm.weight.numel())
-    got, want = head.logits_rows([hidden])[0], exact.logits_rows([hidden])[0]
-    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    shape = (int(embd.shape[1]), int(embd.shape[0]))
+    lin = Q8Linear(GgmlBlocks(torch.from_numpy(embd.data.copy()), "Q8_0", shape))
+    ref = torch.from_numpy(dequantize(embd.data, embd.tensor_type).copy()).reshape(shape)
+    ids = torch.tensor([1, 504, 3260, 49151])
+    assert torch.equal(lin.rows(ids), ref[ids])
+    x = torch.randn(2, shape[1])
+    want = x.double() @ ref.double().t()
+    assert float((lin(x).double() - want).abs().max()) < 1e-4 * float(want.abs().max())
 
 
 def test_smollm2s_real_q4_1_blocks_are_held_exactly():

@@ -194,8 +194,14 @@ def test_q8_0_blocks_held_as_they_are_compute_within_the_digits_rounding(monkeyp
     assert torch.equal(lin(x[4:5]), got[4:5])
     with pytest.raises(ValueError, match="not Q8_0"):
         quant.Q8Linear(_blocks("Q4_0"))
-    odd = GgmlBlocks(torch.from_numpy(raw[:N - 8]), "Q8_0", (N - 8, K))  # not whole tiles
-    assert not quant.Q8Linear.takes(odd)
+    # rows that are not whole tiles of 16 (a vocabulary of 49,155): padded, never returned
+    odd = GgmlBlocks(torch.from_numpy(raw[:N - 8]), "Q8_0", (N - 8, K))
+    assert quant.Q8Linear.takes(odd)
+    short = quant.Q8Linear(odd)
+    assert torch.equal(short(x), quant.Q8Linear(b)(x)[:, :N - 8])
+    assert torch.equal(short.rows(torch.tensor([N - 9])), ref[N - 9:N - 8])
+    assert sum(t.numel() * t.element_size() for t in short.buffers()) == raw.size \
+        == held_nbytes((N - 8, K), "int4", True, "Q8_0")
     use_int4_kernel(monkeypatch, "int4pack-bf16")  # not this process's kernel: int8 rows
     assert not quant.Q8Linear.takes(b)
     assert held_nbytes((N, K), "int4", True, "Q8_0") == N * K + 2 * N

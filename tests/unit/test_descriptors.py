@@ -160,9 +160,11 @@ def test_a_quantised_shard_names_its_kernel_and_status_shows_it() -> None:
 
 def test_a_shard_advertises_the_kernel_this_process_chose() -> None:
     from hearthnet.distributed_inference.directory.formats import KERNELS
+    from hearthnet.distributed_inference.engine.q4vnni import KERNEL as VNNI
     from hearthnet.distributed_inference.engine.quant import INT4_KERNEL, INT8_KERNEL, kernel_of
 
-    assert kernel_of("int8") == INT8_KERNEL and kernel_of("int4") == "int4pack-bf16"
+    assert kernel_of("int8") == INT8_KERNEL  # int4 quantised at load: vnni, else bf16
+    assert kernel_of("int4") == (VNNI if INT4_KERNEL == VNNI else "int4pack-bf16")
     assert kernel_of("int4", blocks=True) == INT4_KERNEL  # a GGUF's Q4 blocks held as int4
     assert kernel_of("fp32") == kernel_of("bf16") == ""
     for kernel in (INT8_KERNEL, "int4pack-bf16", "int4pack-fp32"):  # advertised as they are

@@ -14,9 +14,17 @@ from hearthnet.distributed_inference.engine import quant
 from hearthnet.distributed_inference.engine.blocks import GgmlBlocks
 from hearthnet.distributed_inference.engine.quant import Int4Linear
 from hearthnet.errors import ConfigError
+from tests.helpers.kernels import use_int4_kernel
 
 needs_layout = pytest.mark.skipif(not quant.dense_layout_ok(),
                                   reason="torch packs int4 in another layout on this CPU")
+
+
+@pytest.fixture(autouse=True)
+def torch_int4(monkeypatch):
+    """The dense path reads torch's int4 layout: int4 quantised at load in torch's kernel
+    (where int4-vnni is this process's choice, it would be held for that instead)."""
+    use_int4_kernel(monkeypatch, "int4pack-bf16")
 
 
 def _q4_linear(kind: str, n: int = 128, k: int = 96) -> tuple[Int4Linear, torch.Tensor]:

@@ -9,11 +9,19 @@ import torch
 
 from hearthnet.distributed_inference.directory import formats
 from hearthnet.distributed_inference.engine import q4vnni, quant
-from hearthnet.distributed_inference.engine.quant import Int4Linear, Int8Linear
+from hearthnet.distributed_inference.engine.quant import (
+    Int4Linear,
+    Int8Linear,
+    held_bytes,
+    held_nbytes,
+)
 from hearthnet.errors import BadRequest, ConfigError
+from tests.helpers.kernels import use_int4_kernel
 
 
-def test_int8_and_int4_linear_match_the_float_product():
+@pytest.mark.parametrize("int4", ["int4pack-bf16", q4vnni.KERNEL])
+def test_int8_and_int4_linear_match_the_float_product(int4, monkeypatch):
+    use_int4_kernel(monkeypatch, int4)
     torch.manual_seed(0)
     w, b, x = torch.randn(96, 256) * 0.05, torch.randn(96), torch.randn(3, 5, 256)
     ref = torch.nn.functional.linear(x, w, b)
@@ -28,9 +36,34 @@ def test_int8_and_int4_linear_match_the_float_product():
         assert y.shape == ref.shape and y.dtype == x.dtype
         assert float((y - ref).norm() / ref.norm()) < tol
     assert Int4Linear(torch.randn(16, 96), None).group == 32  # 64 does not divide 96
-    assert Int4Linear(torch.randn(16, 256), None).group == 64
+    # torch's kernel: groups of 64 where they divide; int4-vnni: 32, as llama.cpp's Q4_1
+    assert Int4Linear(torch.randn(16, 256), None).group == (64 if int4 != q4vnni.KERNEL else 32)
+    assert q4.vnni == (int4 == q4vnni.KERNEL)
+    assert held_bytes(q4) - 4 * 96 == held_nbytes((96, 256), "int4", True)  # less the bias
     with pytest.raises(BadRequest, match="int4 needs"):
         Int4Linear(torch.randn(16, 100), None)
+
+
+def test_int4_quantised_at_load_for_the_vnni_kernel_is_q4_1_with_fp16_numbers(monkeypatch):
+    """Quantised at load for `int4-vnni`: groups of 32 with an fp16 scale and minimum each,
+    every weight within half a step of its group's grid (steps of the fp16 scale), the
+    product that of those weights to ~1e-4."""
+    use_int4_kernel(monkeypatch, q4vnni.KERNEL)
+    torch.manual_seed(1)
+    w = torch.randn(48, 320) * torch.logspace(-3, 0, 320)  # groups of very different sizes
+    q4 = Int4Linear(w, None)
+    assert q4.vnni and q4.group == 32
+    assert q4.scales_and_zeros.dtype == q4.offsets.dtype == torch.float16
+    step = q4.scales_and_zeros.float().permute(0, 2, 1).reshape(48, 10)  # (rows, groups)
+    low = q4.offsets.float().permute(0, 2, 1).reshape(48, 10)
+    held = q4(torch.eye(320)).t()  # the held weights, row by row
+    err = (held - w).reshape(48, 10, 32).abs()
+    assert bool((err <= step[..., None] * 0.5 + 1e-3 * step[..., None] + 1e-6).all())
+    grid = ((held.reshape(48, 10, 32) - low[..., None]) / step[..., None])
+    assert float((grid - grid.round()).abs().max()) < 1e-3  # values on the fp16 grid
+    x = torch.randn(7, 320)
+    ref = x.double() @ held.double().t()
+    assert float((q4(x).double() - ref).norm() / ref.norm()) < 1e-4
 
 
 def test_formats_and_routing_policy():
@@ -127,7 +160,9 @@ def test_int4_from_blocks_runs_in_the_kernel_path_a_probe_chose_and_names_it(mon
     assert quant.INT4_KERNEL in quant.INT4_KERNELS
     assert quant.INT4_KERNELS[quant.INT4_KERNEL] == quant.INT4_BLOCKS_DTYPE
     assert quant.kernel_of("int4", blocks=True) == quant.INT4_KERNEL
-    assert quant.kernel_of("int4") == "int4pack-bf16"  # int4 quantised at load: bf16 always
+    # int4 quantised at load: in int4-vnni where that is the kernel, else bf16
+    assert quant.kernel_of("int4") == (q4vnni.KERNEL if quant.INT4_KERNEL == q4vnni.KERNEL
+                                       else "int4pack-bf16")
     assert set(quant.INT4_KERNELS) <= set(formats.KERNELS)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
@@ -300,11 +335,16 @@ class _Mlp(torch.nn.Module):
         self.up_proj = torch.nn.Linear(64, rows[1], bias=False)
 
 
+@pytest.mark.parametrize("int4", ["int4pack-bf16", q4vnni.KERNEL])
 @pytest.mark.parametrize("rows", [(128, 64), (64, 16)])
-def test_int4_siblings_are_held_as_one_matrix_where_their_packed_rows_join(rows, monkeypatch):
+def test_int4_siblings_are_held_as_one_matrix_where_their_packed_rows_join(rows, int4,
+                                                                         monkeypatch):
     """gate/up in int4 are one packed matrix (one kernel call per input, each member's
-    output as its own linear gives it, nothing held twice) where torch's packing of their
-    rows joins (blocks of 64 rows on AVX-512: 16 rows do not), else two linears."""
+    output as its own linear gives it, nothing held twice) where their packed rows join:
+    torch packs rows in blocks (64 on AVX-512: 16 rows do not join), int4-vnni in tiles
+    of 16 (always); else two linears."""
+    use_int4_kernel(monkeypatch, int4)
+    vnni = int4 == q4vnni.KERNEL
     torch.manual_seed(0)
     ref = _Mlp(rows)
     with torch.device("meta"):
@@ -313,14 +353,14 @@ def test_int4_siblings_are_held_as_one_matrix_where_their_packed_rows_join(rows,
     solo = {n: Int4Linear(getattr(ref, n).weight.detach(),
                           None if getattr(ref, n).bias is None
                           else getattr(ref, n).bias.detach()) for n in ("gate_proj", "up_proj")}
-    joins = quant._packs_join(rows)
+    joins = vnni or quant._packs_join(rows)
     if rows == (128, 64):
         assert joins  # whole blocks in every layout torch packs (32 or 64 rows)
     assert isinstance(held.gate_proj, quant.FusedMember) == joins
     calls = []
-    real = torch._weight_int4pack_mm_for_cpu
-    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu",
-                        lambda *a: calls.append(1) or real(*a))
+    owner, name = (q4vnni, "mm") if vnni else (torch, "_weight_int4pack_mm_for_cpu")
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a: calls.append(1) or real(*a))
     x = torch.randn(3, 64)
     with torch.inference_mode():
         outs = {n: getattr(held, n)(x) for n in ("up_proj", "gate_proj")}
@@ -331,6 +371,7 @@ def test_int4_siblings_are_held_as_one_matrix_where_their_packed_rows_join(rows,
         group = held.gate_proj.group
         assert group.splits == list(rows) and getattr(group._last, "v", None) is None
         groups = 64 // group.inner.group
-        packed = sum(r * 64 // 2 + groups * r * 2 * 2 for r in rows)  # nibbles, bf16 (s, z)
+        # nibbles, and bf16 (scale, zero) or fp16 (scale, minimum) per group
+        packed = sum(r * 64 // 2 + groups * r * 2 * 2 for r in rows)
         # and the fp32 bias of both (up's zeros: the members' biases are one vector)
         assert quant.held_bytes(held) == packed + sum(rows) * 4

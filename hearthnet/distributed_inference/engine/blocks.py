@@ -6,7 +6,7 @@ quantised GGUF tensor as the file's own GGML block bytes: a uint8 tensor of shap
 (rows, bytes per row), its GGML type and logical shape recorded beside it
 (`hearthnet.models.gguf.GGML_METADATA`). `GgmlBlocks` is one such tensor read back.
 
-Two ways out of the blocks:
+Three ways out of the blocks:
 
 - `dequantise`: the exact fp32 weights, as gguf-py's `gguf.quants.dequantize` (the
   reference every held format is compared with) computes them; every float format and the
@@ -29,8 +29,12 @@ Two ways out of the blocks:
   `inexact_zeros` counts them). In fp32 the kernel's ``(q − 8)·scale + zero`` then rounds
   once, as the reference's ``d·q + m`` does: the held weight is the reference's, bit for
   bit. The kernel's fast path takes bf16 activations, scales and zeros and writes bf16
-  outputs; there the scales and zeros round to 8 bits of mantissa. Which path a process
-  uses is chosen at import (`quant.INT4_KERNEL`).
+  outputs; there the scales and zeros round to 8 bits of mantissa.
+- `int4_affine` (and `q8_groups` for Q8_0): the values and scales exactly as the file has
+  them — fp16 d (and m) for Q4_0/Q4_1/Q8_0, fp32 d·sc and −dmin·m for Q4_K — for
+  HearthNet's own `int4-vnni` kernel (`q4vnni`), ``w = q·scale + offset``.
+
+Which path a process uses is chosen on first use (`quant.INT4_KERNEL`).
 
 Block layouts as llama.cpp's `ggml-quants.c` (`dequantize_row_q4_0/q4_1/q4_K`) defines
 them: a Q4_0 block is d (fp16) then 16 bytes whose low nibbles are elements 0..15 and

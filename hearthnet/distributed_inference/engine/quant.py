@@ -19,10 +19,12 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
     oneDNN's int8 path is wrong and ~10× slower), 7-bit digits (~13 bits): its kernel
     sums pairs of products in 16 bits, which 8-bit digits would overflow;
   - else `int8pack`: torch's `_weight_int8pack_mm` with bf16 activations (ARM builds).
-- `int4`: weight-only int4, asymmetric in groups of 64 (32 where 64 does not divide) along
-  the input dimension (gpt-fast's layout; llama.cpp's 4-bit blocks are 32), with bf16
-  scales and zeros, in torch's `_weight_int4pack_mm_for_cpu` with bf16 activations
-  (`int4pack-bf16`). Not in a call's default accepted set (docs/operations.md "Weight formats").
+- `int4`: weight-only int4. Where int4 runs in HearthNet's own `int4-vnni` kernel (below),
+  quantised at load as llama.cpp's Q4_1: asymmetric in groups of 32 along the input
+  dimension, each with an fp16 scale and minimum. Elsewhere asymmetric in groups of 64 (32
+  where 64 does not divide; gpt-fast's layout) with bf16 scales and zeros, in torch's
+  `_weight_int4pack_mm_for_cpu` with bf16 activations (`int4pack-bf16`). Not in a call's
+  default accepted set (docs/operations.md "Weight formats").
   From a store that kept a GGUF's blocks (DESIGN.md decision 15) the Q4_0/Q4_1/Q4_K
   blocks are held as they are — int4 groups of 32 with the blocks' own scales and zeros,
   no second quantisation (`blocks.int4_groups`) — and their products run in one of the
@@ -62,9 +64,10 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
   passes stay in the kernel the compiled steps use) where the de-quantisation compiles
   and torch packs int4 in the layout it reads; else, and until then, the kernel runs
   every product.
-  A linear of other blocks (Q8_0, Q5_K, Q6_K …) is de-quantised exactly to fp32 and held
-  as int8 per output channel (no torch CPU kernel takes int8 with per-group scales); the
-  quality benchmark reports that loss.
+  A linear of Q8_0 blocks is held as they are (`Q8Linear`) where `int4-vnni` runs: the
+  same kernel with 8-bit values. Other blocks (Q5_K, Q6_K …, and Q8_0 elsewhere) are
+  de-quantised exactly to fp32 and held as int8 per output channel (no torch CPU kernel
+  takes int8 with per-group scales); the quality benchmark reports that loss.
 
 Loading is per tensor: a tensor is read from safetensors, converted to the held format and
 assigned, then the next one is read, so the stored model never sits in memory whole (a
@@ -380,9 +383,10 @@ def int4_blocks_dtype() -> torch.dtype:
 def kernel_of(fmt: str, blocks: bool = False) -> str:
     """The kernel `fmt`'s products run in, in this process (`formats.KERNELS`; "" for a
     float format). `blocks`: the weights are a GGUF's kept blocks, whose Q4 linears run
-    in the path of `INT4_BLOCKS_DTYPE`; int4 quantised at load always runs in bf16."""
+    in `INT4_KERNEL`'s path; int4 quantised at load runs in `int4-vnni` where that is
+    `INT4_KERNEL`, else in bf16."""
     if fmt == "int4":
-        return int4_kernel_name() if blocks else "int4pack-bf16"
+        return int4_kernel_name() if blocks or vnni_q8() else "int4pack-bf16"
     return int8_kernel_name() if fmt == "int8" else ""
 
 
@@ -776,7 +780,7 @@ class Int4Linear(nn.Module):
         _int4_shape_check(n, k, GROUP if k % GROUP == 0 else 0)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        if dtype is None and int4_kernel_name() == q4vnni.KERNEL:
+        if dtype is None and vnni_holds(n, k):
             w, s, o = q4vnni.pack(*int4_affine(blocks.raw.cpu(), blocks.ggml_type, blocks.shape))
             self._keep(w, s, GROUP, k, bias, offsets=o)
             return self
@@ -786,8 +790,27 @@ class Int4Linear(nn.Module):
         return self
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Quantise float `weight`: where int4 runs in `int4-vnni` (`vnni_holds`), as
+        llama.cpp's Q4_1 — groups of 32, each with an fp16 scale and minimum, the values
+        rounded against those fp16 numbers — else for torch's kernel (`INT4_GROUPS`, bf16
+        scales and zeros)."""
         super().__init__()
         n, k = weight.shape
+        if vnni_holds(n, k):
+            q = torch.empty((n, k), dtype=torch.uint8)
+            scale = torch.empty((n, k // GROUP), dtype=torch.float16)
+            low = torch.empty_like(scale)
+            for r, w in _rows(weight):
+                wg = w.reshape(len(w), -1, GROUP)
+                lo, hi = wg.amin(-1), wg.amax(-1)
+                sh, lh = ((hi - lo) / 15).half(), lo.half()
+                s32 = sh.float().clamp(min=1e-30)[..., None]  # a constant group: q = 0
+                q[r:r + len(w)] = ((wg - lh.float()[..., None]) / s32).round_().clamp_(0, 15) \
+                    .reshape(len(w), k).to(torch.uint8)
+                scale[r:r + len(w)], low[r:r + len(w)] = sh, lh
+            w, sp, op = q4vnni.pack(q, scale, low)
+            self._keep(w, sp, GROUP, k, bias, offsets=op)
+            return
         gs = next((g for g in INT4_GROUPS if k % g == 0), 0)
         _int4_shape_check(n, k, gs)
         g = k // gs
@@ -891,11 +914,16 @@ class Q8Linear(nn.Module):
     bias: nn.Parameter | None
 
     def __init__(self, blocks: GgmlBlocks, bias: torch.Tensor | None = None) -> None:
+        """Hold Q8_0 `blocks`; rows past the last whole tile of 16 (a vocabulary of 49,155)
+        are padded with zero rows, whose outputs are never returned."""
         super().__init__()
         n, k = blocks.shape
-        if blocks.ggml_type != "Q8_0" or n % q4vnni.TILE or k % GROUP:
-            raise ValueError(f"{blocks.ggml_type} {n}x{k} blocks are not Q8_0 in whole tiles")
-        w, sc = q4vnni.pack8(*q8_groups(blocks.raw.cpu(), blocks.shape))
+        if blocks.ggml_type != "Q8_0" or k % GROUP:
+            raise ValueError(f"{blocks.ggml_type} {n}x{k} blocks are not Q8_0")
+        q, d = q8_groups(blocks.raw.cpu(), blocks.shape)
+        pad = -n % q4vnni.TILE
+        w, sc = q4vnni.pack8(nn.functional.pad(q, (0, 0, 0, pad)),
+                             nn.functional.pad(d, (0, 0, 0, pad)))
         self.in_features, self.out_features = k, n
         self.register_buffer("weight_q8", w)
         self.register_buffer("scales", sc)
@@ -905,8 +933,7 @@ class Q8Linear(nn.Module):
     @staticmethod
     def takes(blocks: object) -> bool:
         """Whether `blocks` are Q8_0 this process holds as they are (`vnni_q8`)."""
-        return isinstance(blocks, GgmlBlocks) and blocks.ggml_type == "Q8_0" \
-            and blocks.shape[0] % q4vnni.TILE == 0 and vnni_q8()
+        return isinstance(blocks, GgmlBlocks) and blocks.ggml_type == "Q8_0" and vnni_q8()
 
     def pack(self) -> None:
         """As `Int8Linear.pack`: the one layout serves lookups and products."""
@@ -921,17 +948,24 @@ class Q8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = q4vnni.mm8(x2.float().contiguous(), self.weight_q8, self.scales).to(x.dtype)
+        y = q4vnni.mm8(x2.float().contiguous(), self.weight_q8, self.scales)
+        y = y[:, :self.out_features].to(x.dtype)  # less the padding rows
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def vnni_q8() -> bool:
-    """Whether Q8_0 blocks are held as they are (`Q8Linear`): where int4 from Q4 blocks
-    runs in `int4-vnni` (the same kernel), else they are de-quantised into int8 per
-    output channel."""
+    """Whether Q8_0 blocks are held as they are (`Q8Linear`): where int4 runs in
+    `int4-vnni` (the same kernel), else they are de-quantised into int8 per output
+    channel."""
     return int4_kernel_name() == q4vnni.KERNEL
+
+
+def vnni_holds(n: int, k: int) -> bool:
+    """Whether an int4 (n × k) matrix is held for `int4-vnni`: where that is this
+    process's int4 kernel and the matrix is whole tiles of 16 rows and groups of 32."""
+    return n % q4vnni.TILE == 0 and k % GROUP == 0 and vnni_q8()
 
 
 FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read
@@ -1142,8 +1176,9 @@ def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool, ggml_type: str =
     """
     n = math.prod(shape)
     if fmt == "int4" and linear and ggml_type:
-        if ggml_type == "Q8_0" and shape[0] % q4vnni.TILE == 0 and vnni_q8():
-            return n + (n // GROUP) * 2  # `Q8Linear`: the blocks' bytes
+        if ggml_type == "Q8_0" and vnni_q8():  # `Q8Linear`: the blocks' bytes (whole tiles)
+            return (n + (n // GROUP) * 2) // shape[0] * -(-shape[0] // q4vnni.TILE) \
+                * q4vnni.TILE
         if ggml_type not in Q4_TYPES:
             return held_nbytes(shape, "int8", linear)
         groups = (shape[1] // GROUP) * shape[0]
@@ -1153,6 +1188,8 @@ def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool, ggml_type: str =
         return n // 2 + groups * 2 * scale
     if fmt == "int8" and linear:
         return n + shape[0] * 2  # int8 values + one bf16 scale per output channel
+    if fmt == "int4" and linear and vnni_holds(shape[0], shape[1]):
+        return n // 2 + (n // GROUP) * 4  # nibbles + fp16 (scale, minimum) per group of 32
     if fmt == "int4" and linear:
         k = shape[1]
         gs = next((g for g in INT4_GROUPS if k % g == 0), INT4_GROUPS[-1])
