@@ -106,12 +106,13 @@ def _build(folder: Path) -> None:
     try:
         load(name=_NAME, sources=[str(_SOURCE)], build_directory=str(own),
              extra_cflags=list(_FLAGS), is_python_module=False, verbose=False)
-        os.rename(own, folder)
-    except OSError:  # another process put its build there first: this one is loaded
-        shutil.rmtree(own, ignore_errors=True)
     except BaseException:
         shutil.rmtree(own, ignore_errors=True)
         raise
+    try:
+        os.rename(own, folder)
+    except OSError:  # another process put its build there first: this one is loaded
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def _fake(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
