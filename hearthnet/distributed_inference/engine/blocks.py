@@ -76,7 +76,7 @@ def dequantise(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...]) -> tor
 
 def _fp16(b: torch.Tensor) -> torch.Tensor:
     """fp32 values of little-endian fp16 numbers stored as byte pairs (..., 2)."""
-    return b.contiguous().view(torch.float16).squeeze(-1).float()
+    return _half(b).float()
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,6 @@ class LayeredHead:
         de-quantised exactly first)."""
         ((_, value),) = reader.tensors([key], "", blocks=True)
         if torch.device(self.device).type == "cpu" and Q8Linear.takes(value):
-            assert isinstance(value, GgmlBlocks)  # for mypy: `takes` checked it
             return Q8Linear(value)
         weight = value.dequantise() if isinstance(value, GgmlBlocks) else value
         return Int8Linear(weight, None, keep_rows=keep_rows)

@@ -386,7 +386,7 @@ def kernel_of(fmt: str, blocks: bool = False) -> str:
     in `INT4_KERNEL`'s path; int4 quantised at load runs in `int4-vnni` where that is
     `INT4_KERNEL`, else in bf16."""
     if fmt == "int4":
-        return int4_kernel_name() if blocks or vnni_q8() else "int4pack-bf16"
+        return int4_kernel_name() if blocks or vnni_chosen() else "int4pack-bf16"
     return int8_kernel_name() if fmt == "int8" else ""
 
 
@@ -906,7 +906,7 @@ class Q8Linear(nn.Module):
     """`nn.Linear` (or an embedding, `rows`) with a GGUF's Q8_0 blocks as they are: int8
     values with each group of 32's fp16 scale, in `q4vnni`'s 8-bit layout; products in
     the `int4-vnni` kernel (two int8 digits of each activation: ~2e-5 of the fp32
-    product). Where the blocks' host runs `int4-vnni` (`vnni_q8`), it stands for int8 per
+    product). Where the blocks' host runs `int4-vnni` (`vnni_chosen`), it stands for int8 per
     output channel, which would de-quantise them and round them a second time."""
 
     weight_q8: torch.Tensor
@@ -931,9 +931,10 @@ class Q8Linear(nn.Module):
             else None
 
     @staticmethod
-    def takes(blocks: object) -> bool:
-        """Whether `blocks` are Q8_0 this process holds as they are (`vnni_q8`)."""
-        return isinstance(blocks, GgmlBlocks) and blocks.ggml_type == "Q8_0" and vnni_q8()
+    def takes(blocks: object) -> TypeGuard[GgmlBlocks]:
+        """Whether `blocks` are Q8_0 this process holds as they are (`vnni_chosen`)."""
+        return isinstance(blocks, GgmlBlocks) and blocks.ggml_type == "Q8_0" \
+            and vnni_chosen()
 
     def pack(self) -> None:
         """As `Int8Linear.pack`: the one layout serves lookups and products."""
@@ -955,7 +956,7 @@ class Q8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def vnni_q8() -> bool:
+def vnni_chosen() -> bool:
     """Whether Q8_0 blocks are held as they are (`Q8Linear`): where int4 runs in
     `int4-vnni` (the same kernel), else they are de-quantised into int8 per output
     channel."""
@@ -965,7 +966,7 @@ def vnni_q8() -> bool:
 def vnni_holds(n: int, k: int) -> bool:
     """Whether an int4 (n × k) matrix is held for `int4-vnni`: where that is this
     process's int4 kernel and the matrix is whole tiles of 16 rows and groups of 32."""
-    return n % q4vnni.TILE == 0 and k % GROUP == 0 and vnni_q8()
+    return n % q4vnni.TILE == 0 and k % GROUP == 0 and vnni_chosen()
 
 
 FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read
@@ -1176,9 +1177,9 @@ def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool, ggml_type: str =
     """
     n = math.prod(shape)
     if fmt == "int4" and linear and ggml_type:
-        if ggml_type == "Q8_0" and vnni_q8():  # `Q8Linear`: the blocks' bytes (whole tiles)
-            return (n + (n // GROUP) * 2) // shape[0] * -(-shape[0] // q4vnni.TILE) \
-                * q4vnni.TILE
+        if ggml_type == "Q8_0" and vnni_chosen():  # `Q8Linear`: the blocks, whole tiles
+            rows = -(-shape[0] // q4vnni.TILE) * q4vnni.TILE
+            return rows * (shape[1] + shape[1] // GROUP * 2)  # int8 + fp16 per 32
         if ggml_type not in Q4_TYPES:
             return held_nbytes(shape, "int8", linear)
         groups = (shape[1] // GROUP) * shape[0]
