@@ -433,7 +433,9 @@ def evaluate_goals(models: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any
             out[f"{key} {name}"] = _goal(value, op, goal)
         ready = (m.get("local", {}).get("hearthnet", {}).get("compile") or {}).get("restart")
         if key in RESTART_GOALS and ready is not None:
-            out[f"{key} restart_compiled_step_s"] = _goal(ready.get("seconds"), "<=",
+            seconds = [v for v in (ready.get("seconds"), ready.get("head_seconds"))
+                       if v is not None]  # the layers' step and the head's, side by side
+            out[f"{key} restart_compiled_step_s"] = _goal(max(seconds, default=None), "<=",
                                                           RESTART_GOALS[key])
         if key in MESH_GOALS and "two_shards" in m:
             out[f"{key} mesh_vs_rpc_ratio"] = _goal(m["two_shards"].get("decode_ratio"), ">=",
@@ -467,7 +469,10 @@ def report(f: dict[str, Any]) -> str:
             if "error" in two:
                 errors.append(f"{key} two shards: {two['error']}")
     steps = [f"{key}: first start {c['first_start']['state']}, restart "
-             f"{c['restart']['state']}" for key, m in f["models"].items()
+             f"{c['restart']['state']}" + "".join(
+                 f"; head {kind}: {c['first_start']['head'][kind]}, restart {state}"
+                 for kind, state in (c["restart"].get("head") or {}).items())
+             for key, m in f["models"].items()
              if (c := m.get("local", {}).get("hearthnet", {}).get("compile"))]
     t1 = table(["model", "GGUF MB", "store MB (×)", "llama.cpp decode", "HearthNet decode",
                 "ratio", "llama.cpp prefill", "HearthNet prefill", "ratio",

@@ -244,7 +244,10 @@ def _compile_line(f: dict[str, Any]) -> str:
     if not c:
         return ""
     return (f"\ncompiled decode step: first start {c['first_start']['state']}; restart "
-            f"{c['restart']['state']} (decode eager until then)")
+            f"{c['restart']['state']} (decode eager until then)"
+            + "".join(f"\ncompiled head {kind}: first start {state}; restart "
+                      f"{c['restart'].get('head', {}).get(kind)}"
+                      for kind, state in c["first_start"].get("head", {}).items()))
 
 
 def _against_line(f: dict[str, Any]) -> str:
@@ -263,14 +266,20 @@ def _against_line(f: dict[str, Any]) -> str:
 # The child process: load one part, run it, report.
 
 
-def _compiled_ready(stack: Any, lo: int, hi: int) -> dict[str, Any]:
-    """Wait for the stack's compiled decode step (a node decodes eagerly meanwhile); what
-    it runs as and how long it took to be ready."""
-    if stack.compiled is None:
-        return {"state": "eager", "seconds": None}
-    stack.compiled.start(lo, hi)
-    state = stack.compiled.wait(lo, hi)
-    return {"state": state, "seconds": stack.compiled.seconds.get((lo, hi))}
+def _compiled_ready(stack: Any, lo: int, hi: int, head: Any = None) -> dict[str, Any]:
+    """Wait for the stack's compiled decode step and `head`'s compiled steps (a node runs
+    them eagerly meanwhile); what they run as and how long each took to be ready (built
+    side by side: the later of the two is when the whole token runs compiled)."""
+    out: dict[str, Any] = {"state": "eager", "seconds": None}
+    if stack.compiled is not None:
+        stack.compiled.start(lo, hi)
+        out = {"state": stack.compiled.wait(lo, hi),
+               "seconds": stack.compiled.seconds.get((lo, hi))}
+    compiled_head = getattr(head, "compiled", None)
+    if compiled_head is not None:
+        out["head"] = compiled_head.wait()
+        out["head_seconds"] = round(compiled_head.seconds, 2)
+    return out
 
 
 def _dense_rows(a: argparse.Namespace) -> int | None:
@@ -295,7 +304,7 @@ def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
                          device=a.device, cuda_graphs=not a.no_cuda_graphs,
                          compile_decode=bool(a.compile_dir),
                          compile_dir=Path(a.compile_dir) if a.compile_dir else None)
-    compile_state = _compiled_ready(engine.stack, 0, entry.num_layers - 1)
+    compile_state = _compiled_ready(engine.stack, 0, entry.num_layers - 1, engine.head)
     out: dict[str, Any] = {"compile": compile_state, "int4_dense_rows": _dense_rows(a),
                            "device_name": device_info(engine.stack.device)["name"],
                            "param_mb": round((engine.stack.param_bytes()
@@ -376,8 +385,10 @@ def _measure_layers(entry: Any, lo: int, hi: int, a: argparse.Namespace) -> dict
 def _measure_head(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
     from hearthnet.distributed_inference.engine.head import LayeredHead
 
-    head = LayeredHead(entry, head_format(a.weights), a.device)
-    out: dict[str, Any] = {"param_mb": round(head.param_bytes() / 2**20, 1)}
+    head = LayeredHead(entry, head_format(a.weights), a.device,
+                       compile_dir=Path(a.compile_dir) if a.compile_dir else None)
+    out: dict[str, Any] = {"param_mb": round(head.param_bytes() / 2**20, 1),
+                           "compile": head.compiled.wait() if head.compiled else {}}
     ids = head.chat_prompt_ids([{"role": "user", "content": a.prompt}])
     steps: list[list[float]] = []
     for _ in range(a.runs + 1):

@@ -79,6 +79,9 @@ def render(st: dict[str, Any]) -> str:
         state = "FULLY COVERED" if m["fully_covered"] else \
             "NOT COVERED: layers " + ", ".join(f"{a}-{b}" for a, b in m["uncovered"])
         lines.append(f"model {m['alias']} ({m['model_id']}, {m['num_layers']} layers): {state}")
+        if m.get("head_step"):
+            lines.append("  head steps: " + "; ".join(f"{k} {v}" for k, v in
+                                                       m["head_step"].items()))
         for row in m["coverage"]:
             a, b = row["layers"]
             lines.append(f"  layers {a:>2}-{b:<2}  {', '.join(row['hosts']) or '-'}")

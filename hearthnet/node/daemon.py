@@ -363,7 +363,8 @@ class Node:
             head_device=str(resolve_device(cfg.di.head_device)),  # absent: start-up error
             draft_models=cfg.di.draft_models, speculate_max_tokens=cfg.di.speculate_max_tokens,
             local_budget_mb=cfg.di.auto.memory_mb or cfg.di.host.shard_max_vram_mb,
-            lanes=cfg.di.pipeline_lanes or None, prefix_sharing=cfg.di.prefix_sharing)
+            lanes=cfg.di.pipeline_lanes or None, prefix_sharing=cfg.di.prefix_sharing,
+            compile_head=cfg.di.host.compile_decode)
 
     async def _join_mesh(self) -> None:
         """The bus capabilities, the links to configured peers, mDNS discovery, and the

@@ -75,6 +75,7 @@ async def mesh_status(node: Any) -> dict[str, Any]:
             "decode_step": _decode_state(node, d.shard_id)})
     models = []
     speculation = getattr(getattr(node, "orchestrator", None), "speculation", {})
+    head_steps = getattr(getattr(node, "orchestrator", None), "head_steps", None)
     for e in entries.values():
         covered: dict[int, list[str]] = {i: [] for i in range(e.num_layers)}
         for s in shards:  # an offline or unusable shard covers nothing: no call can use it
@@ -89,7 +90,10 @@ async def mesh_status(node: Any) -> dict[str, Any]:
                        "coverage": _coverage_rows(covered),
                        # this orchestrator's speculative passes of the model's calls so far
                        # (DESIGN.md decision 16): {mode: {passes, proposed, accepted}}
-                       "speculative": speculation.get(e.alias, {})})
+                       "speculative": speculation.get(e.alias, {}),
+                       # M26 §5.7: this orchestrator's head steps ({kind: compiled or eager
+                       # and why}); None before a call here loaded the model's head
+                       "head_step": head_steps(e.alias) if head_steps else None})
     api = getattr(node, "api", None)
     from hearthnet.distributed_inference.engine.memory import process_memory
 

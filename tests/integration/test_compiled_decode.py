@@ -12,6 +12,7 @@ import torch
 
 from hearthnet.config import COMPILE_ENV
 from hearthnet.distributed_inference.engine import compiled as compiled_mod
+from hearthnet.distributed_inference.engine import compiled_head as compiled_head_mod
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.engine.quant import FusedLinear, Int4Linear
@@ -155,6 +156,85 @@ def test_restart_loads_the_saved_step(family_models, tmp_path):
     assert third.startswith("compiled in ") and "(the saved step did not load: " in third
 
 
+def _compiled_head(entry, tmp_path, weights="fp32"):
+    head = LayeredHead(entry, weights, compile_dir=tmp_path / "compiled")
+    assert head.compiled is not None
+    return head, head.compiled.wait()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_compiled_head_gives_transformers_logits(family, family_models, family_reference,
+                                                 tmp_path):
+    """The head's embedding and final norm + lm_head (+ Gemma-2's soft-cap) run compiled
+    (M26 §5.7) with transformers' logits — one row a step, and several chats' rows in one
+    step as the head's batcher sends them — and a restart loads the saved steps."""
+    entry = family_models[1][family]
+    head, state = _compiled_head(entry, tmp_path)
+    assert sorted(state) == ["embed", "logits"], state
+    assert all(v.startswith("compiled in ") for v in state.values()), state
+    assert len(list((tmp_path / "compiled").glob("head-*.bin"))) == 2
+    eager_layers = LayeredStack(entry, 0, entry.num_layers - 1)  # the head alone compiled
+    toks, logits = _greedy(head, eager_layers, PROMPT, DECODE)
+    assert head.compiled.calls == 2 * (1 + DECODE)  # an embedding and logits per position
+    with torch.no_grad():
+        ref = family_reference(entry)(torch.tensor([PROMPT + toks[:-1]])).logits[
+            0, len(PROMPT) - 1:]
+    assert (logits - ref).abs().max().item() < 1e-4
+    assert ref.argmax(-1).tolist() == toks
+    eager = LayeredHead(entry)
+    session = eager_layers.open_session(0, eager_layers.hi, 8)
+    hidden = [session.forward(eager.embed(PROMPT + toks[:2]), 0),
+              torch.randn(1, 1, head.hidden_size)]
+    session.close()
+    rows = head.logits_rows(hidden)
+    assert [r.shape[0] for r in rows] == [len(PROMPT) + 2, 1]
+    for got, want in zip(rows, eager.logits_rows(hidden), strict=True):
+        assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    again, state = _compiled_head(entry, tmp_path)  # a restarted node's head
+    assert all(v.startswith("loaded in ") for v in state.values()), state
+    assert _greedy(again, eager_layers, PROMPT, DECODE)[0] == toks
+
+
+def test_an_int8_head_compiles_what_it_can_and_says_why(family_models, tmp_path):
+    """int8 per output channel: the embedding (rows of the int8 matrix) compiles; the
+    logits compile where the product is traceable and say why not where it runs in a
+    packed integer GEMM; the tokens are the eager int8 head's either way."""
+    entry = family_models[1]["llama"]
+    head, state = _compiled_head(entry, tmp_path, "int8")
+    assert state["embed"].startswith("compiled in "), state
+    lm = head.lm_head_q
+    assert lm is not None
+    if getattr(lm, "packed", False):
+        assert state["logits"] == (f"eager: int8 per output channel runs in {lm.kernel}'s "
+                                   "packed integer GEMM, which torch.compile cannot trace")
+    else:
+        assert state["logits"].startswith("compiled in "), state
+    stack = LayeredStack(entry, 0, entry.num_layers - 1)
+    assert _greedy(head, stack, PROMPT, DECODE)[0] == \
+        _greedy(LayeredHead(entry, "int8"), stack, PROMPT, DECODE)[0]
+    assert head.compiled.calls >= 1 + DECODE  # at least every embedding ran compiled
+
+
+def test_a_head_that_cannot_compile_runs_eagerly_and_says_why(family_models, tmp_path,
+                                                             monkeypatch):
+    def broken(*_):
+        raise RuntimeError("no kernel for this op")
+
+    entry = family_models[1]["llama"]
+    monkeypatch.setattr(compiled_head_mod, "_aot_compile", broken)
+    head, state = _compiled_head(entry, tmp_path)
+    assert state == {k: "eager: compilation failed: RuntimeError: no kernel for this op"
+                     for k in ("logits", "embed")}
+    stack = LayeredStack(entry, 0, entry.num_layers - 1)
+    assert _greedy(head, stack, PROMPT, DECODE)[0] == \
+        _greedy(LayeredHead(entry), stack, PROMPT, DECODE)[0]
+    assert head.compiled.calls == 0
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    _, state = _compiled_head(entry, tmp_path / "off")
+    assert state == {"logits": "eager: HEARTHNET_COMPILE=0", "embed": "eager: HEARTHNET_COMPILE=0"}
+    assert not (tmp_path / "off").exists()  # nothing compiled, nothing written
+
+
 def test_a_failed_compile_runs_eagerly_and_says_why(family_models, tmp_path, monkeypatch):
     def broken(*_):
         raise RuntimeError("no kernel for this op")
@@ -175,9 +255,13 @@ def test_a_step_that_differs_from_eager_is_not_used(family_models, tmp_path, mon
     entry = family_models[1]["llama3"]
     stack, state = _compiled_stack(entry, tmp_path)
     assert state.startswith("eager: the compiled step differs from the eager layers"), state
-    assert not list((tmp_path / "compiled").glob("decode-*.bin"))  # not kept for a restart
-    _greedy(LayeredHead(entry), stack, PROMPT, DECODE)
+    head, head_state = _compiled_head(entry, tmp_path)
+    assert all(v.startswith("eager: the compiled step differs from the eager head")
+               for v in head_state.values()), head_state
+    assert not list((tmp_path / "compiled").glob("*.bin"))  # not kept for a restart
+    _greedy(head, stack, PROMPT, DECODE)
     assert stack.compiled.calls == 0  # every step ran eagerly
+    assert head.compiled.calls == 0
 
 
 def test_a_bad_wrapper_setting_runs_eagerly_and_says_why(family_models, tmp_path,

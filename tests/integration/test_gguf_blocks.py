@@ -179,14 +179,30 @@ def test_q8_0_blocks_are_held_as_they_are_where_the_vnni_kernel_runs(ggufs, tmp_
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < 2e-4 * ref_logits.abs().max()
 
-    head, exact = LayeredHead(entry, "int8"), LayeredHead(entry, "fp32")
+    # the head compiled (M26 §5.7), its Q8_0 products in the kernel inside the compiled step
+    from hearthnet.config import COMPILE_ENV
+    from hearthnet.distributed_inference.engine import compiled
+
+    monkeypatch.setenv(COMPILE_ENV, "1")  # the suite turns compilation off
+    monkeypatch.setenv(compiled.WRAPPER_ENV, "python")  # half the C++ wrapper's compile
+    head = LayeredHead(entry, "int8", compile_dir=tmp_path / "compiled")
+    exact = LayeredHead(entry, "fp32")
     assert isinstance(head.embed_q, Q8Linear) and head.embed_q.out_features == GGUF_VOCAB
     assert isinstance(head.lm_head_q, Q8Linear)  # tied, or Q8_0 blocks of its own
+    assert head.compiled is not None
+    state = head.compiled.wait()
+    assert all(v.startswith("compiled in ") for v in state.values()) and len(state) == 2, state
     assert torch.equal(head.embed(IDS), exact.embed(IDS))
     hidden = torch.randn(1, 3, exact.norm.weight.numel())
-    got, want = head.logits_rows([hidden])[0], exact.logits_rows([hidden])[0]
-    assert got.shape == want.shape == (3, GGUF_VOCAB)
-    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = head.logits_rows([hidden, hidden[:, :1]])
+    assert head.compiled.calls == 2  # the embedding, then one logits step for both
+    assert sum(e.count for e in prof.key_averages() if e.key == "hearthnet::q8_mm") == 1
+    want = exact.logits_rows([hidden, hidden[:, :1]])
+    assert [g.shape for g in got] == [w.shape for w in want] == [(3, GGUF_VOCAB),
+                                                                  (1, GGUF_VOCAB)]
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max() < 1e-4 * w.abs().max()
 
 
 def test_smollm2s_q8_0_embeddings_are_held_as_they_are():

@@ -90,10 +90,15 @@ def test_cli_chat_json_and_status(mesh3):
     r = subprocess.run([sys.executable, "-m", "hearthnet.cli", "status", "--config", cfg],
                        capture_output=True, text=True, timeout=60)
     assert "FULLY COVERED" in r.stdout
+    assert ("  head steps: logits eager: HEARTHNET_COMPILE=0; embed eager: "
+            "HEARTHNET_COMPILE=0") in r.stdout
     assert "FORMAT" in r.stdout and "fp32             1643" in r.stdout
     # a shard's own node says what its decode steps run as (M26 §5.7); the suite turns
     # compiled steps off (tests/conftest.py), so: eager, and why
     assert {s["decode_step"] for s in st["shards"]} == {None}  # node A hosts none
+    # node A's head (it served the chat): its embedding and logits steps, eager and why
+    assert st["models"][0]["head_step"] == {"logits": "eager: HEARTHNET_COMPILE=0",
+                                            "embed": "eager: HEARTHNET_COMPILE=0"}
     cfg_b = str(mesh3.nodes["node-b"].config)
     st_b = json.loads(subprocess.run(
         [sys.executable, "-m", "hearthnet.cli", "status", "--config", cfg_b, "--json"],

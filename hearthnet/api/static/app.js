@@ -69,7 +69,9 @@ function renderModels(st) {
         "data-covered": String(m.fully_covered)},
       el("div", {class: "model-title"}, `${m.alias} `,
         el("span", {class: "muted"}, `${m.num_layers} layers`), badge,
-        el("span", {class: "muted spec"}, speculationNote(m.speculative))),
+        el("span", {class: "muted spec"}, speculationNote(m.speculative)),
+        el("span", {class: "muted head-step", title: headTitle(m.head_step)},
+          headNote(m.head_step))),
       coverageBar(m), lanes(m, st.shards),
       el("div", {class: "axis"}, el("span", {}, "layer 0"),
         el("span", {}, `layer ${m.num_layers - 1}`))));
@@ -253,6 +255,17 @@ function speculationNote(byMode) {
     ([mode, s]) => `${mode}: ${s.accepted}/${s.proposed} proposals accepted, ` +
       `${fmt(1 + s.accepted / Math.max(1, s.passes), 2)} tokens/pass`);
   return parts.length ? " · " + parts.join("; ") : "";
+}
+
+function headNote(steps) {
+  // how this node's head runs (M26 §5.7): compiled, or eager (the reason in the title)
+  const parts = Object.entries(steps || {}).map(([kind, st]) => `${kind} ${st.split(" ")[0]
+    .replace(/:$/, "")}`);
+  return parts.length ? " · head " + parts.join(", ") : "";
+}
+
+function headTitle(steps) {
+  return Object.entries(steps || {}).map(([kind, st]) => `${kind}: ${st}`).join("\n");
 }
 
 function formatsNote(f) {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from hearthnet.distributed_inference.directory.formats import (
     resolve_format,
 )
 from hearthnet.distributed_inference.engine.blocks import GgmlBlocks
+from hearthnet.distributed_inference.engine.compiled_head import CompiledHead
 from hearthnet.distributed_inference.engine.device import (
     resolve_device,
 )
@@ -46,9 +48,12 @@ class LayeredHead:
     """The orchestrator's part of a model: tokenizer, embeddings, final norm, lm_head."""
 
     def __init__(self, entry: ModelEntry, weights: str | torch.dtype = "fp32",
-                 device: str | torch.device = "cpu", *, lm_head: bool = True) -> None:
+                 device: str | torch.device = "cpu", *, lm_head: bool = True,
+                 compile_dir: Path | None = None) -> None:
         """`lm_head=False`: tokenizer, embeddings and norm only (calibration embeds prompts
-        and never needs logits; an untied 7B lm_head is 2.2 GB in fp32)."""
+        and never needs logits; an untied 7B lm_head is 2.2 GB in fp32). `compile_dir`:
+        on the CPU, the embedding and the norm + lm_head run compiled once built or loaded
+        from there (in the background, `compiled_head.CompiledHead`); None: eagerly."""
         from transformers import AutoTokenizer
 
         self.format = resolve_format(format_name(weights), entry.dtype)
@@ -84,6 +89,10 @@ class LayeredHead:
             self._load_lm_head(reader)
         self.eos_token_ids = self._eos_ids()
         del base
+        self.compiled: CompiledHead | None = None
+        if compile_dir is not None and lm_head:
+            self.compiled = CompiledHead(self, compile_dir)
+            self.compiled.start()
 
     def _load_embeddings(self, reader: WeightsReader, prefix: str, base: Any) -> None:
         """Embeddings as held: a float matrix, or (int8) an `Int8Linear` whose rows are
@@ -195,6 +204,12 @@ class LayeredHead:
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         """(1, T, H) input hidden state for `token_ids`, on the head's device."""
         ids = torch.tensor([token_ids], dtype=torch.long).to(self.device, non_blocking=True)
+        fn = self.compiled.fn("embed") if self.compiled is not None else None
+        return fn(self, ids) if fn is not None else self.embed_of(ids)
+
+    def embed_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """(1, T, H) input hidden states of token ids (1, T): the eager embedding, and what
+        `compiled_head` compiles."""
         if self.embed_q is None:
             out: torch.Tensor = self.embed_tokens(ids)
             return out
@@ -223,16 +238,23 @@ class LayeredHead:
         beside other chats' last positions."""
         sizes = [int(x.shape[1]) for x in hidden]
         h = torch.cat([x[0].to(self.device, self.dtype) for x in hidden])  # (sum T_i, H)
-        h = self.norm(h.unsqueeze(0))
+        fn = self.compiled.fn("logits") if self.compiled is not None else None
+        logits = fn(self, h) if fn is not None else self.logits_of(h)
+        return list(torch.split(logits.cpu(), sizes))
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        """(T, vocab) fp32 logits of final hidden rows h (T, H) in the head's dtype: the
+        eager norm + lm_head (+ soft-cap), and what `compiled_head` compiles."""
+        x = self.norm(h.unsqueeze(0))
         if self.lm_head_q is not None:
-            logits = self.lm_head_q(h)[0]
+            logits = self.lm_head_q(x)[0]
         else:
-            logits = torch.nn.functional.linear(h, self.lm_head_weight)[0]
+            logits = torch.nn.functional.linear(x, self.lm_head_weight)[0]
         assert isinstance(logits, torch.Tensor)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        return list(torch.split(logits.float().cpu(), sizes))
+        return logits.float()
 
 
 def _check_message(m: Any) -> None:

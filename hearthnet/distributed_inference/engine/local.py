@@ -61,7 +61,9 @@ class LocalEngine:
         self.limits = limits or PromptLimits()
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         where = device if device is not None else head.device if head is not None else "cpu"
-        self.head = head or LayeredHead(entry, head_weights or weights, where)
+        self.head = head or LayeredHead(
+            entry, head_weights or weights, where,
+            compile_dir=(compile_dir or compile_dir_of(entry)) if compile_decode else None)
         stack = LayeredStack(entry, 0, entry.num_layers - 1, weights, device=where,
                              cuda_graphs=cuda_graphs, compile_decode=compile_decode,
                              compile_dir=compile_dir or compile_dir_of(entry))
@@ -70,8 +72,11 @@ class LocalEngine:
         self.stack: LayerStack = stack
 
     def wait_compiled(self, timeout: float | None = None) -> str:
-        """Wait for the compiled decode step (benchmarks measure what a warm node runs);
-        what the decode steps run as."""
+        """Wait for the compiled decode step and the head's (benchmarks measure what a warm
+        node runs); what the decode steps run as."""
+        compiled_head = getattr(self.head, "compiled", None)  # a LayeredHead's
+        if compiled_head is not None:
+            compiled_head.wait(timeout)
         stack = self.stack
         if not isinstance(stack, LayeredStack) or stack.compiled is None:
             return "eager"

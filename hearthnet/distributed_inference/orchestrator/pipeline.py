@@ -34,6 +34,7 @@ from hearthnet.distributed_inference.directory.formats import (
 from hearthnet.distributed_inference.directory.health import ShardHealthTracker
 from hearthnet.distributed_inference.directory.routing import ShardRouter
 from hearthnet.distributed_inference.engine.base import ClientHead
+from hearthnet.distributed_inference.engine.compiled import compile_dir_of
 from hearthnet.distributed_inference.engine.generation import Generation, PromptLimits, TokenEvent
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.local import LocalEngine, LocalTimings
@@ -124,7 +125,7 @@ class PipelineOrchestrator:
                  batch_window_ms: float = 2.0, draft_models: dict[str, str] | None = None,
                  speculate_max_tokens: int = DEFAULT_MAX_PROPOSED,
                  local_budget_mb: int = 0, lanes: int | None = None,
-                 prefix_sharing: bool = True) -> None:
+                 prefix_sharing: bool = True, compile_head: bool = False) -> None:
         self.models, self.router, self.health, self.metrics = models, router, health, metrics
         self.connect, self.executor = connect, executor
         self.defaults = defaults or DistributedChatParams()
@@ -150,6 +151,9 @@ class PipelineOrchestrator:
         self.local_weights = local_weights  # the head's and local engine's format
         self.local_budget_mb = local_budget_mb  # the local engine's layers; 0: unbounded
         self.head_device = head_device  # where the head (and fallback) run (DESIGN.md decision 11)
+        # M26 §5.7: on the CPU the head's embedding and norm + lm_head run compiled once built
+        # (in the background, saved beside the layers' steps in the model store)
+        self.compile_head = compile_head
         self.limits = limits or PromptLimits()
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         self.lanes = Lanes(lanes)
@@ -191,6 +195,16 @@ class PipelineOrchestrator:
     async def prepare(self, model: str) -> None:
         """Load the head and the sanity bounds of `model` ahead of the first call."""
         await self._head(self.models.get(model))
+
+    def head_steps(self, alias: str) -> dict[str, str] | None:
+        """What this orchestrator's head of `alias` runs its embedding and logits as
+        (compiled, or eager and why; M26 §5.7), ``{}`` where it is not compiled at all;
+        None before the model's first call loaded its head."""
+        for key, prep in self._prepared.items():
+            if key[0] == alias:
+                compiled = getattr(prep.head, "compiled", None)
+                return compiled.state() if compiled is not None else {}
+        return None
 
     # ---- the call ----
 
@@ -306,8 +320,10 @@ class PipelineOrchestrator:
         loop = asyncio.get_running_loop()
         what = "head"
         try:
-            head = await loop.run_in_executor(self.executor, LayeredHead, entry,
-                                              self.local_weights, self.head_device)
+            compile_dir = compile_dir_of(entry) if self.compile_head else None
+            head = await loop.run_in_executor(
+                self.executor, lambda: LayeredHead(entry, self.local_weights, self.head_device,
+                                                   compile_dir=compile_dir))
             what = "calibration"
             cal = await loop.run_in_executor(self.executor, calibrate, entry.path,
                                              self.head_device)
