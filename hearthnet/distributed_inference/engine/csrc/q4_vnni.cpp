@@ -19,7 +19,7 @@ namespace {
 
 constexpr int64_t kGroup = 32;       // inputs per group: a Q4_0/Q4_1 block, a Q4_K sub-block
 constexpr int64_t kTile = 16;        // output rows per tile: one 512-bit lane each
-constexpr int kRows = 4;             // activation rows sharing a tile's unpacked values
+constexpr int kRows = 8;             // activation rows sharing a tile's unpacked values
 
 // a tile's group: 16 rows × 32 values of BITS bits
 template <int BITS>
@@ -67,11 +67,13 @@ inline __m512 load16<at::Half>(const at::Half* p) {
 }
 
 inline __m512i dot8(const __m512i* v, const int8_t* a) {
-  __m512i s = _mm512_setzero_si512();
-  for (int c = 0; c < 8; ++c) {
-    s = _mm512_dpbusd_epi32(s, v[c], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + 4 * c)));
+  // two chains of four: vpdpbusd's latency, not its throughput, bounds one chain of eight
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int c = 0; c < 8; c += 2) {
+    s0 = _mm512_dpbusd_epi32(s0, v[c], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + 4 * c)));
+    s1 = _mm512_dpbusd_epi32(s1, v[c + 1], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + 4 * c + 4)));
   }
-  return s;
+  return _mm512_add_epi32(s0, s1);
 }
 
 // One tile (16 output rows) for R activation rows: y[r][0..16).
@@ -122,6 +124,15 @@ inline void tile(const uint8_t* w, const S* s, const S* o, int64_t groups, const
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, acc[r]);
 }
 
+// rows r.. r + R of the product through one tile
+template <typename S, bool OFFSET, int BITS, int R>
+inline void rows(const uint8_t* wt, const S* st, const S* ot, int64_t groups, const int8_t* q,
+                 const int8_t* lo, const float* d, const int32_t* sum, int64_t k, float* y,
+                 int64_t n, int64_t r) {
+  tile<S, OFFSET, BITS, R>(wt, st, ot, groups, q + r * k, lo + r * k, d + r * groups,
+                           sum + r * groups, k, y + r * n, n);
+}
+
 template <typename S, bool OFFSET, int BITS>
 void product(const uint8_t* w, const S* s, const S* o, const int8_t* q, const float* d,
              const int32_t* sum, int64_t m, int64_t n, int64_t k, float* y) {
@@ -132,14 +143,20 @@ void product(const uint8_t* w, const S* s, const S* o, const int8_t* q, const fl
       const uint8_t* wt = w + t * groups * group_bytes<BITS>();
       const S* st = s + t * groups * kTile;
       const S* ot = OFFSET ? o + t * groups * kTile : nullptr;
+      float* yt = y + t * kTile;
       int64_t r = 0;
       for (; r + kRows <= m; r += kRows) {
-        tile<S, OFFSET, BITS, kRows>(wt, st, ot, groups, q + r * k, lo + r * k, d + r * groups,
-                               sum + r * groups, k, y + r * n + t * kTile, n);
+        rows<S, OFFSET, BITS, kRows>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r);
       }
-      for (; r < m; ++r) {
-        tile<S, OFFSET, BITS, 1>(wt, st, ot, groups, q + r * k, lo + r * k, d + r * groups,
-                           sum + r * groups, k, y + r * n + t * kTile, n);
+      switch (m - r) {  // the rest in one pass over the tile, not one pass per row
+        case 7: rows<S, OFFSET, BITS, 7>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 6: rows<S, OFFSET, BITS, 6>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 5: rows<S, OFFSET, BITS, 5>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 4: rows<S, OFFSET, BITS, 4>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 3: rows<S, OFFSET, BITS, 3>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 2: rows<S, OFFSET, BITS, 2>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 1: rows<S, OFFSET, BITS, 1>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        default: break;
       }
     }
   });
