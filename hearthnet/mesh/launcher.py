@@ -302,17 +302,41 @@ class LocalMesh:
                            if s.get("decode_step")})
         return states
 
-    def wait_decode_steps(self, timeout: float = 600.0) -> dict[str, str]:
-        """Wait until no node's shard is still compiling its decode step (a benchmark
-        measures what a warm node runs); `decode_steps`."""
-        deadline = time.monotonic() + timeout
+    def head_steps(self) -> dict[str, dict[str, str] | None]:
+        """{"alias@node": what that node's head of the model runs its steps as (M26 §5.7),
+        None until the node loaded it} for every node that sees the model covered and
+        holds its head."""
+        heads: dict[str, dict[str, str] | None] = {}
+        for node_id in self.nodes:
+            try:
+                models = self.status(node_id)["models"]
+            except OSError:
+                models = []
+            heads.update({f"{m['alias']}@{node_id}": m.get("head_step") for m in models
+                          if m["alias"] == self.model and m["fully_covered"]
+                          and m.get("holds_head", True)})
+        return heads
+
+    def wait_decode_steps(self, timeout: float = 600.0, head_load_s: float = 30.0
+                          ) -> dict[str, str]:
+        """Wait until no node's shard is still compiling its decode step and no node's head
+        its steps (a benchmark measures what a warm node runs; a node loads the head of a
+        model it sees covered and holds, within `head_load_s` of the wait's start or not
+        at all, as one whose head failed to load); `decode_steps`."""
+        start = time.monotonic()
+        deadline = start + timeout
         while True:
             states = self.decode_steps()
-            if not any(v == "compiling" or ": compiling" in v for v in states.values()):
+            heads = self.head_steps()
+            compiling = [v for v in [*states.values(), *(s for h in heads.values() if h
+                                                         for s in h.values())]
+                         if v == "compiling" or ": compiling" in v]
+            loading = None in heads.values() and time.monotonic() < start + head_load_s
+            if not compiling and not loading:
                 return states
             if time.monotonic() > deadline:
                 raise HearthNetError(f"decode steps still compiling after {timeout:.0f} s: "
-                                     f"{states}")
+                                     f"{states}; heads: {heads}")
             time.sleep(0.5)
 
     def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:

@@ -87,6 +87,7 @@ async def mesh_status(node: Any) -> dict[str, Any]:
         models.append({"model_id": e.model_id, "alias": e.alias,
                        "weights_sha256": e.weights_sha256, "num_layers": e.num_layers,
                        "fully_covered": not missing, "uncovered": _ranges(missing),
+                       "holds_head": e.holds_head,  # this node's store has the head's files
                        "coverage": _coverage_rows(covered),
                        # this orchestrator's speculative passes of the model's calls so far
                        # (DESIGN.md decision 16): {mode: {passes, proposed, accepted}}
