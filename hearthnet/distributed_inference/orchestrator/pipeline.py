@@ -198,12 +198,13 @@ class PipelineOrchestrator:
 
     def head_steps(self, alias: str) -> dict[str, str] | None:
         """What this orchestrator's head of `alias` runs its embedding and logits as
-        (compiled, or eager and why; M26 §5.7), ``{}`` where it is not compiled at all;
-        None before the model's first call loaded its head."""
+        (compiled, or eager and why; M26 §5.7; plain ``eager`` where the node compiles
+        nothing, ``compile_decode = false``); None before the head is loaded."""
         for key, prep in self._prepared.items():
             if key[0] == alias:
                 compiled = getattr(prep.head, "compiled", None)
-                return compiled.state() if compiled is not None else {}
+                return compiled.state() if compiled is not None \
+                    else {"logits": "eager", "embed": "eager"}
         return None
 
     # ---- the call ----
