@@ -380,16 +380,9 @@ class CompiledDecode:
                          ) -> tuple[Callable[..., torch.Tensor], str]:
         path = self._path(start, end, kind)
         _use_inductor_cache(self.cache_dir)
-        note = ""
-        if path is not None and path.exists():
-            try:
-                with path.open("rb") as f:
-                    fn = torch.compiler.load_compiled_function(f, f_globals=globals())
-                return fn, "loaded"
-            except Exception as e:  # a stale or torn file: compile afresh, and say so
-                note = f" (the saved step did not load: {_named(e)})"
-                log.info("decode_step_reload_failed", path=str(path), error=note[2:-1])
-                path.unlink(missing_ok=True)
+        saved, note = load_saved(path, globals(), "decode_step")
+        if saved is not None:
+            return saved, "loaded"
         session = self.stack.open_session(start, end, CAPACITY_QUANTUM)
         try:
             fn = _aot_compile(session, _trace_length(self.stack), kind)
@@ -400,6 +393,25 @@ class CompiledDecode:
             fn.save_compiled_function(str(path))  # torch writes a temporary, then renames
         compiled: Callable[..., torch.Tensor] = fn
         return compiled, "compiled" + note
+
+
+def load_saved(path: Path | None, f_globals: dict[str, Any], what: str
+               ) -> tuple[Callable[..., torch.Tensor] | None, str]:
+    """The compiled function saved at `path` (its module's `f_globals`), or None and a
+    note for the state when there is none or it did not load (a stale or torn file:
+    deleted, to be compiled afresh; the log says so as ``<what>_reload_failed``)."""
+    if path is None or not path.exists():
+        return None, ""
+    try:
+        with path.open("rb") as f:
+            fn: Callable[..., torch.Tensor] = torch.compiler.load_compiled_function(
+                f, f_globals=f_globals)
+        return fn, ""
+    except Exception as e:  # any failure to load: compiled afresh, and said why
+        note = f" (the saved step did not load: {_named(e)})"
+        log.info(f"{what}_reload_failed", path=str(path), error=note[2:-1])
+        path.unlink(missing_ok=True)
+        return None, note
 
 
 def _named(e: BaseException) -> str:

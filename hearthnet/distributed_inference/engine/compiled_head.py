@@ -208,16 +208,9 @@ class CompiledHead:
     def _load_or_compile(self, kind: str) -> tuple[Callable[..., torch.Tensor], str]:
         path = self._path(kind)
         compiled._use_inductor_cache(self.cache_dir)
-        note = ""
-        if path is not None and path.exists():
-            try:
-                with path.open("rb") as f:
-                    fn = torch.compiler.load_compiled_function(f, f_globals=globals())
-                return fn, "loaded"
-            except Exception as e:  # a stale or torn file: compile afresh, and say so
-                note = f" (the saved step did not load: {compiled._named(e)})"
-                log.info("head_step_reload_failed", path=str(path), error=note[2:-1])
-                path.unlink(missing_ok=True)
+        saved, note = compiled.load_saved(path, globals(), "head_step")
+        if saved is not None:
+            return saved, "loaded"
         out = _aot_compile(self.head, kind)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
