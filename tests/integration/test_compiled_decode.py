@@ -13,6 +13,7 @@ import torch
 from hearthnet.config import COMPILE_ENV
 from hearthnet.distributed_inference.engine import compiled as compiled_mod
 from hearthnet.distributed_inference.engine import compiled_head as compiled_head_mod
+from hearthnet.distributed_inference.engine import head as head_mod
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.engine.quant import FusedLinear, Int4Linear
@@ -164,12 +165,15 @@ def _compiled_head(entry, tmp_path, weights="fp32"):
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_compiled_head_gives_transformers_logits(family, family_models, family_reference,
-                                                 tmp_path):
+                                                 tmp_path, monkeypatch):
     """The head's embedding and final norm + lm_head (+ Gemma-2's soft-cap) run compiled
     (M26 §5.7) with transformers' logits — one row a step, and several chats' rows in one
     step as the head's batcher sends them — and a restart loads the saved steps."""
+    # fp32 logits traced both ways they run: the weights on the left (llama), linear
+    monkeypatch.setattr(head_mod, "weights_left_faster", lambda: family == "llama")
     entry = family_models[1][family]
     head, state = _compiled_head(entry, tmp_path)
+    assert head.weights_left == (family == "llama")
     assert sorted(state) == ["embed", "logits"], state
     assert all(v.startswith("compiled in ") for v in state.values()), state
     assert len(list((tmp_path / "compiled").glob("head-*.bin"))) == 2
@@ -193,6 +197,29 @@ def test_compiled_head_gives_transformers_logits(family, family_models, family_r
     again, state = _compiled_head(entry, tmp_path)  # a restarted node's head
     assert all(v.startswith("loaded in ") for v in state.values()), state
     assert _greedy(again, eager_layers, PROMPT, DECODE)[0] == toks
+
+
+def test_fp32_logits_with_the_weights_on_the_left_are_the_linear_ones(family_models,
+                                                                     monkeypatch):
+    """Where the probe finds ``(W @ rows.T).T`` faster (this CPU's BLAS reads the matrix
+    once per row in `F.linear` for a few rows), the fp32 head's logits are the same
+    product to fp32's rounding, for one row (padded) and for rounds of several chats."""
+    entry = family_models[1]["llama"]
+    probe = head_mod.weights_left_faster.__wrapped__()  # the probe itself: one answer
+    assert isinstance(probe, bool)
+    monkeypatch.setattr(head_mod, "weights_left_faster", lambda: True)
+    left = LayeredHead(entry)
+    monkeypatch.setattr(head_mod, "weights_left_faster", lambda: False)
+    linear = LayeredHead(entry)
+    assert left.weights_left and not linear.weights_left
+    assert not LayeredHead(entry, "int8").weights_left  # an int8 head has its own kernel
+    g = torch.Generator().manual_seed(0)
+    for sizes in ([1], [2], [3], [1, 1, 1], [5, 1, 2], [9]):
+        hidden = [torch.randn(1, n, left.hidden_size, generator=g) for n in sizes]
+        for got, want in zip(left.logits_rows(hidden), linear.logits_rows(hidden),
+                             strict=True):
+            assert got.shape == want.shape == (want.shape[0], left.config.vocab_size)
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_an_int8_head_compiles_what_it_can_and_says_why(family_models, tmp_path):

@@ -79,6 +79,7 @@ def artefact_key(head: LayeredHead, kind: str) -> str:
         "kind": kind, "weights": head.entry.weights_sha256, "format": head.format,
         "kernel": _kernel(head), "wrapper": compiled.wrapper(), "dtype": str(head.dtype),
         "softcap": head.final_logit_softcapping,
+        "weights_left": getattr(head, "weights_left", False),  # how the logits multiply
         "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
         "cpu": compiled._cpu_flags(), "source": _source_digest(head),
