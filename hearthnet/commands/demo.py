@@ -135,7 +135,7 @@ def _decode_steps(mesh: Any, as_json: bool) -> None:
     store by the first demo on a machine (about a minute), loaded in seconds by every
     later one; say what each shard's steps run as."""
     states = mesh.decode_steps()
-    if "compiling" in states.values():
+    if any("compiling" in v for v in states.values()):  # a decode step, or its passes
         _say("waiting for the shards' compiled decode steps (compiled by the first run on a "
              "machine, loaded by later ones) …", as_json)
         states = mesh.wait_decode_steps()

@@ -85,6 +85,10 @@ _ENGINE_FILES = ("layers.py", "kv_cache.py", "quant.py", "blocks.py", "attention
                  "compiled.py", "q4vnni.py", "csrc/q4_vnni.cpp")  # what a compiled step
 # traces through (or calls: the int4-vnni kernel's source)
 _INDUCTOR_LOCK = threading.Lock()
+COMPILE_LOCK = threading.Lock()
+"""One compilation (or load) at a time in a process: dynamo's tracing is not thread-safe
+(the head's steps and a shard's decode step compiled side by side in one node failed
+with "Failed to trace builtin operator"); the later one waits, then builds."""
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # the largest output difference from the eager step, relative to the output's largest
 # magnitude, that counts as the compute dtype's rounding (fp32: fusion reorders sums;
@@ -210,6 +214,10 @@ class CompiledDecode:
         self._verify_threads: dict[tuple[int, int], threading.Thread] = {}
         self.seconds: dict[tuple[int, int], float] = {}
         self.calls = 0  # decode steps given a compiled step (tests, benchmarks)
+        # build a sub-range's speculative step right after its decode step rather than on
+        # its first pass (a node, whose calls speculate by default: a step compiling
+        # beside the chat's first passes took a core from them, a minute on 2 cores)
+        self.verify_after_decode = False
 
     # ---- use ----
 
@@ -337,7 +345,8 @@ class CompiledDecode:
     def _build(self, key: tuple[int, int], kind: str = "decode") -> None:
         t0 = time.perf_counter()
         try:
-            fn, how = self._load_or_compile(*key, kind)
+            with COMPILE_LOCK:
+                fn, how = self._load_or_compile(*key, kind)
             session = self.stack.open_session(*key, CAPACITY_QUANTUM)
             try:
                 error = _compare(fn, session, _trace_length(self.stack),
@@ -365,6 +374,8 @@ class CompiledDecode:
             self._verify[key] = fn
         log.info(f"{kind}_step_compiled", model=self.stack.entry.alias, layers=list(key),
                  how=how, seconds=round(seconds, 1), max_relative_error=f"{error:.1e}")
+        if kind == "decode" and self.verify_after_decode:
+            self._start_verify(key)
 
     def _path(self, start: int, end: int, kind: str = "decode") -> Path | None:
         if self.cache_dir is None:

@@ -177,7 +177,8 @@ class CompiledHead:
         for kind in kinds:
             t0 = time.perf_counter()
             try:
-                fn, how = self._load_or_compile(kind)
+                with compiled.COMPILE_LOCK:
+                    fn, how = self._load_or_compile(kind)
                 error = _compare(fn, self.head, kind)
                 limit = compiled.TOLERANCE.get(self.head.dtype, 1e-3)
                 if error > limit:

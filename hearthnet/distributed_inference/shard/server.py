@@ -249,6 +249,7 @@ class ShardServer:
                     self._loop = loop
                     stack.on_layer = self._beat
                 if stack.compiled is not None:  # ready before the first chat, if it can be
+                    stack.compiled.verify_after_decode = True  # passes speculate by default
                     stack.compiled.start(self.lo, self.hi)
                 self.stack = stack
                 mb = self.stack.param_bytes() / 2**20
