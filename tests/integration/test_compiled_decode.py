@@ -204,6 +204,23 @@ def test_compiled_head_gives_transformers_logits(family, family_models, family_r
     assert _greedy(again, eager_layers, PROMPT, DECODE)[0] == toks
 
 
+def test_a_head_another_process_builds_is_waited_for_then_loaded(family_models, tmp_path):
+    """Nodes sharing a store build a step once: while another process holds a step's build
+    lock, a head waits for it and loads the file it leaves instead of compiling it too."""
+    entry = family_models[1]["llama"]
+    _, state = _compiled_head(entry, tmp_path)
+    assert state["logits"].startswith("compiled in "), state
+    path = next((tmp_path / "compiled").glob("head-logits-*.bin"))
+    saved = path.read_bytes()
+    path.unlink()
+    with compiled_mod.build_lock(path):  # the other process, building it
+        head = LayeredHead(entry, compile_dir=tmp_path / "compiled")
+        assert head.compiled is not None and head.compiled.state()["logits"] == "compiling"
+        path.write_bytes(saved)  # … and saving it
+    state = head.compiled.wait()
+    assert state["logits"].startswith("loaded in "), state  # not compiled a second time
+
+
 def test_fp32_logits_with_the_weights_on_the_left_are_the_linear_ones(family_models,
                                                                      monkeypatch):
     """Where the probe finds ``(W @ rows.T).T`` faster (this CPU's BLAS reads the matrix

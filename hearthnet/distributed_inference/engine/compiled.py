@@ -38,6 +38,7 @@ How:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from filelock import FileLock
 
 from hearthnet.config import COMPILE_ENV, compile_decode_enabled
 from hearthnet.distributed_inference.engine.kv_cache import CAPACITY_QUANTUM
@@ -391,19 +393,33 @@ class CompiledDecode:
                          ) -> tuple[Callable[..., torch.Tensor], str]:
         path = self._path(start, end, kind)
         _use_inductor_cache(self.cache_dir)
-        saved, note = load_saved(path, globals(), "decode_step")
-        if saved is not None:
-            return saved, "loaded"
-        session = self.stack.open_session(start, end, CAPACITY_QUANTUM)
-        try:
-            fn = _aot_compile(session, _trace_length(self.stack), kind)
-        finally:
-            session.close()
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fn.save_compiled_function(str(path))  # torch writes a temporary, then renames
+        with build_lock(path):
+            saved, note = load_saved(path, globals(), "decode_step")
+            if saved is not None:
+                return saved, "loaded"
+            session = self.stack.open_session(start, end, CAPACITY_QUANTUM)
+            try:
+                fn = _aot_compile(session, _trace_length(self.stack), kind)
+            finally:
+                session.close()
+            if path is not None:
+                fn.save_compiled_function(str(path))  # a temporary, then a rename
         compiled: Callable[..., torch.Tensor] = fn
         return compiled, "compiled" + note
+
+
+BUILD_LOCK_TIMEOUT_S = 1800.0  # another process's build of the same step: wait this long
+
+
+def build_lock(path: Path | None) -> contextlib.AbstractContextManager[Any]:
+    """Held while a saved step is loaded or built, across processes (a file lock beside
+    it, released by the OS if its holder dies): the nodes of one machine share a store,
+    and `make demo`'s three nodes each prepared the same head — two of them now wait and
+    load the first one's file instead of compiling it again beside it."""
+    if path is None:
+        return contextlib.nullcontext()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(f"{path}.lock", timeout=BUILD_LOCK_TIMEOUT_S)
 
 
 def load_saved(path: Path | None, f_globals: dict[str, Any], what: str

@@ -210,13 +210,13 @@ class CompiledHead:
     def _load_or_compile(self, kind: str) -> tuple[Callable[..., torch.Tensor], str]:
         path = self._path(kind)
         compiled._use_inductor_cache(self.cache_dir)
-        saved, note = compiled.load_saved(path, globals(), "head_step")
-        if saved is not None:
-            return saved, "loaded"
-        out = _aot_compile(self.head, kind)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            out.save_compiled_function(str(path))  # torch writes a temporary, then renames
+        with compiled.build_lock(path):
+            saved, note = compiled.load_saved(path, globals(), "head_step")
+            if saved is not None:
+                return saved, "loaded"
+            out = _aot_compile(self.head, kind)
+            if path is not None:
+                out.save_compiled_function(str(path))  # a temporary, then a rename
         fn_: Callable[..., torch.Tensor] = out
         return fn_, "compiled" + note
 
