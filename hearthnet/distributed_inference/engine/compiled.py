@@ -159,16 +159,10 @@ def _source_digest(stack: LayeredStack) -> str:
 
 def artefact_key(stack: LayeredStack, start: int, end: int) -> str:
     """What a saved compiled step was made for; a different value is a different file."""
-    import transformers  # the family's modules are transformers'
-
     parts = {
         "weights": stack.entry.weights_sha256, "range": [start, end],
         "format": stack.format, "kernel": kernel_of(stack.format, bool(stack.entry.ggml_types)),
-        "wrapper": wrapper(),
-        "dtype": str(stack.dtype),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "machine": platform.machine(),
-        "cpu": _cpu_flags(), "source": _source_digest(stack),
+        "dtype": str(stack.dtype), "source": _source_digest(stack), **environment(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -320,12 +314,9 @@ class CompiledDecode:
     def _cannot(self) -> str:
         """Why this stack's steps cannot be compiled ("" if they can)."""
         s = self.stack
-        if not compile_decode_enabled():
-            return f"{COMPILE_ENV}=0"
-        try:
-            wrapper()
-        except ConfigError as e:
-            return e.message
+        reason = cannot_compile()
+        if reason:
+            return reason
         if s.device.type != "cpu":
             return f"on {s.device.type} (a CUDA device replays captured graphs instead)"
         if s.rotary.dynamic:
@@ -335,9 +326,7 @@ class CompiledDecode:
         if s.format == "int8":
             return ("int8's integer GEMMs take weights packed by fbgemm (script objects), "
                     "which torch.compile cannot trace")
-        if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
-            return "no C++ compiler on this machine (torch.compile's CPU backend needs one)"
-        return ""
+        return _no_compiler()
 
     def _eager(self, key: tuple[int, int], reason: str, kind: str = "decode") -> None:
         (self._states if kind == "decode" else self._verify_states)[key] = f"eager: {reason}"
@@ -439,6 +428,35 @@ def load_saved(path: Path | None, f_globals: dict[str, Any], what: str
         log.info(f"{what}_reload_failed", path=str(path), error=note[2:-1])
         path.unlink(missing_ok=True)
         return None, note
+
+
+def cannot_compile() -> str:
+    """Why this process compiles no step at all ("" if it may): compilation turned off, or
+    a wrapper setting it does not know."""
+    if not compile_decode_enabled():
+        return f"{COMPILE_ENV}=0"
+    try:
+        wrapper()
+    except ConfigError as e:
+        return e.message
+    return ""
+
+
+def _no_compiler() -> str:
+    """Why no step can be built on this machine ("" if a C++ compiler is there)."""
+    if shutil.which("c++") or shutil.which("g++") or shutil.which("clang++"):
+        return ""
+    return "no C++ compiler on this machine (torch.compile's CPU backend needs one)"
+
+
+def environment() -> dict[str, str]:
+    """What every saved step's key includes besides its own: how it is built and what it
+    runs on (torch, transformers, Python, the machine and its CPU flags)."""
+    import transformers  # the family's modules are transformers'
+
+    return {"wrapper": wrapper(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "cpu": _cpu_flags()}
 
 
 def _named(e: BaseException) -> str:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -28,10 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hearthnet.config import COMPILE_ENV, compile_decode_enabled
 from hearthnet.distributed_inference.engine import compiled
 from hearthnet.distributed_inference.engine.quant import Int8Linear, Q8Linear, kernel_of
-from hearthnet.errors import ConfigError
 from hearthnet.observability import get_logger
 
 if TYPE_CHECKING:
@@ -73,16 +69,12 @@ def _source_digest(head: LayeredHead) -> str:
 
 def artefact_key(head: LayeredHead, kind: str) -> str:
     """What a saved compiled head step was made for; a different value is another file."""
-    import transformers  # the family's modules are transformers'
-
     parts = {
         "kind": kind, "weights": head.entry.weights_sha256, "format": head.format,
-        "kernel": _kernel(head), "wrapper": compiled.wrapper(), "dtype": str(head.dtype),
+        "kernel": _kernel(head), "dtype": str(head.dtype),
         "softcap": head.final_logit_softcapping,
         "weights_left": getattr(head, "weights_left", False),  # how the logits multiply
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "machine": platform.machine(),
-        "cpu": compiled._cpu_flags(), "source": _source_digest(head),
+        "source": _source_digest(head), **compiled.environment(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -101,9 +93,8 @@ class CompiledHead:
     ``compiling``, ``loaded`` / ``compiled`` (with seconds) or ``eager: <reason>``.
     """
 
-    def __init__(self, head: LayeredHead, cache_dir: Path | None, *,
-                 background: bool = True) -> None:
-        self.head, self.cache_dir, self.background = head, cache_dir, background
+    def __init__(self, head: LayeredHead, cache_dir: Path | None) -> None:
+        self.head, self.cache_dir = head, cache_dir
         self._fns: dict[str, Callable[..., torch.Tensor]] = {}
         self._states: dict[str, str] = {}
         self._thread: threading.Thread | None = None
@@ -134,9 +125,6 @@ class CompiledHead:
         kinds = [k for k in KINDS if self._states[k] == "compiling"]
         if not kinds:
             return
-        if not self.background:
-            self._build(kinds)
-            return
         self._thread = threading.Thread(target=self._build, args=(kinds,), daemon=True,
                                         name="compile-head")
         compiled._BUILDERS.add(self._thread)
@@ -151,12 +139,9 @@ class CompiledHead:
     def _cannot(self, kind: str) -> str:
         """Why the head's `kind` step cannot be compiled ("" if it can)."""
         head = self.head
-        if not compile_decode_enabled():
-            return f"{COMPILE_ENV}=0"
-        try:
-            compiled.wrapper()
-        except ConfigError as e:
-            return e.message
+        reason = compiled.cannot_compile()
+        if reason:
+            return reason
         if head.device.type != "cpu":
             return f"on {head.device.type} (compiled steps are built for the CPU)"
         held = head.lm_head_q if kind == "logits" else head.embed_q
@@ -165,9 +150,7 @@ class CompiledHead:
                     "which torch.compile cannot trace")
         if kind == "logits" and held is None and not head.lm_head_weight.numel():
             return "the head holds no lm_head"
-        if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
-            return "no C++ compiler on this machine (torch.compile's CPU backend needs one)"
-        return ""
+        return compiled._no_compiler()
 
     def _eager(self, kind: str, reason: str) -> None:
         self._states[kind] = f"eager: {reason}"
