@@ -79,9 +79,10 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from hearthnet.models import ModelStore
 
     ModelStore().get(args.model)  # an unknown model: its one-line error here, not a child's
-    from hearthnet.distributed_inference.engine.quant import dense_setting
+    from hearthnet.distributed_inference.engine.quant import dense_setting, kernel_settings
 
     dense_setting()  # a bad HEARTHNET_INT4_DENSE_ROWS likewise, before any child starts
+    kernel_settings()  # and a HEARTHNET_INT8_KERNEL / HEARTHNET_INT4_KERNEL naming no kernel
     args.weights = weights_of(args)
     figures: dict[str, Any] = {
         "benchmark": "local", "model": args.model, "tokens": args.tokens, "runs": args.runs,

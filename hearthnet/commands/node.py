@@ -60,11 +60,12 @@ def _run(args: argparse.Namespace) -> int:
             update={"listen_port": args.port})})
     preflight(cfg, args.config)
     from hearthnet.distributed_inference.engine.memory import large_blocks_setting
-    from hearthnet.distributed_inference.engine.quant import dense_setting
+    from hearthnet.distributed_inference.engine.quant import dense_setting, kernel_settings
     from hearthnet.node.daemon import Node  # the model runtime: only for a node that starts
 
     dense_setting()  # a bad HEARTHNET_INT4_DENSE_ROWS: one line before the node starts
     large_blocks_setting()  # and a bad HEARTHNET_LARGE_BLOCKS_MIB
+    kernel_settings()  # and a HEARTHNET_INT8_KERNEL / HEARTHNET_INT4_KERNEL naming no kernel
     from hearthnet.observability import configure_logging, logs_as_json
 
     configure_logging(cfg.node.log_level, json=logs_as_json(args.log_format), node=cfg.node.id)

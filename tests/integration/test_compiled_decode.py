@@ -14,9 +14,10 @@ from hearthnet.config import COMPILE_ENV
 from hearthnet.distributed_inference.engine import compiled as compiled_mod
 from hearthnet.distributed_inference.engine import compiled_head as compiled_head_mod
 from hearthnet.distributed_inference.engine import head as head_mod
+from hearthnet.distributed_inference.engine import quant
 from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
-from hearthnet.distributed_inference.engine.quant import FusedLinear, Int4Linear
+from hearthnet.distributed_inference.engine.quant import FusedLinear, Int4Linear, Int8Linear
 from tests.helpers.marks import IN_MAKE_BENCH
 from tests.helpers.tiny_models import FAMILIES
 
@@ -111,17 +112,18 @@ def test_quantised_formats_compile_to_their_eager_tokens(weights, family_models,
     """int4's linears (the GGUF-block and re-quantised kernel) trace into the compiled
     step — built as shipped, with inductor's C++ wrapper, its kernels kept in the model
     store's compiled dir though inductor already wrote its /tmp default into the
-    environment — which answers as the same format's eager layers do; int8 says why it
-    stays eager."""
+    environment — which answers as the same format's eager layers do; so does int8 where it
+    runs in `int8-vnni`, and says why it stays eager in a packed GEMM torch cannot trace."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     monkeypatch.delenv(compiled_mod.WRAPPER_ENV)
     monkeypatch.setenv(compiled_mod.INDUCTOR_CACHE_ENV, default_cache_dir())
     entry = family_models[1]["llama"]
     stack, state = _compiled_stack(entry, tmp_path, weights)
-    if weights == "int8":
-        assert state == ("eager: int8's integer GEMMs take weights packed by fbgemm (script "
-                         "objects), which torch.compile cannot trace")
+    kernel = quant.kernel_of(weights)
+    if weights == "int8" and kernel != "int8-vnni":
+        assert state == (f"eager: int8 runs in {kernel}'s packed integer GEMM, which "
+                         "torch.compile cannot trace")
         return
     assert state.startswith("compiled in "), state
     kernels = tmp_path / "compiled" / "inductor"
@@ -133,10 +135,13 @@ def test_quantised_formats_compile_to_their_eager_tokens(weights, family_models,
     assert stack.compiled.calls == DECODE
     # siblings held as one matrix (gate|up here) run once per compiled step, not once per
     # member: every int4 matrix the layers hold, once per position
-    held = {m for m in stack.layers.modules() if isinstance(m, Int4Linear)}
+    held = {m for m in stack.layers.modules() if isinstance(m, (Int4Linear, Int8Linear))}
     assert any(isinstance(m, FusedLinear) for m in stack.layers.modules())
-    kernel = "hearthnet::q4_mm" if all(m.vnni for m in held) \
-        else "aten::_weight_int4pack_mm_for_cpu"  # int4-vnni where this process chose it
+    if weights == "int8":  # int8-vnni: the kernel's 8-bit path
+        kernel = "hearthnet::q8_mm"
+    else:  # int4-vnni where this process chose it
+        kernel = "hearthnet::q4_mm" if all(m.vnni for m in held) \
+            else "aten::_weight_int4pack_mm_for_cpu"
     products = sum(e.count for e in prof.key_averages() if e.key == kernel)
     assert products == len(held) * (1 + DECODE)  # the eager prefill, then each step
     eager_toks, eager_logits = _greedy(head, LayeredStack(entry, 0, entry.num_layers - 1,
@@ -253,7 +258,7 @@ def test_an_int8_head_compiles_what_it_can_and_says_why(family_models, tmp_path)
     assert state["embed"].startswith("compiled in "), state
     lm = head.lm_head_q
     assert lm is not None
-    if getattr(lm, "packed", False):
+    if getattr(lm, "kernel", "") in ("onednn", "fbgemm"):
         assert state["logits"] == (f"eager: int8 per output channel runs in {lm.kernel}'s "
                                    "packed integer GEMM, which torch.compile cannot trace")
     else:

@@ -138,19 +138,27 @@ def test_the_row_threshold_can_be_set_by_environment_and_a_bad_value_is_refused(
         Int4Linear(torch.randn(64, 64), None)
 
 
+BAD_SETTINGS = {
+    "HEARTHNET_INT4_DENSE_ROWS": ("5", "HEARTHNET_INT4_DENSE_ROWS='5' is not a row count; use "
+                                       "auto, off or a whole number of at least 34"),
+    "HEARTHNET_INT8_KERNEL": ("avx9", "HEARTHNET_INT8_KERNEL='avx9' is not an int8 kernel; "
+                                      "use one of auto, onednn, fbgemm, int8pack, int8-vnni"),
+}
+
+
+@pytest.mark.parametrize("setting", list(BAD_SETTINGS))
 @pytest.mark.parametrize("argv", [["bench", "local", "--weights", "int4"],
                                   ["node", "--config", "config/auto3/node-a.toml"]])
-def test_a_bad_threshold_is_one_line_before_any_work(argv, smollm2):
+def test_a_bad_kernel_setting_is_one_line_before_any_work(argv, setting, smollm2):
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, HEARTHNET_INT4_DENSE_ROWS="5")
+    value, message = BAD_SETTINGS[setting]
+    env = dict(os.environ, **{setting: value})
     r = subprocess.run([sys.executable, "-m", "hearthnet.cli", *argv], cwd=root, env=env,
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines() == [
-        "hearthnet: config error: HEARTHNET_INT4_DENSE_ROWS='5' is not a row count; use "
-        "auto, off or a whole number of at least 34"]
+    assert r.stderr.strip().splitlines() == [f"hearthnet: config error: {message}"]

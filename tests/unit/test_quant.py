@@ -134,11 +134,12 @@ def test_activation_digits_keep_thirteen_to_fifteen_bits_of_each_row(top, bits):
 def test_int8_kernel_is_an_exact_integer_gemm_only_where_it_is_fast():
     """On CPUs without VNNI/AMX torch's oneDNN int8 GEMM is wrong and ~10-100× slower than
     `_weight_int8pack_mm`: at import each kernel is checked for exact products and timed."""
-    assert quant.INT8_KERNEL in ("onednn", "fbgemm", "int8pack")
+    assert quant.INT8_KERNEL in quant.INT8_KERNELS
     # every process on one machine must choose alike (their answers must agree): again
     assert quant._int8_kernel() == quant.INT8_KERNEL
-    if quant.INT8_KERNEL != "int8pack":
-        assert quant._exact(quant.INT8_KERNEL)
+    assert quant._integer_gemm() in ("onednn", "fbgemm", "int8pack")
+    if quant._integer_gemm() != "int8pack":
+        assert quant._exact(quant._integer_gemm())
     assert quant.fast_enough(0.5, 1.0)  # oneDNN with VNNI/AMX: two rows in half a row's time
     assert not quant.fast_enough(9.0, 1.0)  # its AVX2 fallback (measured: 9× on one thread)
     threads = torch.get_num_threads()
@@ -236,14 +237,24 @@ def test_an_integer_gemm_that_saturates_is_not_used(monkeypatch):
         monkeypatch.setattr(quant, name, exact)
 
 
-@pytest.fixture(params=["onednn", "fbgemm"])
+VNNI8 = q4vnni.INT8_KERNEL
+
+
+@pytest.fixture(params=["onednn", "fbgemm", VNNI8])
 def kernel(request, monkeypatch):
     """Each integer GEMM in use, where torch has it here exactly (even if too slow to be
-    chosen on this CPU)."""
-    if not quant._exact(request.param):
+    chosen on this CPU), and HearthNet's VNNI kernel where it runs."""
+    if request.param == VNNI8 and not q4vnni.available():
+        pytest.skip(q4vnni.unavailable_reason())
+    if request.param != VNNI8 and not quant._exact(request.param):
         pytest.skip(f"no exact {request.param} int8 GEMM here (torch build or CPU)")
     monkeypatch.setattr(quant, "INT8_KERNEL", request.param)
     return request.param
+
+
+def _scale_bytes(kernel: str, rows: int) -> int:
+    """Bytes of an int8 linear's scales: bf16 per row, and `int8-vnni`'s fp32 copy."""
+    return rows * 2 + (rows * 4 if kernel == VNNI8 else 0)
 
 
 def test_integer_gemm_int8_is_held_once_exact_per_row_and_close_to_the_float_product(kernel):
@@ -253,13 +264,13 @@ def test_integer_gemm_int8_is_held_once_exact_per_row_and_close_to_the_float_pro
     plain = Int8Linear(w, b, keep_rows=True)
     assert q8.packed and q8.kernel == kernel and not plain.packed
     assert "weight_int8" not in q8._buffers
-    # the weights are held once: int8 values + bf16 scales + the fp32 bias
-    assert quant.held_bytes(q8) == 160 * 384 + 160 * 2 + 160 * 4
+    # the weights are held once: int8 values + scales + the fp32 bias
+    assert quant.held_bytes(q8) == 160 * 384 + _scale_bytes(kernel, 160) + 160 * 4
     assert torch.equal(q8.dequantised(), plain.dequantised())
     x = torch.randn(5, 384)
     y = q8(x)
     ref = torch.nn.functional.linear(x, q8.dequantised(), b)
-    bits = 15 if kernel == "onednn" else 13
+    bits = {"onednn": 15, "fbgemm": 13, VNNI8: 15}[kernel]  # VNNI8: digits per group of 32
     assert float((y - ref).abs().max() / ref.abs().max()) < 2.0 ** (4 - bits)
     # int32 accumulation: a row's result does not depend on the batch it runs in
     for i in range(5):
@@ -268,6 +279,61 @@ def test_integer_gemm_int8_is_held_once_exact_per_row_and_close_to_the_float_pro
     plain.pack()
     assert plain.packed and torch.equal(plain(x), y)
     assert torch.equal(plain.rows(torch.tensor([3])), plain.dequantised()[3:4])
+
+
+def test_int8_kernel_choice_override_and_probe(monkeypatch):
+    """`HEARTHNET_INT8_KERNEL` names a kernel or `auto`; a name that is no kernel, or one this
+    process lacks, is a ConfigError before any weight is packed. `auto` keeps the VNNI path
+    unless the integer GEMM is clearly faster."""
+    with pytest.raises(ConfigError, match="is not an int8 kernel"):
+        quant._int8_kernel("avx9000")
+    monkeypatch.setenv(quant.INT8_KERNEL_ENV, "int8pack")
+    assert quant._int8_kernel() == "int8pack"
+    monkeypatch.setenv(quant.INT8_KERNEL_ENV, " FBGEMM ")
+    if quant._exact("fbgemm"):
+        assert quant._int8_kernel() == "fbgemm"
+    else:
+        with pytest.raises(ConfigError, match="no exact fbgemm"):
+            quant._int8_kernel()
+    if not q4vnni.available():
+        with pytest.raises(ConfigError, match="int8-vnni"):
+            quant._int8_kernel(VNNI8)
+        assert quant._int8_kernel("auto", probe=pytest.fail) == quant._integer_gemm()
+        return
+    base = quant._integer_gemm()
+    assert quant._int8_kernel(VNNI8) == VNNI8
+    tie = quant._int8_kernel("auto", probe=lambda b: {VNNI8: 1.2, b: 1.0})
+    slower = quant._int8_kernel("auto", probe=lambda b: {VNNI8: 1.3, b: 1.0})
+    assert (tie, slower) == (VNNI8, base)
+    ms = quant._vnni_probe_ms(base)  # the real probe: both kernels timed
+    assert set(ms) == {VNNI8, base} and all(v > 0 for v in ms.values())
+
+
+def test_int8_vnni_pads_rows_reads_rows_from_its_packed_matrix_and_keeps_odd_widths(
+        monkeypatch):
+    """In `int8-vnni` a linear whose rows are no whole tile of 16 is padded and returns only
+    its rows; its lookups (a tied head's embeddings) read the packed matrix, held once; a
+    matrix whose inputs are no whole groups of 32 runs in the integer GEMM instead."""
+    if not q4vnni.available():
+        pytest.skip(q4vnni.unavailable_reason())
+    monkeypatch.setattr(quant, "INT8_KERNEL", VNNI8)
+    torch.manual_seed(0)
+    w, b = torch.randn(50, 64) * 0.05, torch.randn(50)
+    tied = Int8Linear(w, b, keep_rows=True)
+    ids = torch.tensor([[0, 49], [7, 7]])
+    before = tied.rows(ids)
+    tied.pack()
+    assert tied.kernel == VNNI8 and set(tied._buffers) == {"scales", "weight_q8", "scales_q8"}
+    assert tied.weight_q8.shape == (4, 2, 512)  # 64 rows: 50 and 14 of padding
+    assert torch.equal(tied.rows(ids), before)
+    x = torch.randn(3, 5, 64)
+    y = tied(x)
+    assert y.shape == (3, 5, 50)
+    ref = torch.nn.functional.linear(x, tied.dequantised(), b)
+    assert float((y - ref).abs().max() / ref.abs().max()) < 2.0 ** -11
+    odd = Int8Linear(torch.randn(32, 48) * 0.05, None)
+    assert odd.kernel == quant._integer_gemm()
+    assert odd(torch.randn(2, 48)).shape == (2, 32)
 
 
 def test_int8_without_an_integer_gemm_runs_torchs_int8pack_kernel(monkeypatch):
@@ -306,14 +372,16 @@ def test_siblings_reading_one_input_run_as_one_fused_gemm(kernel, monkeypatch):
     assert isinstance(held.o_proj, Int8Linear) and held.o_proj.packed
     group = held.q_proj.group
     assert "weight_int8" not in group.inner._buffers and group.splits == [64, 16, 16]
-    # held once: int8 q|k|v + bf16 scales + fp32 bias, and o_proj
-    assert quant.held_bytes(held) == 96 * 64 + 96 * 2 + 96 * 4 + 64 * 64 + 64 * 2
+    # held once: int8 q|k|v + scales + fp32 bias, and o_proj
+    assert quant.held_bytes(held) == 96 * 64 + _scale_bytes(kernel, 96) + 96 * 4 + 64 * 64 \
+        + _scale_bytes(kernel, 64)
     x = torch.randn(3, 64)
     solo = {n: Int8Linear(getattr(ref, n).weight.detach(), getattr(ref, n).bias.detach())(x)
             for n in ("q_proj", "k_proj", "v_proj")}
     calls = []
-    real = Int8Linear._gemm
-    monkeypatch.setattr(Int8Linear, "_gemm", lambda *a: calls.append(1) or real(*a))
+    owner, name = (q4vnni, "mm8") if kernel == VNNI8 else (Int8Linear, "_gemm")
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a: calls.append(1) or real(*a))
     with torch.inference_mode():
         outs = {n: getattr(held, n)(x) for n in ("k_proj", "q_proj", "v_proj")}
         assert len(calls) == 1 and getattr(group._last, "v", None) is None  # all taken

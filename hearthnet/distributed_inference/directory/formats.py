@@ -27,10 +27,13 @@ FORMATS = ("native", "fp32", "bf16", "fp16", "int8", "int4")
 HELD_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
 QUANTISED = ("int8", "int4")
 HEAD_FORMATS = ("fp32", "bf16", "fp16", "int8")
-KERNELS = ("onednn", "fbgemm", "int8pack", "int4pack-bf16", "int4pack-fp32", "int4-vnni")
+KERNELS = ("onednn", "fbgemm", "int8pack", "int8-vnni", "int4pack-bf16", "int4pack-fp32",
+           "int4-vnni")
 """What a quantised format's products run in on its host (`quant.kernel_of`): int8 in
-oneDNN (VNNI/AMX CPUs) or fbgemm (AVX2), both exact integer GEMMs on split activations, or
-torch's `_weight_int8pack_mm` (bf16 activations); int4 in `_weight_int4pack_mm_for_cpu`,
+oneDNN (VNNI/AMX CPUs) or fbgemm (AVX2), both exact integer GEMMs on split activations, in
+HearthNet's own VNNI kernel on two int8 digits of each group of 32 activations
+(`int8-vnni`, AVX-512 VNNI CPUs where it is measured faster), or torch's
+`_weight_int8pack_mm` (bf16 activations); int4 in `_weight_int4pack_mm_for_cpu`,
 with bf16 scales, zeros and activations (`int4pack-bf16`) or, for GGUF blocks held exactly
 where the host chose the exact path, fp32 ones (`int4pack-fp32`), or, for GGUF blocks on
 AVX-512 VNNI CPUs, in HearthNet's own integer kernel on two int8 digits of each

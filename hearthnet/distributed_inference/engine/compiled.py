@@ -323,9 +323,10 @@ class CompiledDecode:
             return "the rope's frequencies depend on the step (dynamic or longrope)"
         if s.additive_mask is not None:
             return "the family uses eager attention with an additive mask"
-        if s.format == "int8":
-            return ("int8's integer GEMMs take weights packed by fbgemm (script objects), "
-                    "which torch.compile cannot trace")
+        kernel = kernel_of(s.format)
+        if s.format == "int8" and kernel != "int8-vnni":  # `q4vnni`'s op traces; these do not
+            return (f"int8 runs in {kernel}'s packed integer GEMM, which torch.compile "
+                    "cannot trace")
         return _no_compiler()
 
     def _eager(self, key: tuple[int, int], reason: str, kind: str = "decode") -> None:

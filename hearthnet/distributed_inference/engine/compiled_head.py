@@ -145,7 +145,8 @@ class CompiledHead:
         if head.device.type != "cpu":
             return f"on {head.device.type} (compiled steps are built for the CPU)"
         held = head.lm_head_q if kind == "logits" else head.embed_q
-        if isinstance(held, Int8Linear) and held.packed and kind == "logits":
+        if isinstance(held, Int8Linear) and held.kernel in ("onednn", "fbgemm") \
+                and kind == "logits":
             return (f"int8 per output channel runs in {held.kernel}'s packed integer GEMM, "
                     "which torch.compile cannot trace")
         if kind == "logits" and held is None and not head.lm_head_weight.numel():

@@ -42,6 +42,7 @@ from hearthnet.observability import get_logger
 log = get_logger("quant")
 
 KERNEL = "int4-vnni"
+INT8_KERNEL = "int8-vnni"  # the format int8 (per output channel) in this kernel's 8-bit path
 TILE = 16  # output rows per tile
 GROUP = 32  # inputs per group
 KERNEL_DIR_ENV = "HEARTHNET_KERNEL_DIR"
@@ -174,8 +175,17 @@ def pack8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return w, scale.reshape(n // TILE, TILE, k // GROUP).permute(0, 2, 1).contiguous()
 
 
+def pack8_rows(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values `q` (n, k) with one `scale` per row (n; int8 per output channel) in the
+    kernel's 8-bit layout (`pack8`), the scales as fp32 (tiles, 1, 16): the kernel takes one
+    scale per row for every group."""
+    w, _ = pack8(q, torch.ones(q.shape[0], q.shape[1] // GROUP, dtype=torch.float16))
+    return w, scale.float().reshape(-1, 1, TILE).contiguous()
+
+
 def unpack8_rows(w: torch.Tensor, s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """fp32 rows `ids` (any shape) of a `pack8` matrix: an embedding lookup."""
+    """fp32 rows `ids` (any shape) of a `pack8` (or `pack8_rows`) matrix: an embedding
+    lookup."""
     t, j = ids // TILE, ids % TILE
     groups = w.shape[1]
     q = w.view(w.shape[0], groups, 8, TILE, 4)[t, :, :, j, :]  # (*ids, groups, 8, 4)

@@ -19,6 +19,13 @@ A format is chosen per shard (`[[shards]] weights`, or the host's default) and p
     oneDNN's int8 path is wrong and ~10× slower), 7-bit digits (~13 bits): its kernel
     sums pairs of products in 16 bits, which 8-bit digits would overflow;
   - else `int8pack`: torch's `_weight_int8pack_mm` with bf16 activations (ARM builds).
+  Where HearthNet's own VNNI kernel (`int4-vnni`, below) runs, its 8-bit path is probed
+  beside that choice and taken if it is faster (`int8-vnni`): the same int8 values and
+  scales (one per row for every group of 32), against two int8 digits of each group of 32
+  activations (~2e-5 of a product, against ~1e-4 for fbgemm's 7-bit digits of a whole row),
+  the digits made inside the kernel. On a 2-core Zen 4 (one thread, the 1.5B's fused
+  gate/up): one row 0.90 ms against fbgemm's 1.04, eight rows 2.76 against 3.85.
+  `HEARTHNET_INT8_KERNEL` overrides the choice: `auto` (the default) or a kernel's name.
 - `int4`: weight-only int4. Where int4 runs in HearthNet's own `int4-vnni` kernel (below),
   quantised at load as llama.cpp's Q4_1: asymmetric in groups of 32 along the input
   dimension, each with an fp16 scale and minimum. Elsewhere asymmetric in groups of 64 (32
@@ -261,7 +268,27 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _int8_kernel() -> str:
+def _named_kernel(env: str, choice: str | None, names: tuple[str, ...], fmt: str) -> str:
+    """`choice`, else the environment's `env`, normalised (empty: ``auto``); `ConfigError`
+    unless it is one of `names`."""
+    value = os.environ.get(env, "") if choice is None else choice
+    value = value.strip().lower() or "auto"
+    if value not in names:
+        raise ConfigError(f"{env}={value!r} is not an {fmt} kernel; use one of "
+                          f"{', '.join(names)}", key=env, reason=f"unknown {fmt} kernel")
+    return value
+
+
+def kernel_settings() -> None:
+    """`ConfigError` for a `HEARTHNET_INT8_KERNEL` or `HEARTHNET_INT4_KERNEL` naming no
+    kernel: one line before a node starts (whether a named kernel runs here is known when
+    the first weights of its format load)."""
+    _named_kernel(INT8_KERNEL_ENV, None, ("auto", *INT8_KERNELS), "int8")
+    _named_kernel(INT4_KERNEL_ENV, None, tuple(_INT4_CHOICES), "int4")
+
+
+@cache
+def _integer_gemm() -> str:
     """The first of ``onednn``, ``fbgemm`` that torch has here, computes exactly and runs
     fast on this CPU; else ``int8pack``."""
     exact = [k for k in _DIGITS if _exact(k)]  # in order of preference
@@ -269,6 +296,54 @@ def _int8_kernel() -> str:
         return "int8pack"
     ms = _probe_ms([*exact, "int8pack"])
     return next((k for k in exact if fast_enough(ms[k], ms["int8pack"])), "int8pack")
+
+
+INT8_KERNEL_ENV = "HEARTHNET_INT8_KERNEL"
+INT8_KERNELS = ("onednn", "fbgemm", "int8pack", q4vnni.INT8_KERNEL)
+INT8_PROBE_ROWS = (1, 8)  # a decode step and a batched round of 8 chats (M26 §5.3)
+INT8_VNNI_MAX_RATIO = 1.25  # `int8-vnni` is kept unless the integer GEMM is clearly faster:
+# its products are the more faithful (digits per group of 32), and processes of one machine
+# probing a near tie must not choose differently (measured on Zen 4: 0.16 against fbgemm's 0.24)
+
+
+def _vnni_probe_ms(other: str) -> dict[str, float]:
+    """ms of a (1024 × 1024) int8 product of one and of eight activation rows, summed, in
+    `int8-vnni` and in `other`, best of 20 each, on one thread (as `_probe_ms`)."""
+    n, k = _PROBE
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, generator=g) * 1e-2 + 1e-3
+    vnni = Int8Linear(w, None, scales=scales, kernel=q4vnni.INT8_KERNEL)
+    base = Int8Linear(w, None, scales=scales, kernel=other)
+    xs = [torch.randn(m, k, generator=g) for m in INT8_PROBE_ROWS]
+    with _one_thread(), torch.inference_mode():
+        return {name: sum(_best_ms(partial(lin, x)) for x in xs)
+                for name, lin in ((q4vnni.INT8_KERNEL, vnni), (other, base))}
+
+
+def _int8_kernel(choice: str | None = None,
+                 probe: Callable[[str], dict[str, float]] = _vnni_probe_ms) -> str:
+    """What int8 products run in (`INT8_KERNELS`): `choice` (default: the environment's
+    `HEARTHNET_INT8_KERNEL`, else ``auto``) names one, or ``auto`` takes `_integer_gemm`'s
+    choice unless `int8-vnni` is available and `probe` finds it about as fast or faster
+    (`INT8_VNNI_MAX_RATIO`); `ConfigError` for
+    another value or a kernel this process does not have."""
+    value = _named_kernel(INT8_KERNEL_ENV, choice, ("auto", *INT8_KERNELS), "int8")
+    if value == q4vnni.INT8_KERNEL and not q4vnni.available():
+        raise ConfigError(f"{INT8_KERNEL_ENV}={value!r}: {q4vnni.unavailable_reason()}",
+                          key=INT8_KERNEL_ENV, reason="int8 kernel unavailable")
+    if value in _DIGITS and not _exact(value):
+        raise ConfigError(f"{INT8_KERNEL_ENV}={value!r}: torch has no exact {value} "
+                          "integer GEMM here", key=INT8_KERNEL_ENV,
+                          reason="int8 kernel unavailable")
+    if value != "auto":
+        return value
+    base = _integer_gemm()
+    if not q4vnni.available():
+        return base
+    ms = probe(base)
+    faster = ms[q4vnni.INT8_KERNEL] <= INT8_VNNI_MAX_RATIO * ms[base]
+    return q4vnni.INT8_KERNEL if faster else base
 
 
 
@@ -317,12 +392,7 @@ def int4_kernel(choice: str | None = None,
     """The path int4 products from Q4 blocks run in (`INT4_KERNELS`): `choice` (default:
     the environment's `HEARTHNET_INT4_KERNEL`, else ``auto``) names one, or ``auto``
     chooses by `probe` (`faster_int4`); `ConfigError` for any other value."""
-    value = os.environ.get(INT4_KERNEL_ENV, "") if choice is None else choice
-    value = value.strip().lower() or "auto"
-    if value not in _INT4_CHOICES:
-        raise ConfigError(f"{INT4_KERNEL_ENV}={value!r} is not an int4 kernel; use one of "
-                          f"{', '.join(_INT4_CHOICES)}", key=INT4_KERNEL_ENV,
-                          reason="unknown int4 kernel")
+    value = _named_kernel(INT4_KERNEL_ENV, choice, tuple(_INT4_CHOICES), "int4")
     if value == q4vnni.KERNEL and not q4vnni.available():
         raise ConfigError(f"{INT4_KERNEL_ENV}={value!r}: {q4vnni.unavailable_reason()}",
                           key=INT4_KERNEL_ENV, reason="int4 kernel unavailable")
@@ -615,19 +685,25 @@ class Int8Linear(nn.Module):
 
     Where an integer GEMM is used (`INT8_KERNEL` oneDNN or fbgemm) the weights are held
     once, in that kernel's packed layout (`weight_packed`, or fbgemm's script object
-    `fbgemm_packed`). `keep_rows=True` holds the plain matrix `weight_int8` instead, for
-    embedding lookups; `pack()` adds the packed copy when the same matrix is also a
-    product's weight (a head whose lm_head is tied to its embeddings holds both).
-    Unpacked, the product runs in `_weight_int8pack_mm` on `weight_int8`.
+    `fbgemm_packed`); in `int8-vnni` as `weight_q8` with fp32 `scales_q8` (`q4vnni.pack8_rows`;
+    rows padded to whole tiles of 16), whose rows also serve lookups. `keep_rows=True`
+    holds the plain matrix `weight_int8` instead, for embedding lookups; `pack()` adds the
+    packed copy when the same matrix is also a product's weight (a head whose lm_head is
+    tied to its embeddings holds both, but for `int8-vnni`). Unpacked, the product runs in
+    `_weight_int8pack_mm` on `weight_int8`.
     """
 
     weight_int8: torch.Tensor
     weight_packed: torch.Tensor
+    weight_q8: torch.Tensor
+    scales_q8: torch.Tensor
     scales: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                 keep_rows: bool = False, scales: torch.Tensor | None = None) -> None:
-        """Quantise float `weight`, or take int8 `weight` quantised with `scales`."""
+                 keep_rows: bool = False, scales: torch.Tensor | None = None,
+                 kernel: str | None = None) -> None:
+        """Quantise float `weight`, or take int8 `weight` quantised with `scales`; `kernel`:
+        pack for that one (`INT8_KERNELS`) instead of this process's `INT8_KERNEL`."""
         super().__init__()
         n, k = weight.shape
         if scales is None:
@@ -642,11 +718,12 @@ class Int8Linear(nn.Module):
             q = weight
         self.in_features, self.out_features = k, n
         self.kernel = "int8pack"  # until packed
+        self._target = kernel
         self.fbgemm_packed: Any = None
         self.top = 0  # packed: the kernel's digit range
         self._product: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.register_buffer("scales", scales.to(torch.bfloat16))
-        if keep_rows or int8_kernel_name() == "int8pack":
+        if keep_rows or self.target_kernel() == "int8pack":
             self.register_buffer("weight_int8", q)
         else:
             self.pack(q)
@@ -655,22 +732,39 @@ class Int8Linear(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """Whether products run in an integer GEMM (oneDNN or fbgemm)."""
+        """Whether products run in an integer GEMM (oneDNN, fbgemm or `int8-vnni`)."""
         return self.kernel != "int8pack"
+
+    def target_kernel(self) -> str:
+        """The kernel this linear packs for: the one it was made for, else `INT8_KERNEL`;
+        `int8-vnni` takes only whole groups of 32 inputs (others: `_integer_gemm`)."""
+        kernel = self._target or int8_kernel_name()
+        if kernel == q4vnni.INT8_KERNEL and self.in_features % GROUP:
+            return _integer_gemm()
+        return kernel
 
     def pack(self, q: torch.Tensor | None = None, *, drop_rows: bool = False) -> None:
         """Hold the weights (`q`, else `weight_int8`) packed for `INT8_KERNEL`, where it is
         an integer GEMM; `drop_rows`: then let the plain matrix go (held once)."""
-        if int8_kernel_name() == "int8pack" or self.packed:
+        kernel = self.target_kernel()
+        if kernel == "int8pack" or self.packed:
             return
         w = self.weight_int8 if q is None else q
-        packed, self._product = _packed_product(int8_kernel_name(), w, self.scales.float())
-        if int8_kernel_name() == "onednn":
-            self.register_buffer("weight_packed", packed)
-        else:  # a script object, not a buffer: `packed_bytes` counts it
-            self.fbgemm_packed = packed
-        self.top = _DIGITS[int8_kernel_name()]
-        self.kernel = int8_kernel_name()
+        if kernel == q4vnni.INT8_KERNEL:
+            pad = -self.out_features % q4vnni.TILE
+            wq, sq = q4vnni.pack8_rows(nn.functional.pad(w, (0, 0, 0, pad)),
+                                       nn.functional.pad(self.scales.float(), (0, pad)))
+            self.register_buffer("weight_q8", wq)
+            self.register_buffer("scales_q8", sq)
+            drop_rows = True  # `rows` reads the packed matrix
+        else:
+            packed, self._product = _packed_product(kernel, w, self.scales.float())
+            if kernel == "onednn":
+                self.register_buffer("weight_packed", packed)
+            else:  # a script object, not a buffer: `packed_bytes` counts it
+                self.fbgemm_packed = packed
+            self.top = _DIGITS[kernel]
+        self.kernel = kernel
         if drop_rows:
             self._buffers.pop("weight_int8", None)
 
@@ -685,13 +779,15 @@ class Int8Linear(nn.Module):
 
     def dequantised(self) -> torch.Tensor:
         """The fp32 weight this module computes with (tests, quality checks)."""
-        if "weight_int8" in self._buffers:
-            w: torch.Tensor = self.weight_int8.float() * self.scales.float()[:, None]
-            return w
+        if "weight_int8" in self._buffers or self.kernel == q4vnni.INT8_KERNEL:
+            return self.rows(torch.arange(self.out_features))
         return self._gemm(torch.eye(self.in_features)).t()  # x = I: the product is w.T
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 rows `ids` of the weight (an int8 embedding lookup; needs `keep_rows`)."""
+        """fp32 rows `ids` of the weight (an int8 embedding lookup; needs `keep_rows`, or
+        the `int8-vnni` matrix)."""
+        if "weight_int8" not in self._buffers and self.kernel == q4vnni.INT8_KERNEL:
+            return q4vnni.unpack8_rows(self.weight_q8, self.scales_q8, ids)
         out: torch.Tensor = self.weight_int8[ids].float() * self.scales[ids].float()[..., None]
         return out
 
@@ -714,7 +810,13 @@ class Int8Linear(nn.Module):
         return torch.add(yy[:n], yy[n:], alpha=1 / (2 * top), out=out).mul_(s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.kernel == q4vnni.INT8_KERNEL:  # digits made in the kernel: any row count
+            y = q4vnni.mm8(x.reshape(-1, self.in_features).float().contiguous(),
+                           self.weight_q8, self.scales_q8)
+            if y.shape[1] != self.out_features:  # rows padded to a whole tile
+                y = y[:, :self.out_features]
+            y = y.to(x.dtype)
+        elif self.packed:
             x2 = x.reshape(-1, self.in_features).float()
             n, rows = x2.shape[0], self.block_rows()
             if torch.compiler.is_compiling() or n <= rows:  # a compiled step: one GEMM
@@ -1187,6 +1289,10 @@ def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool, ggml_type: str =
             return n // 2 + groups * {"Q4_0": 2, "Q4_1": 4}.get(ggml_type, 8)
         scale = torch.empty((), dtype=int4_blocks_dtype()).element_size()
         return n // 2 + groups * 2 * scale
+    if fmt == "int8" and linear and shape[1] % GROUP == 0 \
+            and int8_kernel_name() == q4vnni.INT8_KERNEL:  # whole tiles + fp32 scales too
+        rows = -(-shape[0] // q4vnni.TILE) * q4vnni.TILE
+        return rows * (shape[1] + 4) + shape[0] * 2
     if fmt == "int8" and linear:
         return n + shape[0] * 2  # int8 values + one bf16 scale per output channel
     if fmt == "int4" and linear and vnni_holds(shape[0], shape[1]):

@@ -1,7 +1,8 @@
 // int4 (and int8) weights × two int8 digits of each activation, in AVX-512 VNNI integer
 // dot products (M26 §5.7: the engine's per-token cost). Built and loaded by
 // engine/q4vnni.py, which documents the layouts; registered as torch.ops.hearthnet.q4_mm
-// (4-bit values, a GGUF's Q4 blocks) and torch.ops.hearthnet.q8_mm (8-bit, Q8_0 blocks).
+// (4-bit values, a GGUF's Q4 blocks) and torch.ops.hearthnet.q8_mm (8-bit: Q8_0 blocks, or
+// int8 per output channel: one fp32 scale per row for every group, s of shape (tiles, 1, 16)).
 //
 // Why two digits: one int8 digit per activation (llama.cpp's Q8_0 activations) leaves a
 // relative error of ~5e-3 in a product; the residual as a second digit brings it to ~2e-5
@@ -80,9 +81,9 @@ inline __m512i dot8(const __m512i* v, const int8_t* a) {
 // OFFSET: weight = q·s + o per group; else weight = (q − z)·s, z = 8 for 4-bit values
 // (Q4_0), 128 for 8-bit ones (Q8_0's int8 held as u8 = q + 128: VNNI multiplies u8 × s8).
 template <typename S, bool OFFSET, int BITS, int R>
-inline void tile(const uint8_t* w, const S* s, const S* o, int64_t groups, const int8_t* hi,
-                 const int8_t* lo, const float* d, const int32_t* sum, int64_t k, float* y,
-                 int64_t n) {
+inline void tile(const uint8_t* w, const S* s, int64_t ss, const S* o, int64_t groups,
+                 const int8_t* hi, const int8_t* lo, const float* d, const int32_t* sum,
+                 int64_t k, float* y, int64_t n) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   constexpr int64_t bytes = group_bytes<BITS>();
@@ -106,7 +107,7 @@ inline void tile(const uint8_t* w, const S* s, const S* o, int64_t groups, const
     } else {
       for (int c = 0; c < 8; ++c) v[c] = _mm512_loadu_si512(wg + 64 * c);
     }
-    const __m512 sc = load16<S>(s + g * kTile);
+    const __m512 sc = load16<S>(s + g * ss);  // ss = 0: one scale per row
     __m512 of = _mm512_setzero_ps();
     if constexpr (OFFSET) of = load16<S>(o + g * kTile);
     for (int r = 0; r < R; ++r) {
@@ -126,36 +127,36 @@ inline void tile(const uint8_t* w, const S* s, const S* o, int64_t groups, const
 
 // rows r.. r + R of the product through one tile
 template <typename S, bool OFFSET, int BITS, int R>
-inline void rows(const uint8_t* wt, const S* st, const S* ot, int64_t groups, const int8_t* q,
-                 const int8_t* lo, const float* d, const int32_t* sum, int64_t k, float* y,
-                 int64_t n, int64_t r) {
-  tile<S, OFFSET, BITS, R>(wt, st, ot, groups, q + r * k, lo + r * k, d + r * groups,
+inline void rows(const uint8_t* wt, const S* st, int64_t ss, const S* ot, int64_t groups,
+                 const int8_t* q, const int8_t* lo, const float* d, const int32_t* sum,
+                 int64_t k, float* y, int64_t n, int64_t r) {
+  tile<S, OFFSET, BITS, R>(wt, st, ss, ot, groups, q + r * k, lo + r * k, d + r * groups,
                            sum + r * groups, k, y + r * n, n);
 }
 
 template <typename S, bool OFFSET, int BITS>
-void product(const uint8_t* w, const S* s, const S* o, const int8_t* q, const float* d,
-             const int32_t* sum, int64_t m, int64_t n, int64_t k, float* y) {
+void product(const uint8_t* w, const S* s, int64_t ss, const S* o, const int8_t* q,
+             const float* d, const int32_t* sum, int64_t m, int64_t n, int64_t k, float* y) {
   const int64_t groups = k / kGroup;
   const int8_t* lo = q + m * k;
   at::parallel_for(0, n / kTile, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const uint8_t* wt = w + t * groups * group_bytes<BITS>();
-      const S* st = s + t * groups * kTile;
+      const S* st = s + t * (ss ? groups : 1) * kTile;
       const S* ot = OFFSET ? o + t * groups * kTile : nullptr;
       float* yt = y + t * kTile;
       int64_t r = 0;
       for (; r + kRows <= m; r += kRows) {
-        rows<S, OFFSET, BITS, kRows>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r);
+        rows<S, OFFSET, BITS, kRows>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r);
       }
       switch (m - r) {  // the rest in one pass over the tile, not one pass per row
-        case 7: rows<S, OFFSET, BITS, 7>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 6: rows<S, OFFSET, BITS, 6>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 5: rows<S, OFFSET, BITS, 5>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 4: rows<S, OFFSET, BITS, 4>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 3: rows<S, OFFSET, BITS, 3>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 2: rows<S, OFFSET, BITS, 2>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 1: rows<S, OFFSET, BITS, 1>(wt, st, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 7: rows<S, OFFSET, BITS, 7>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 6: rows<S, OFFSET, BITS, 6>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 5: rows<S, OFFSET, BITS, 5>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 4: rows<S, OFFSET, BITS, 4>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 3: rows<S, OFFSET, BITS, 3>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 2: rows<S, OFFSET, BITS, 2>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
+        case 1: rows<S, OFFSET, BITS, 1>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
         default: break;
       }
     }
@@ -168,8 +169,9 @@ void dispatch(const at::Tensor& w, const at::Tensor& s, const c10::optional<at::
               int64_t n, int64_t k, at::Tensor& y) {
   const S* op = o.has_value() ? o->data_ptr<S>() : nullptr;
   auto run = o.has_value() ? product<S, true, BITS> : product<S, false, BITS>;
-  run(w.data_ptr<uint8_t>(), s.data_ptr<S>(), op, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-      sum.data_ptr<int32_t>(), m, n, k, y.data_ptr<float>());
+  const int64_t ss = s.size(1) == w.size(1) ? kTile : 0;  // per group, or one scale per row
+  run(w.data_ptr<uint8_t>(), s.data_ptr<S>(), ss, op, q.data_ptr<int8_t>(),
+      d.data_ptr<float>(), sum.data_ptr<int32_t>(), m, n, k, y.data_ptr<float>());
 }
 
 template <int BITS>
@@ -185,10 +187,12 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
   TORCH_CHECK(k % kGroup == 0 && w.size(1) == groups, name, ": x has ", k,
               " inputs; w is for ", w.size(1) * kGroup);
   TORCH_CHECK(s.is_contiguous() && (s.scalar_type() == at::kHalf || s.scalar_type() == at::kFloat) &&
-                  s.dim() == 3 && s.size(0) == w.size(0) && s.size(1) == groups && s.size(2) == kTile,
-              name, ": s must be contiguous fp16 or fp32 (tiles, groups, 16)");
+                  s.dim() == 3 && s.size(0) == w.size(0) && s.size(2) == kTile &&
+                  (s.size(1) == groups || (BITS == 8 && s.size(1) == 1)),
+              name, ": s must be contiguous fp16 or fp32 (tiles, groups, 16)",
+              BITS == 8 ? " or, one per row, (tiles, 1, 16)" : "");
   TORCH_CHECK(!o.has_value() || (o->is_contiguous() && o->scalar_type() == s.scalar_type() &&
-                                 o->sizes() == s.sizes()),
+                                 o->sizes() == s.sizes() && s.size(1) == groups),
               name, ": o must be as s");
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
