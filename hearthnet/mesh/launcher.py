@@ -46,6 +46,17 @@ _PORTS = range(20000, 32768)  # below Linux's ephemeral range (32768-60999): a p
 _HANDED_OUT: set[int] = set()
 
 
+def log_tail(path: Path, lines: int = 12, width: int = 400) -> str:
+    """The last `lines` lines of a node's log, each cut at `width` characters: a node that
+    exits while a mesh starts says why in the error itself (the mesh's folder, and its
+    logs, are removed when the mesh stops)."""
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError as e:
+        return f"(unreadable: {e})"
+    return "\n".join(line[:width] for line in text) or "(empty)"
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 now, outside the ephemeral range, not handed out before
     by this process (chosen at random: processes started together do not collide)."""
@@ -255,8 +266,9 @@ class LocalMesh:
 
     def _wait_ready(self, n: NodeProc, timeout: float) -> None:
         assert n.proc is not None
+        log = self.root / f"{n.spec.node_id}.log"
         msg = wait_node_ready(n.proc, timeout, n.spec.node_id,
-                              lambda: f"see {self.root}/{n.spec.node_id}.log")
+                              lambda: f"see {log}; its last lines:\n{log_tail(log)}")
         n.endpoint = msg["endpoint"]
         n.admin = msg.get("admin") or ""
         n.api = msg.get("api") or ""

@@ -247,3 +247,19 @@ def test_port_flag_overrides_the_configured_port(tmp_path):
         assert proc.wait(timeout=30) == 0
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_a_node_that_exits_while_a_mesh_starts_says_why(monkeypatch, tmp_path):
+    """The mesh's folder (and the node's log) goes when the mesh stops, so the error names
+    the log's last lines: here a kernel setting that names no kernel, refused before the
+    node starts."""
+    from hearthnet.errors import HearthNetError
+    from hearthnet.mesh.launcher import LocalMesh
+
+    monkeypatch.setenv("HEARTHNET_INT8_KERNEL", "avx9")
+    mesh = LocalMesh([NodeSpec("node-a")], root=tmp_path)
+    with pytest.raises(HearthNetError) as e, mesh:
+        pass
+    assert "node node-a exited with 2" in str(e.value)
+    assert "hearthnet: config error: HEARTHNET_INT8_KERNEL='avx9' is not an int8 kernel" \
+        in str(e.value)

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from hearthnet.mesh.launcher import NodeSpec, node_toml, wait_node_ready
+from hearthnet.mesh.launcher import NodeSpec, log_tail, node_toml, wait_node_ready
 from hearthnet.paths import models_dir
 from hearthnet.security.provision import provision
 
@@ -201,7 +201,7 @@ class NetnsLan:
         wait_node_ready(n.proc, timeout, n.spec.node_id, lambda: self.log_tail(n))
 
     def log_tail(self, n: LanNode) -> str:
-        return (self.root / f"{n.spec.node_id}.log").read_text()[-2000:]
+        return log_tail(self.root / f"{n.spec.node_id}.log")
 
     def kill_host(self, node_id: str) -> None:
         """SIGKILL every process in the host's namespace (the machine dies)."""

@@ -59,6 +59,7 @@ def _leftovers(tag: str) -> str:
     return "\n".join(line for line in out.splitlines() if mine.search(line))
 
 
+@IN_MAKE_BENCH  # 40 s: the benchmark's own harness, checked where the benchmarks run
 def test_the_benchmarks_mesh_pays_the_delay_once_per_hop_and_a_ctrl_c_leaves_nothing(
         shaped: netem.Choice, smollm2: Any, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()

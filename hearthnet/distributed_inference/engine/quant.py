@@ -326,8 +326,8 @@ def _int8_kernel(choice: str | None = None,
     """What int8 products run in (`INT8_KERNELS`): `choice` (default: the environment's
     `HEARTHNET_INT8_KERNEL`, else ``auto``) names one, or ``auto`` takes `_integer_gemm`'s
     choice unless `int8-vnni` is available and `probe` finds it about as fast or faster
-    (`INT8_VNNI_MAX_RATIO`); `ConfigError` for
-    another value or a kernel this process does not have."""
+    (`INT8_VNNI_MAX_RATIO`); `ConfigError` for another value or a kernel this process
+    does not have."""
     value = _named_kernel(INT8_KERNEL_ENV, choice, ("auto", *INT8_KERNELS), "int8")
     if value == q4vnni.INT8_KERNEL and not q4vnni.available():
         raise ConfigError(f"{INT8_KERNEL_ENV}={value!r}: {q4vnni.unavailable_reason()}",
