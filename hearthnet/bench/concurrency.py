@@ -21,6 +21,8 @@ times. Per level:
   of computing them (a shared prompt prefix: ``usage.cached_prompt_tokens`` of each `done`);
 - local fallbacks: chats that ended on the orchestrator's local engine (``fallback`` in
   their `done` frame) — a busy shard must make a chat wait for a slot, not fall back to local;
+  and failovers: stages the chats replaced mid-answer (``failovers`` of `done`: a step that
+  failed or stalled, the history replayed — a whole prefill's gap in the chat's tokens);
 - agreement: each chat's tokens against the same prompt run alone (the solo reference
   pass before the levels): identical, or the index of the first divergence. In fp32 they
   must all be identical; in bf16/int8 a batched matmul may round differently.
@@ -154,7 +156,7 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
                 solo: dict[str, list[int]]) -> dict[str, Any]:
     """`c` chats at once, `a.runs` times; see the module docstring."""
     aggs, per_chat, gaps, steady, steady_aggs = [], [], [], [], []
-    fallbacks = prompt_tokens = cached = 0
+    fallbacks = failovers = prompt_tokens = cached = 0
     prompts = [a.level_prompts[i % len(a.level_prompts)] for i in range(c)]
     agree: list[dict[str, Any]] = []
     last: list[dict[str, Any]] = []
@@ -167,6 +169,7 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
         aggs.append(sum(len(ch["ids"]) for ch in chats) / wall)
         per_chat += [ch["done"]["timings"]["tokens_per_second"] for ch in chats]
         fallbacks += sum(bool(ch["done"].get("fallback")) for ch in chats)
+        failovers += sum(int(ch["done"].get("failovers", 0)) for ch in chats)
         prompt_tokens += sum(int(ch["done"]["usage"]["prompt_tokens"]) for ch in chats)
         cached += sum(int(ch["done"]["usage"].get("cached_prompt_tokens", 0)) for ch in chats)
         pairs = [(a_, b_) for ch in chats
@@ -183,7 +186,8 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
                  "longest_gap_ms": round(max(((b_ - a_) * 1000 for a_, b_ in zip(
                      ch["times"], ch["times"][1:], strict=False)), default=0.0), 1),
                  "cached_prompt_tokens": int(ch["done"]["usage"].get(
-                     "cached_prompt_tokens", 0))} for ch in chats]
+                     "cached_prompt_tokens", 0)),
+                 "failovers": int(ch["done"].get("failovers", 0))} for ch in chats]
     after = scrape()
     return {"concurrency": c, "aggregate_tokens_per_second": round(median(aggs), 2),
             "aggregate_runs": [round(x, 2) for x in aggs],
@@ -194,6 +198,9 @@ async def level(uri: str, a: argparse.Namespace, c: int, scrape: Scrape,
             "inter_token_ms_p95": round(percentile(gaps, 95), 1),
             "inter_token_ms_p95_all_decoding": round(percentile(steady, 95), 1),
             "local_fallbacks": fallbacks,
+            # stages a call replaced mid-answer (a stalled or failed step: its history
+            # replayed on another session) — a gap of a whole prefill in its tokens
+            "failovers": failovers,
             # prompt positions the stages copied from another chat instead of computing
             "prompt_tokens": prompt_tokens, "cached_prompt_tokens": cached,
             "last_run_chats": last,
@@ -239,7 +246,7 @@ def report(levels: list[dict[str, Any]], goal: dict[str, Any]) -> str:
 
     t = table(["chats", "aggregate tok/s", "all decoding tok/s", "per-chat tok/s",
                "ITL p50 ms", "ITL p95 ms", "p95 all decoding", "identical to solo",
-               "local fallbacks", "prompt tokens (copied)",
+               "local fallbacks", "failovers", "prompt tokens (copied)",
                "shard batches (size:count)",
                "head batches"],
               [[c["concurrency"], c["aggregate_tokens_per_second"],
@@ -247,7 +254,7 @@ def report(levels: list[dict[str, Any]], goal: dict[str, Any]) -> str:
                 c["per_call_decode_tokens_per_second"], c["inter_token_ms_p50"],
                 c["inter_token_ms_p95"], c["inter_token_ms_p95_all_decoding"],
                 f"{c['agreement']['identical']}/{c['agreement']['chats']}",
-                c["local_fallbacks"],
+                c["local_fallbacks"], c.get("failovers", "-"),
                 f"{c.get('prompt_tokens', '-')} ({c.get('cached_prompt_tokens', 0)})",
                 sizes(c["shard_batches"]), sizes(c["head_batches"])] for c in levels])
     lines = [t]

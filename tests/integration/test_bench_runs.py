@@ -92,6 +92,8 @@ def test_bench_pipeline_three_shards(smollm2, tmp_path):
     assert two["inter_token_ms_p95"] >= two["inter_token_ms_p50"] > 0
     assert two["agreement"]["chats"] == 2 and len(two["shard_batches"]) == 3
     assert two["local_fallbacks"] == 0  # issue 16 §2: every chat through the shards
+    # nothing failed: no stage replaced mid-answer, counted per chat from its `done`
+    assert two["failovers"] == 0 and [c["failovers"] for c in two["last_run_chats"]] == [0, 0]
     # the two prompts share the chat template's preamble (over half of each): computed once
     assert 16 <= two["cached_prompt_tokens"] < two["prompt_tokens"]
     assert len(two["last_run_chats"]) == 2

@@ -80,6 +80,7 @@ def layer_types(config: Any) -> list[str]:
 def check_device_format(fmt: str, device: torch.device) -> None:
     """`BadRequest` for a held format with no kernel on `device` (int8/int4: CPU only)."""
     if fmt in QUANTISED and device.type != "cpu":
-        raise BadRequest(f"weights held as {fmt} run on torch's CPU kernels only (oneDNN, fbgemm, "
-                         f"_weight_int8pack_mm, _weight_int4pack_mm_for_cpu); on {device} "
-                         f"use bf16 or fp16", format=fmt, device=str(device))
+        raise BadRequest(f"weights held as {fmt} run on CPU kernels only (oneDNN, fbgemm, "
+                         f"_weight_int8pack_mm, _weight_int4pack_mm_for_cpu, HearthNet's "
+                         f"int4-vnni/int8-vnni); on {device} use bf16 or fp16", format=fmt,
+                         device=str(device))
