@@ -353,9 +353,9 @@ def mesh_decode(entry: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Decode tokens/s of a chat through an orchestrator and two shard nodes on 127.0.0.1
     (`bench pipeline`'s mesh; median of ``--runs`` after a warm-up chat)."""
     from hearthnet.bench import pid_memory, single_model_dir
-    from hearthnet.bench.pipeline import _log_tails, _specs, split_layers
+    from hearthnet.bench.pipeline import _specs, split_layers
     from hearthnet.distributed_inference.directory.formats import head_format
-    from hearthnet.mesh.launcher import LocalMesh
+    from hearthnet.mesh.launcher import LocalMesh, log_tails
 
     ranges = split_layers(entry.num_layers, 2)
     ns = argparse.Namespace(concurrency=[1], batch_window_ms=None, mixed_prefill_tokens=None,
@@ -375,7 +375,7 @@ def mesh_decode(entry: Any, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             mesh.stop()
     except HearthNetError as e:
-        raise HearthNetError(f"{e.message}\n{_log_tails(root)}") from e
+        raise HearthNetError(f"{e.message}\n{log_tails(root)}") from e
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"decode_tokens_per_s": round(median([r["tokens_per_second"] for r in runs]), 2),

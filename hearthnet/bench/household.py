@@ -83,7 +83,7 @@ from hearthnet.distributed_inference.directory.formats import (
     resolve_format,
 )
 from hearthnet.errors import BadRequest, HearthNetError, ShardUnavailable, error_from_code
-from hearthnet.mesh.launcher import NodeSpec
+from hearthnet.mesh.launcher import NodeSpec, log_tails
 
 GOALS = {"budget_fraction_max": 0.45, "fetch_ratio_max": 1.1, "wifi_ratio_min": 0.85}
 """The issue's household: each budget below 45 % of the model, each node fetching at most
@@ -448,7 +448,7 @@ def _built(args: argparse.Namespace, entry: Any, budgets: list[int], links: list
             figures["decode_steps"] = mesh.wait_decode_steps()
             yield Household(mesh, ids, figures)
     except HearthNetError as e:  # the same error, with the nodes' logs before they go
-        raise error_from_code(e.code, f"{e.message}\n{_log_tails(root)}") from e
+        raise error_from_code(e.code, f"{e.message}\n{log_tails(root)}") from e
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -687,12 +687,6 @@ def _victim(frames: list[tuple[float, dict[str, Any]]], ids: list[str]) -> str:
         if host in ids[1:]:
             return host
     return ids[-1]
-
-
-def _log_tails(root: Path, chars: int = 2000) -> str:
-    """The end of every node's log (no tensor contents are ever logged)."""
-    return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-chars:]}"
-                     for f in sorted(root.glob("*.log")))
 
 
 # ---- the report --------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from hearthnet.bench.local import weights_of
 from hearthnet.constants import WIRE_DTYPES
 from hearthnet.distributed_inference.directory.formats import FORMATS, head_format, policy_for
 from hearthnet.errors import BadRequest, HearthNetError
+from hearthnet.mesh.launcher import log_tails
 
 GOALS = {"ratio_min": 0.85, "first_token_ms_max": 300.0, "construction_ms_max": 100.0,
          "overhead_p95_ms_max": 2.0}
@@ -537,7 +538,7 @@ def _on_mesh(args: argparse.Namespace, ranges: list[tuple[int, int]],
             figures["decode_steps"] = {"mesh": mesh.wait_decode_steps()}
             return measure(mesh)
     except HearthNetError as e:  # a node that did not start: say why before its logs go
-        raise HearthNetError(f"{e.message}\n{_log_tails(root)}") from e
+        raise HearthNetError(f"{e.message}\n{log_tails(root)}") from e
     finally:
         if lan is not None and lan.emulator_stats:  # what the emulator switched, how late
             figures["settings"]["netem"]["emulator"] = lan.emulator_stats
@@ -590,12 +591,6 @@ def _specs(args: argparse.Namespace, ranges: list[tuple[int, int]], head: str
         NodeSpec(f"node-{chr(ord('b') + i)}", [r], extra_host=host,
                  extra_di={**di, "prepare_heads_at_start": False},
                  max_streams=max(8, most)) for i, r in enumerate(ranges)]
-
-
-def _log_tails(root: Path, chars: int = 2000) -> str:
-    """The end of every node's log under `root` (no tensor contents are ever logged)."""
-    return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-chars:]}"
-                     for f in sorted(root.glob("*.log")))
 
 
 def _local_run(engine: Any, prompt: str, tokens: int) -> tuple[list[int], dict[str, float]]:

@@ -57,6 +57,12 @@ def log_tail(path: Path, lines: int = 12, width: int = 400) -> str:
     return "\n".join(line[:width] for line in text) or "(empty)"
 
 
+def log_tails(root: Path) -> str:
+    """`log_tail` of every node log under `root`, each under its name (a benchmark's mesh
+    that failed to start; no tensor contents are ever logged)."""
+    return "\n".join(f"--- {f.name}\n{log_tail(f)}" for f in sorted(root.glob("*.log")))
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 now, outside the ephemeral range, not handed out before
     by this process (chosen at random: processes started together do not collide)."""

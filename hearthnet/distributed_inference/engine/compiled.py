@@ -55,6 +55,7 @@ import torch
 from filelock import FileLock
 
 from hearthnet.config import COMPILE_ENV, compile_decode_enabled
+from hearthnet.distributed_inference.engine import q4vnni
 from hearthnet.distributed_inference.engine.kv_cache import CAPACITY_QUANTUM
 from hearthnet.distributed_inference.engine.quant import kernel_of
 from hearthnet.errors import ConfigError
@@ -324,7 +325,7 @@ class CompiledDecode:
         if s.additive_mask is not None:
             return "the family uses eager attention with an additive mask"
         kernel = kernel_of(s.format)
-        if s.format == "int8" and kernel != "int8-vnni":  # `q4vnni`'s op traces; these do not
+        if s.format == "int8" and kernel != q4vnni.INT8_KERNEL:  # its op traces; these do not
             return (f"int8 runs in {kernel}'s packed integer GEMM, which torch.compile "
                     "cannot trace")
         return _no_compiler()

@@ -147,6 +147,11 @@ def _require() -> None:
         raise RuntimeError(unavailable_reason())
 
 
+def padded_rows(n: int) -> int:
+    """`n` output rows rounded up to whole tiles of 16 (the rows a packed matrix holds)."""
+    return -(-n // TILE) * TILE
+
+
 def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Values `q` (n, k) in 0..15 with per-group `scale` and `offset` (n, k / 32; the

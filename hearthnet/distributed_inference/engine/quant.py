@@ -751,7 +751,7 @@ class Int8Linear(nn.Module):
             return
         w = self.weight_int8 if q is None else q
         if kernel == q4vnni.INT8_KERNEL:
-            pad = -self.out_features % q4vnni.TILE
+            pad = q4vnni.padded_rows(self.out_features) - self.out_features
             wq, sq = q4vnni.pack8_rows(nn.functional.pad(w, (0, 0, 0, pad)),
                                        nn.functional.pad(self.scales.float(), (0, pad)))
             self.register_buffer("weight_q8", wq)
@@ -1023,7 +1023,7 @@ class Q8Linear(nn.Module):
         if blocks.ggml_type != "Q8_0" or k % GROUP:
             raise ValueError(f"{blocks.ggml_type} {n}x{k} blocks are not Q8_0")
         q, d = q8_groups(blocks.raw.cpu(), blocks.shape)
-        pad = -n % q4vnni.TILE
+        pad = q4vnni.padded_rows(n) - n
         w, sc = q4vnni.pack8(nn.functional.pad(q, (0, 0, 0, pad)),
                              nn.functional.pad(d, (0, 0, 0, pad)))
         self.in_features, self.out_features = k, n
@@ -1280,7 +1280,7 @@ def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool, ggml_type: str =
     n = math.prod(shape)
     if fmt == "int4" and linear and ggml_type:
         if ggml_type == "Q8_0" and vnni_chosen():  # `Q8Linear`: the blocks, whole tiles
-            rows = -(-shape[0] // q4vnni.TILE) * q4vnni.TILE
+            rows = q4vnni.padded_rows(shape[0])
             return rows * (shape[1] + shape[1] // GROUP * 2)  # int8 + fp16 per 32
         if ggml_type not in Q4_TYPES:
             return held_nbytes(shape, "int8", linear)
@@ -1291,7 +1291,7 @@ def held_nbytes(shape: tuple[int, ...], fmt: str, linear: bool, ggml_type: str =
         return n // 2 + groups * 2 * scale
     if fmt == "int8" and linear and shape[1] % GROUP == 0 \
             and int8_kernel_name() == q4vnni.INT8_KERNEL:  # whole tiles + fp32 scales too
-        rows = -(-shape[0] // q4vnni.TILE) * q4vnni.TILE
+        rows = q4vnni.padded_rows(shape[0])
         return rows * (shape[1] + 4) + shape[0] * 2
     if fmt == "int8" and linear:
         return n + shape[0] * 2  # int8 values + one bf16 scale per output channel
