@@ -31,10 +31,11 @@ DECODE = 2  # kv lengths 3 and 4: inside the smallest window (qwen2: 4)
 # llama layer, and gemma3, whose sliding window the eager and packed paths' tests cover
 VARIANTS = {"llama3", "mistral", "qwen3", "gemma3"}
 # and llama, whose check adds the speculative passes' step (two compiles, 50-70 s on 2
-# cores): qwen2 is the family whose compiled decode step `make test` compares with
-# transformers' (with its sliding window); the passes' step is compared with the eager
-# layers whenever a node builds it
-IN_BENCH = VARIANTS | {"llama"}
+# cores), and qwen2 (with its sliding window; 30-46 s, the longest test left in `make
+# test`): `make test` compiles steps of every held format against their eager tokens
+# (below), every built step is compared with the eager layers before use (`_compare`),
+# and the eager layers with transformers' — so these comparisons are for `make bench`
+IN_BENCH = VARIANTS | {"llama", "qwen2"}
 # families whose layers cannot be traced as a compiled step, and why
 EAGER = {"gemma2": "eager attention", "phi3": "rope's frequencies depend on the step"}
 
@@ -104,6 +105,52 @@ def _speculative_pass_compiled(entry, stack, family_reference):
         ref = family_reference(entry)(torch.tensor([ids[:7]])).logits[0, 3:7]
     assert (rows - ref).abs().max().item() < 1e-4
     session.close()
+
+
+def _rounds(head, stack, prompts, steps):
+    """Greedy decode of each prompt, its steps as decode rounds of every session
+    (`LayeredStack.decode_batch`); each round's tokens and its output rows."""
+    sessions = [stack.open_session(0, stack.hi, 16) for _ in prompts]
+    last = [int(head.logits(s.forward(head.embed(p), 0)).argmax())
+            for s, p in zip(sessions, prompts, strict=True)]
+    toks, outs = [], []
+    for step in range(steps):
+        out = stack.decode_batch(sessions, [head.embed([t]) for t in last],
+                                 [len(p) + step for p in prompts])
+        last = [int(head.logits(out[b:b + 1]).argmax()) for b in range(len(prompts))]
+        toks.append(last)
+        outs.append(out)
+    for s in sessions:
+        s.close()
+    return toks, torch.cat(outs)
+
+
+def test_a_decode_round_of_sessions_runs_compiled_as_the_eager_round(family_models,
+                                                                     tmp_path):
+    """A round of one position of each of several sessions (different lengths, each over
+    its own cache) has a compiled step of its own — built right after the decode step
+    where asked for (a node) — that answers as the eager round does, for rounds of any
+    number of sessions; its state says so."""
+    entry = family_models[1]["llama"]
+    stack = LayeredStack(entry, 0, entry.num_layers - 1, compile_decode=True,
+                         compile_dir=tmp_path / "compiled")
+    stack.compiled.after_decode = ("round",)
+    stack.compiled.start(0, stack.hi)
+    assert stack.compiled.wait(0, stack.hi).startswith("compiled in ")
+    assert stack.compiled.extra_state("round")["0-5"].startswith("compiled in ")
+    assert not stack.compiled.extra_state("verify")  # not asked for
+    head = LayeredHead(entry)
+    eager = LayeredStack(entry, 0, entry.num_layers - 1)
+    for prompts in ([[300, 301], [302, 303, 304], [305, 306, 307, 308, 309]],
+                    [[310, 311], [312, 313, 314]]):
+        before = stack.compiled.calls
+        toks, outs = _rounds(head, stack, prompts, 3)
+        assert stack.compiled.calls - before == 3  # every round ran compiled
+        want, want_outs = _rounds(head, eager, prompts, 3)
+        assert toks == want
+        assert (outs - want_outs).abs().max() < 1e-4 * want_outs.abs().max()
+    assert (saved := list((tmp_path / "compiled").glob("round-*.bin")))
+    assert saved[0].stat().st_size > 0
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])

@@ -12,11 +12,22 @@ sessions passes its `SegmentsKV` as the layer keyword ``hearthnet_segments``: ea
 segment's queries then attend over a view of its own session's slot, one call per segment
 (DESIGN.md decision 12; the cost of a batched step grows with the new positions and the
 cached length read, never with a copy of the caches).
+
+A compiled decode round (one position of each of several sessions, `compiled.round_step`)
+cannot trace that per-session work — the sessions, their slots and lengths change every
+round — so its layers pass ``hearthnet_round`` instead, and their attention is one opaque
+op, ``hearthnet::round_attention`` (`round_attention`): it writes each row's key/value into
+its session's slot and attends as above, over the `SegmentsKV` of the round that is
+running on this thread (`decode_round`). Everything else of the layers (norms, products,
+rope) is traced for any number of rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,10 +41,29 @@ _INNER = "_hearthnet_attention"  # the family's own function, on each attention 
 _PLAIN_SDPA = "_hearthnet_sdpa"  # ...and whether it is transformers' sdpa
 
 
+ROUND_KWARG = "hearthnet_round"
+# what would change sdpa's product beyond the scale (sdpa's own arguments): a compiled
+# round passes only the scale to its op, so a family that sets any of these stays eager
+_ROUND_REFUSED = ("softcap", "position_bias", "s_aux", "sinks", "is_causal")
+_ROUND = threading.local()
+
+
 def segments_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, attention_mask: torch.Tensor | None,
                        **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """The family's attention; per session segment when the forward carries segments."""
+    """The family's attention; per session segment when the forward carries segments; the
+    opaque `round_attention` in a compiled decode round."""
+    if kwargs.pop(ROUND_KWARG, False):
+        other = [k for k in _ROUND_REFUSED if kwargs.get(k) is not None]
+        if other or kwargs.get("dropout") or not getattr(module, _PLAIN_SDPA, False):
+            # refused while tracing: the round stays eager, and its state says why
+            raise ModelUnusable(f"{type(module).__name__}'s attention is not plain sdpa "
+                                f"({', '.join(other) or 'its own function or dropout'}); "
+                                "a compiled round does not take it")
+        scaling = kwargs.get("scaling")
+        scale = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
+        return torch.ops.hearthnet.round_attention(query, key, value, int(module.layer_idx),
+                                                   scale), None
     segments: SegmentsKV | None = kwargs.pop(SEGMENTS_KWARG, None)
     if segments is None:
         return one_session(module, query, key, value, attention_mask, **kwargs)
@@ -86,6 +116,43 @@ def one_session(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
             and _packable(module, query, kwargs)):
         return _decode_rows(module, query, [(key, value, None)], kwargs.get("scaling"))
     return inner(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def decode_round(segments: SegmentsKV, modules: dict[int, Any]) -> Iterator[None]:
+    """The round `round_attention` serves on this thread while the context lasts: its
+    `SegmentsKV` (one decode row per session) and each layer index's attention module."""
+    _ROUND.state = (segments, modules)
+    try:
+        yield
+    finally:
+        _ROUND.state = None
+
+
+@torch.library.custom_op("hearthnet::round_attention", mutates_args=())
+def round_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                    scaling: float) -> torch.Tensor:
+    """A compiled round's attention at layer `layer`: the rows' new keys/values written into
+    their sessions' slots and each row's query over its own session's history, as
+    `segments_attention` does eagerly; (1, rows, heads, head_dim). It writes the slots of
+    the round `decode_round` set on this thread (state the compiled graph does not see:
+    its result is the only thing the layers read next, so the order holds)."""
+    state = getattr(_ROUND, "state", None)
+    if state is None:
+        raise RuntimeError("hearthnet::round_attention ran outside a decode round")
+    segments, modules = state
+    segments.update(key, value, layer)
+    out, _ = segments_attention(modules[layer], query, key, value, None,
+                                **{SEGMENTS_KWARG: segments, "scaling": scaling,
+                                   "dropout": 0.0})
+    return out.contiguous()
+
+
+@round_attention.register_fake
+def _round_attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           layer: int, scaling: float) -> torch.Tensor:
+    b, heads, t, dim = query.shape
+    return query.new_empty(b, t, heads, dim)
 
 
 def install(config: Any, layers: Any) -> None:

@@ -428,16 +428,31 @@ class LayeredStack:
         writes each session's keys/values into its own slot, and each session's queries
         attend over its own slot where it lies (`attention.segments_attention`): no
         history is copied, and rows never see each other. Returns each session's output,
-        ``(1, T_r, H)`` on the device. Eager on every device (a lone session takes its
-        own, possibly compiled or graph-captured, `forward`)."""
+        ``(1, T_r, H)`` on the device. A round of decode rows alone runs compiled on the
+        CPU once its step is ready (`compiled.round_step`); anything else eagerly (a lone
+        session takes its own, possibly compiled or graph-captured, `forward`)."""
         first = sessions[0]
         counts = self._check_rows(sessions, hidden, starts)
         h = torch.cat([x.to(self.device, self.dtype) for x in hidden], dim=1)  # (1, N, H)
         cache = SegmentsKV([s.slot for s in sessions], starts, counts, first._types,
                            self.sliding_window, self.additive_mask, self.device)
+        capacity = max(s.slot.capacity for s in sessions)
+        compiled = None
+        if self.compiled is not None and len(counts) > 1 and counts == [1] * len(counts):
+            compiled = self.compiled.round_step_for(first, len(counts))
+        if compiled is not None:  # a decode round: one position of each session
+            h = self.run_round(compiled, first, h.contiguous(), cache, capacity)
+        else:
+            h = self.forward_rows(first, h, cache, capacity)
+        for s, n in zip(sessions, cache.lengths, strict=True):
+            s.advance(n)
+        return list(torch.split(h, counts, dim=1))
+
+    def forward_rows(self, first: LayeredSession, h: torch.Tensor, cache: SegmentsKV,
+                     capacity: int) -> torch.Tensor:
+        """`forward_packed`'s eager forward of the packed rows `h` (1, N, H)."""
         positions = torch.cat(cache.at)
-        pe = self._rotary_at(h, positions, counts, first._types,
-                             max(s.slot.capacity for s in sessions))
+        pe = self._rotary_at(h, positions, cache.counts, first._types, capacity)
         pos_ids = positions.unsqueeze(0)
         beat = self.on_layer
         for layer, kind in zip(first.layers, first._types, strict=True):
@@ -446,9 +461,16 @@ class LayeredStack:
                                                        attention.SEGMENTS_KWARG: cache})
             if beat is not None:
                 beat()
-        for s, n in zip(sessions, cache.lengths, strict=True):
-            s.advance(n)
-        return list(torch.split(h, counts, dim=1))
+        return h
+
+    def run_round(self, fn: Callable[..., torch.Tensor], first: LayeredSession,
+                  h: torch.Tensor, cache: SegmentsKV, capacity: int) -> torch.Tensor:
+        """A compiled decode round (`compiled.round_step`): one row per session of `cache`,
+        their attention served by `attention.round_attention` on this thread."""
+        table, _ = self.tables(capacity)
+        modules = {self.lo + i: layer.self_attn for i, layer in enumerate(self.layers)}
+        with attention.decode_round(cache, modules):
+            return fn(first, h, torch.cat(cache.at), table)
 
     def _rotary_at(self, h: torch.Tensor, positions: torch.Tensor, counts: list[int],
                    types: list[str], capacity: int) -> dict[str, Any]:

@@ -249,7 +249,8 @@ class ShardServer:
                     self._loop = loop
                     stack.on_layer = self._beat
                 if stack.compiled is not None:  # ready before the first chat, if it can be
-                    stack.compiled.verify_after_decode = True  # passes speculate by default
+                    # its chats batch, and passes speculate by default
+                    stack.compiled.after_decode = ("round", "verify")
                     stack.compiled.start(self.lo, self.hi)
                 self.stack = stack
                 mb = self.stack.param_bytes() / 2**20
@@ -287,9 +288,10 @@ class ShardServer:
         whole = f"{self.lo}-{self.hi}"
         parts = [f"{k}: {v}" if k != whole else v
                  for k, v in self.stack.compile_state().items()]
-        if self.stack.compiled is not None:  # speculative passes' step, once asked for
-            parts += [f"passes{'' if k == whole else ' ' + k}: {v}"
-                      for k, v in self.stack.compiled.verify_state().items()]
+        if self.stack.compiled is not None:  # decode rounds' and passes' steps, once built
+            parts += [f"{what}{'' if k == whole else ' ' + k}: {v}"
+                      for kind, what in (("round", "rounds"), ("verify", "passes"))
+                      for k, v in self.stack.compiled.extra_state(kind).items()]
         return "; ".join(parts) or "eager"
 
     async def evict(self) -> None:
