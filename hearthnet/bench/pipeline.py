@@ -136,6 +136,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         '[JITTER] [loss PCT%%]", e.g. "2ms 0.5ms": a household Wi-Fi; root); '
                         'without namespaces it says why and runs on the plain loopback')
     add_shaper_arg(p, "with --netem, ")
+    p.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                   help="copy the mesh nodes' logs into DIR before the mesh's folder is "
+                        "removed (node-<id>.log: why a round was slow, what compiled)")
     p.add_argument("--results-dir", default="bench-results",
                    help="folder for pipeline-<N>.json (default bench-results)")
 
@@ -542,6 +545,11 @@ def _on_mesh(args: argparse.Namespace, ranges: list[tuple[int, int]],
     finally:
         if lan is not None and lan.emulator_stats:  # what the emulator switched, how late
             figures["settings"]["netem"]["emulator"] = lan.emulator_stats
+        keep = getattr(args, "keep_logs", None)
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            for log_file in root.glob("*.log"):
+                shutil.copy2(log_file, keep / log_file.name)
         shutil.rmtree(root, ignore_errors=True)
 
 

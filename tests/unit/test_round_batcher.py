@@ -114,6 +114,24 @@ async def test_a_session_due_by_its_pace_is_waited_for_beyond_the_window(pool):
     assert got == [30, 40] and rec.rounds[-1] == [3, 4] and b.waited_out == 0
 
 
+async def test_a_pace_counts_decode_steps_only(pool):
+    """The time from a session's prefill chunk to its next step is no decode cycle (other
+    prompts' prefills ran between): after a's chunk long ago and one decode step, a's pace
+    is unknown, so b's round waits the window for a, not a's chunk-to-step time."""
+    rec, clock = Recorder(), FakeClock()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 2,
+                                             clock=clock)
+    assert await asyncio.wait_for(b.submit(100, batchable=False, tokens=4, key="a"), 20) == 1000
+    clock.t = 1900.0  # a's first decode step, 900 s after its chunk (beside b's)
+    await asyncio.wait_for(asyncio.gather(b.submit(1, key="a"), b.submit(2, key="b")), 20)
+    clock.t = 1950.0
+    early = asyncio.ensure_future(b.submit(3, key="b"))
+    await settle()
+    await tick(b, clock, 1981.0)  # past the window: a's pace unknown, b goes alone
+    assert await asyncio.wait_for(early, 20) == 30
+    assert rec.rounds[-1] == [3] and b.waited_out == 1
+
+
 async def test_a_session_late_against_its_pace_is_not_waited_for_longer(pool):
     rec, clock = Recorder(), FakeClock()
     b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 2,

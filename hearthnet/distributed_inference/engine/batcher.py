@@ -14,7 +14,11 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   the last `LIVE_ROUNDS` rounds — and starts at once when every one of them has a job
   queued (a lone session never waits). Otherwise it waits ``window_s``, or longer where a
   missing session's own pace (the time between its last two jobs) says its next job is
-  due: until then (plus a tenth of its cycle), and never more than one of its cycles. Concurrent
+  due: until then (plus a tenth of its cycle), and never more than one of its cycles. A pace
+  is the time between a session's consecutive decode steps only: a prefill chunk starts it
+  afresh (the time from a prompt's chunk to its first decode step, or between chunks, spans
+  other prompts' prefills — seconds — and a round held for that long stalled every chat at
+  once, measured: 1.8-2.0 s at 8 chats on the 1.5B shape, 11 s with 2,000-token prompts). Concurrent
   chats that drifted apart in a pipeline (one group at this shard while another is at the
   next stage or the head) so merge into one batch — the wait costs the waiting group the
   offset once, the merge saves a forward per round for good; a fixed short window leaves
@@ -54,6 +58,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from hearthnet.observability import get_logger
+
+log = get_logger("batcher")
+
 J = TypeVar("J")
 R = TypeVar("R")
 
@@ -70,6 +78,10 @@ pipeline, and each lane's steps make their own rounds (`ShardServer.lane_batcher
 
 HOLD_BEAT_S = 0.5
 """While a round is held for expected sessions' steps, `on_progress` is called this often."""
+
+HOLD_LOG_S = 0.25
+"""A round held this long or longer for expected sessions' steps is logged (``round_held``:
+how long, how many rows were queued and expected) — a gap in every batched chat's tokens."""
 
 RunBatch = Callable[[Sequence[Any]], list[Any]]
 """(jobs) -> one result or exception per job, in order; runs on the executor."""
@@ -133,7 +145,10 @@ class RoundBatcher(Generic[J, R]):
         if key is None:
             item.key = key = id(item)
         self._seen[key] = self._round
-        self._keep_pace(key, item.queued_at)
+        if batchable:
+            self._keep_pace(key, item.queued_at)
+        else:  # a prefill chunk: the time since its last job was not a decode step's cycle
+            self._pace.pop(key, None)
         (self._batch if batchable else self._solo).append(item)
         self._arrived.set()
         if self._task is None or self._task.done():
@@ -195,6 +210,7 @@ class RoundBatcher(Generic[J, R]):
             left = self._deadline(start) - self.clock()
             if left <= 0:
                 self.waited_out += 1
+                self._log_hold(start, "the expected steps' due time passed")
                 return
             self._arrived.clear()
             try:
@@ -203,6 +219,13 @@ class RoundBatcher(Generic[J, R]):
             except TimeoutError:  # the round is still held: its callers are not stalled
                 if self.on_progress is not None:
                     self.on_progress()
+        self._log_hold(start, "every expected step arrived")
+
+    def _log_hold(self, start: float, end: str) -> None:
+        held = self.clock() - start
+        if held >= HOLD_LOG_S:
+            log.info("round_held", held_ms=round(held * 1000, 1), queued=self.queued,
+                     expected=min(self.expected(), len(self._seen)), ended=end)
 
     @staticmethod
     def _take(queue: deque[_Queued[J]], limit: int, *, by_tokens: bool = False
