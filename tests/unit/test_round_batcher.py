@@ -95,44 +95,75 @@ async def test_a_stalled_session_does_not_hold_the_round_beyond_the_window(pool)
 
 
 async def test_a_session_due_by_its_pace_is_waited_for_beyond_the_window(pool):
-    """Two chats stepping every 100 s; b arrives 50 s early (drifted): the round waits for
-    a until a's due time plus a tenth of its cycle (230), past the 30 s window (180), so
-    the two merge into one row pair again."""
+    """Three chats stepping every 100 s; b arrives 50 s early (drifted) while a and c are
+    not back: the round (one row, two missing) waits for them until their due time plus a
+    tenth of a cycle (230), past the 30 s window (180), so the three merge again."""
     rec, clock = Recorder(), FakeClock()
-    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 2,
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3,
                                              clock=clock)
-    for t in (0.0, 100.0):  # a's pace: one job every 100 s, the last at 1100
+    for t in (0.0, 100.0):  # a pace of one job every 100 s, the last at 1100
         clock.t = 1000.0 + t
-        await asyncio.wait_for(asyncio.gather(b.submit(1, key="a"), b.submit(2, key="b")), 20)
+        await asyncio.wait_for(asyncio.gather(*(b.submit(1, key=k) for k in "abc")), 20)
     clock.t = 1150.0
     early = asyncio.ensure_future(b.submit(3, key="b"))
     await settle()
-    await tick(b, clock, 1185.0)  # past the window: a is due at 1200, so still waiting
+    await tick(b, clock, 1185.0)  # past the window: a and c are due at 1200, still waiting
     assert b.queued == 1 and b.waited_out == 0
     clock.t = 1199.0
-    got = await asyncio.wait_for(asyncio.gather(early, b.submit(4, key="a")), 20)
-    assert got == [30, 40] and rec.rounds[-1] == [3, 4] and b.waited_out == 0
-
+    got = await asyncio.wait_for(asyncio.gather(early, b.submit(4, key="a"),
+                                                b.submit(5, key="c")), 20)
+    assert got == [30, 40, 50] and rec.rounds[-1] == [3, 4, 5] and b.waited_out == 0
 
 async def test_a_pace_counts_decode_steps_only(pool):
     """The time from a session's prefill chunk to its next step is no decode cycle (other
-    prompts' prefills ran between): after a's chunk long ago and one decode step, a's pace
-    is unknown, so b's round waits the window for a, not a's chunk-to-step time."""
+    prompts' prefills ran between): after a's and c's chunks long ago and one decode step,
+    their pace is unknown, so b's round waits the window for them, not the chunk-to-step
+    time."""
     rec, clock = Recorder(), FakeClock()
-    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 2,
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3,
                                              clock=clock)
-    assert await asyncio.wait_for(b.submit(100, batchable=False, tokens=4, key="a"), 20) == 1000
-    clock.t = 1900.0  # a's first decode step, 900 s after its chunk (beside b's)
-    await asyncio.wait_for(asyncio.gather(b.submit(1, key="a"), b.submit(2, key="b")), 20)
+    chunks = (b.submit(100, batchable=False, tokens=4, key="a"),
+              b.submit(200, batchable=False, tokens=4, key="c"))
+    assert await asyncio.wait_for(asyncio.gather(*chunks), 20) == [1000, 2000]
+    clock.t = 1900.0  # a's and c's first decode steps, 900 s after their chunks (beside b's)
+    await asyncio.wait_for(asyncio.gather(*(b.submit(1, key=k) for k in "abc")), 20)
     clock.t = 1950.0
     early = asyncio.ensure_future(b.submit(3, key="b"))
     await settle()
-    await tick(b, clock, 1981.0)  # past the window: a's pace unknown, b goes alone
+    await tick(b, clock, 1981.0)  # past the window: a's and c's pace unknown, b goes alone
     assert await asyncio.wait_for(early, 20) == 30
     assert rec.rounds[-1] == [3] and b.waited_out == 1
 
+async def test_a_session_out_of_step_is_waited_for_about_a_cycle_of_the_others(pool):
+    """c's and d's pace says one step every 600 s (their steps were slow while other
+    prompts prefilled); a steps every 100 s. A round of a, early at 1850 (cycle now 75 s),
+    waits for them at most 1.5 of a's cycles (until 1962.5), not until their due time
+    (2200)."""
+    rec, clock = Recorder(), FakeClock()
+    n = {"expected": 2}
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, clock=clock,
+                                             expected=lambda: n["expected"])
+    await asyncio.wait_for(asyncio.gather(b.submit(1, key="c"), b.submit(1, key="d")), 20)
+    n["expected"] = 3
+    clock.t = 1600.0
+    await asyncio.wait_for(asyncio.gather(*(b.submit(1, key=k) for k in "acd")), 20)
+    n["expected"] = 1  # c and d are away for a while: a steps on
+    for t in (1700.0, 1800.0):
+        clock.t = t
+        await asyncio.wait_for(b.submit(1, key="a"), 20)
+    n["expected"] = 3
+    clock.t = 1850.0
+    early = asyncio.ensure_future(b.submit(2, key="a"))
+    await settle()
+    await tick(b, clock, 1960.0)  # within 1.5 of a's cycles: still waiting for c and d
+    assert b.queued == 1 and b.waited_out == 0
+    await tick(b, clock, 1963.0)
+    assert await asyncio.wait_for(early, 20) == 20
+    assert rec.rounds[-1] == [2] and b.waited_out == 1
 
-async def test_a_session_late_against_its_pace_is_not_waited_for_longer(pool):
+async def test_two_groups_of_one_size_go_on_apart(pool):
+    """a and b step every 100 s; b arrives 50 s early: one row queued, one missing — they
+    go on apart (each would wait for the other at a different stage of a pipeline)."""
     rec, clock = Recorder(), FakeClock()
     b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 2,
                                              clock=clock)
@@ -142,12 +173,51 @@ async def test_a_session_late_against_its_pace_is_not_waited_for_longer(pool):
     clock.t = 1150.0
     early = asyncio.ensure_future(b.submit(3, key="b"))
     await settle()
+    await tick(b, clock, 1181.0)  # the window only, though a is due at 1200
+    assert await asyncio.wait_for(early, 20) == 30 and rec.rounds[-1] == [3]
+
+
+async def test_of_two_groups_the_smaller_waits_for_the_larger(pool):
+    """a, b and c step every 100 s. b and c arrive 50 s early (drifted): the two of them go
+    at once rather than wait for a (the smaller group waits, not the larger); a, arriving
+    alone at its due time, waits for them (they are due) and the three merge again."""
+    rec, clock = Recorder(), FakeClock()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3,
+                                             clock=clock)
+    for t in (0.0, 100.0):
+        clock.t = 1000.0 + t
+        await asyncio.wait_for(asyncio.gather(*(b.submit(1, key=k) for k in "abc")), 20)
+    clock.t = 1150.0
+    pair = asyncio.ensure_future(asyncio.gather(b.submit(2, key="b"), b.submit(3, key="c")))
+    await settle()
+    await tick(b, clock, 1181.0)  # the window: a is due at 1200, but two wait for no one
+    assert await asyncio.wait_for(pair, 20) == [20, 30] and rec.rounds[-1] == [2, 3]
+    clock.t = 1200.0
+    alone = asyncio.ensure_future(b.submit(4, key="a"))
+    await settle()
+    await tick(b, clock, 1240.0)  # past the window: b and c are due at 1225 (+ slack)
+    assert b.queued == 1
+    clock.t = 1241.0
+    got = await asyncio.wait_for(asyncio.gather(alone, b.submit(5, key="b"),
+                                                b.submit(6, key="c")), 20)
+    assert got == [40, 50, 60] and rec.rounds[-1] == [4, 5, 6]
+
+
+async def test_a_session_late_against_its_pace_is_not_waited_for_longer(pool):
+    rec, clock = Recorder(), FakeClock()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3,
+                                             clock=clock)
+    for t in (0.0, 100.0):
+        clock.t = 1000.0 + t
+        await asyncio.wait_for(asyncio.gather(*(b.submit(1, key=k) for k in "abc")), 20)
+    clock.t = 1150.0
+    early = asyncio.ensure_future(b.submit(3, key="b"))
+    await settle()
     await tick(b, clock, 1229.0)
     assert b.queued == 1
-    await tick(b, clock, 1231.0)  # a is a tenth of its cycle overdue: b goes alone
+    await tick(b, clock, 1231.0)  # a and c are a tenth of their cycle overdue: b goes alone
     assert await asyncio.wait_for(early, 20) == 30
     assert rec.rounds[-1] == [3] and b.waited_out == 1
-
 
 async def test_a_failing_row_fails_only_its_caller(pool):
     rec = Recorder(fail={2})

@@ -14,11 +14,20 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   the last `LIVE_ROUNDS` rounds — and starts at once when every one of them has a job
   queued (a lone session never waits). Otherwise it waits ``window_s``, or longer where a
   missing session's own pace (the time between its last two jobs) says its next job is
-  due: until then (plus a tenth of its cycle), and never more than one of its cycles. A pace
+  due: until then (plus a tenth of its cycle), and never more than one of its cycles — when
+  fewer rows are queued than are missing: of two groups, the smaller one waits (seven chats
+  held once for one that drifted cost seven gaps of a round — at 8 chats with 16-token
+  answers, more than the 5 % that the inter-token p95 lets pass — where the one waiting
+  for the seven costs one), and two groups of one size go on apart (each waited for the
+  other at a different stage until their due times passed: holds of 0.3-0.8 s, measured;
+  apart, one computes at shard 0 while the other is at shard 1, as lanes do). A pace
   is the time between a session's consecutive decode steps only: a prefill chunk starts it
   afresh (the time from a prompt's chunk to its first decode step, or between chunks, spans
   other prompts' prefills — seconds — and a round held for that long stalled every chat at
-  once, measured: 1.8-2.0 s at 8 chats on the 1.5B shape, 11 s with 2,000-token prompts). Concurrent
+  once, measured: 1.8-2.0 s at 8 chats on the 1.5B shape), and a round waits at most 1.5
+  cycles of the sessions it holds (their median): decode steps taken while other prompts
+  prefill are seconds apart too, and a smoothed pace remembers them (a 5.6 s hold at the
+  head with 2,000-token prompts). Concurrent
   chats that drifted apart in a pipeline (one group at this shard while another is at the
   next stage or the head) so merge into one batch — the wait costs the waiting group the
   offset once, the merge saves a forward per round for good; a fixed short window leaves
@@ -75,6 +84,9 @@ one that misses its round waits a whole round more (a doubled gap between its to
 MAX_LANES = 8
 """Micro-batch lanes a session may name: an orchestrator uses one per stage of its
 pipeline, and each lane's steps make their own rounds (`ShardServer.lane_batcher`)."""
+
+PRESENT_CYCLES = 1.5
+"""A round waits for a missing session at most this many cycles of the queued sessions."""
 
 HOLD_BEAT_S = 0.5
 """While a round is held for expected sessions' steps, `on_progress` is called this often."""
@@ -190,14 +202,26 @@ class RoundBatcher(Generic[J, R]):
     def _deadline(self, start: float) -> float:
         """When to stop waiting: `window_s` after `start`, or when the last missing
         session is due by its pace (plus `PACE_SLACK` of its cycle, at least `window_s`),
-        at most one of its cycles."""
+        at most one of its cycles — and at most `PRESENT_CYCLES` cycles of the queued
+        sessions (their median), where known: a session in step with them is due within
+        one of their cycles; one whose own cycle is longer is not in step (its last cycles
+        spanned other prompts' prefills, which a smoothed pace remembers for a few
+        steps)."""
         queued = {i.key for i in self._batch} | {i.key for i in self._solo}
         due = [(last + cycle, cycle) for k in self._seen if k not in queued
                for last, cycle in [self._pace.get(k, (0.0, None))] if cycle is not None]
         deadline = start + self.window_s
-        if due:  # a tenth of a cycle of slack: a step due "now" may be a little late
+        missing = min(self.expected(), len(self._seen)) - len(queued)
+        if due and len(queued) < missing:  # the smaller group waits for the larger one
+            # (a tenth of a cycle of slack: a step due "now" may be a little late)
             latest = max(d + max(self.window_s, PACE_SLACK * c) for d, c in due)
-            deadline = max(deadline, min(latest, start + max(c for _, c in due)))
+            longest = max(c for _, c in due)
+            present = sorted(c for k in queued
+                             for _, c in [self._pace.get(k, (0.0, None))] if c is not None)
+            if present:  # half a cycle more: a queued session's last cycle was its early one
+                longest = min(longest, max(self.window_s,
+                                           PRESENT_CYCLES * present[len(present) // 2]))
+            deadline = max(deadline, min(latest, start + longest))
         return deadline
 
     async def _collect(self) -> None:
