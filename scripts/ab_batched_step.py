@@ -6,6 +6,9 @@ Run from two checkouts in turn (before/after a change), on one machine, one proc
         --model qwen2.5-1.5b --weights int8 --layers 4
 (`hearthnet models synth qwen2.5-1.5b` makes the model). Prints JSON: per context and
 batch size, the median ms of a batched step (`decode_batch`) and of the rows run solo.
+With ``--compiled`` (and ``HEARTHNET_COMPILE=1``) the stack's decode step and decode
+round are compiled first (saved in the model store's ``.compiled/``, loaded on the next
+run), so the figures are those of a warm node's compiled steps.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from hearthnet.distributed_inference.engine.compiled import compile_dir_of
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.models import ModelStore
 
@@ -47,9 +51,19 @@ def main() -> None:
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compiled", action="store_true",
+                   help="compile the decode step and round first (HEARTHNET_COMPILE=1)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    stack = LayeredStack(ModelStore().get(a.model), 0, a.layers - 1, a.weights)
+    entry = ModelStore().get(a.model)
+    stack = LayeredStack(entry, 0, a.layers - 1, a.weights, compile_decode=a.compiled,
+                         compile_dir=compile_dir_of(entry))
+    steps: dict[str, str] = {}
+    if stack.compiled is not None:
+        stack.compiled.after_decode = ("round",)
+        stack.compiled.start(0, a.layers - 1)
+        steps = {"decode": stack.compiled.wait(0, a.layers - 1),
+                 "round": stack.compiled.wait_extra("round", 0, a.layers - 1)}
     g = torch.Generator().manual_seed(0)
     out: dict[str, dict[str, float]] = {}
     for ctx in a.contexts:
@@ -64,7 +78,8 @@ def main() -> None:
         for s in sessions:
             s.close()
     print(json.dumps({"model": a.model, "weights": a.weights, "layers": a.layers,
-                      "sessions": a.sessions, "threads": a.threads, "figures": out}))
+                      "sessions": a.sessions, "threads": a.threads, "steps": steps,
+                      "figures": out}))
 
 
 if __name__ == "__main__":

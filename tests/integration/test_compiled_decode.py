@@ -151,6 +151,15 @@ def test_a_decode_round_of_sessions_runs_compiled_as_the_eager_round(family_mode
         assert (outs - want_outs).abs().max() < 1e-4 * want_outs.abs().max()
     assert (saved := list((tmp_path / "compiled").glob("round-*.bin")))
     assert saved[0].stat().st_size > 0
+    # a restart (another stack on the same store) loads the saved round and runs it
+    again = LayeredStack(entry, 0, entry.num_layers - 1, compile_decode=True,
+                         compile_dir=tmp_path / "compiled")
+    again.compiled.after_decode = ("round",)
+    again.compiled.start(0, again.hi)
+    assert again.compiled.wait(0, again.hi).startswith("loaded in ")
+    assert again.compiled.extra_state("round")["0-5"].startswith("loaded in ")
+    toks, outs = _rounds(head, again, prompts, 3)
+    assert toks == want and (outs - want_outs).abs().max() < 1e-4 * want_outs.abs().max()
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])

@@ -12,28 +12,30 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
   while a round runs make the next round. With ``window_s`` > 0 a round first waits for
   the steps of the other sessions expected — the open ones (`expected()`) that stepped in
   the last `LIVE_ROUNDS` rounds — and starts at once when every one of them has a job
-  queued (a lone session never waits). Otherwise it waits ``window_s``, or longer where a
-  missing session's own pace (the time between its last two jobs) says its next job is
-  due: until then (plus a tenth of its cycle), and never more than one of its cycles — when
-  fewer rows are queued than are missing: of two groups, the smaller one waits (seven chats
-  held once for one that drifted cost seven gaps of a round — at 8 chats with 16-token
-  answers, more than the 5 % that the inter-token p95 lets pass — where the one waiting
-  for the seven costs one), and two groups of one size go on apart (each waited for the
-  other at a different stage until their due times passed: holds of 0.3-0.8 s, measured;
-  apart, one computes at shard 0 while the other is at shard 1, as lanes do). A pace
-  is the time between a session's consecutive decode steps only: a prefill chunk starts it
-  afresh (the time from a prompt's chunk to its first decode step, or between chunks, spans
-  other prompts' prefills — seconds — and a round held for that long stalled every chat at
-  once, measured: 1.8-2.0 s at 8 chats on the 1.5B shape), and a round waits at most 1.5
-  cycles of the sessions it holds (their median): decode steps taken while other prompts
-  prefill are seconds apart too, and a smoothed pace remembers them (a 5.6 s hold at the
-  head with 2,000-token prompts). Concurrent
-  chats that drifted apart in a pipeline (one group at this shard while another is at the
-  next stage or the head) so merge into one batch — the wait costs the waiting group the
-  offset once, the merge saves a forward per round for good; a fixed short window leaves
-  them in 2-4 groups that each re-read the weights (measured, docs/operations.md). A session that is
+  queued (a lone session never waits). Otherwise it waits ``window_s``, or, when fewer
+  rows are queued than are missing, longer where a missing session's pace says its next
+  job is due: until then (plus a tenth of its cycle), at most one of its cycles and at
+  most 1.5 cycles of the queued sessions (their median). Concurrent chats that drifted
+  apart in a pipeline (one group at this shard while another is at the next stage or the
+  head) so merge into one batch — the wait costs the waiting group the offset once, the
+  merge saves a forward per round for good; a fixed short window leaves them in 2-4
+  groups that each re-read the weights (measured, docs/operations.md). A session that is
   late against its pace is not waited for beyond ``window_s``, and one that stops
-  stepping (stalled caller) is not expected after `LIVE_ROUNDS` rounds;
+  stepping (stalled caller) is not expected after `LIVE_ROUNDS` rounds. Measured on the
+  1.5B shape at 8 chats (docs/benchmarks.md), each limit for a reason:
+  - a pace is the time between a session's consecutive *decode* steps: a prefill chunk
+    starts it afresh — from a prompt's chunk to its first decode step other prompts'
+    prefills run, and rounds held that long for a session not yet back stalled every
+    chat at once (1.8-2.0 s);
+  - 1.5 of the queued sessions' cycles: decode steps taken while other prompts prefill
+    are seconds apart too, and a smoothed pace remembers them for a few steps (a 5.6 s
+    hold at the head with 2,000-token prompts);
+  - only the smaller group waits: seven chats held once for one that drifted cost seven
+    gaps of a round — more than the 5 % of gaps that an inter-token p95 at 8 chats with
+    16-token answers lets pass — where the one waiting for the seven costs one; and two
+    groups of one size go on apart (they held each other at different stages until
+    their due times passed, 0.3-0.8 s a round; apart, one computes at shard 0 while the
+    other is at shard 1, as lanes do);
 - non-batchable jobs (prefill chunks, each ``tokens`` positions) join the round (mixed
   rounds, as vLLM's and Sarathi's chunked prefill): oldest first, as many as fit in
   ``mixed_budget`` positions beside decode rows, ``prefill_budget`` in a round without
