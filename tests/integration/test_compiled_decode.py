@@ -125,6 +125,18 @@ def _rounds(head, stack, prompts, steps):
     return toks, torch.cat(outs)
 
 
+def _with_rounds(entry, tmp_path, how):
+    """A stack whose decode step and, right after it, decode round are built (as a node's
+    are) in `tmp_path`'s compiled dir; both states begin with `how`."""
+    stack = LayeredStack(entry, 0, entry.num_layers - 1, compile_decode=True,
+                         compile_dir=tmp_path / "compiled")
+    stack.compiled.after_decode = ("round",)
+    stack.compiled.start(0, stack.hi)
+    assert stack.compiled.wait(0, stack.hi).startswith(how)
+    assert stack.compiled.extra_state("round")[f"0-{stack.hi}"].startswith(how)
+    return stack
+
+
 def test_a_decode_round_of_sessions_runs_compiled_as_the_eager_round(family_models,
                                                                      tmp_path):
     """A round of one position of each of several sessions (different lengths, each over
@@ -132,12 +144,7 @@ def test_a_decode_round_of_sessions_runs_compiled_as_the_eager_round(family_mode
     where asked for (a node) — that answers as the eager round does, for rounds of any
     number of sessions; its state says so."""
     entry = family_models[1]["llama"]
-    stack = LayeredStack(entry, 0, entry.num_layers - 1, compile_decode=True,
-                         compile_dir=tmp_path / "compiled")
-    stack.compiled.after_decode = ("round",)
-    stack.compiled.start(0, stack.hi)
-    assert stack.compiled.wait(0, stack.hi).startswith("compiled in ")
-    assert stack.compiled.extra_state("round")["0-5"].startswith("compiled in ")
+    stack = _with_rounds(entry, tmp_path, "compiled in ")
     assert not stack.compiled.extra_state("verify")  # not asked for
     head = LayeredHead(entry)
     eager = LayeredStack(entry, 0, entry.num_layers - 1)
@@ -152,13 +159,7 @@ def test_a_decode_round_of_sessions_runs_compiled_as_the_eager_round(family_mode
     assert (saved := list((tmp_path / "compiled").glob("round-*.bin")))
     assert saved[0].stat().st_size > 0
     # a restart (another stack on the same store) loads the saved round and runs it
-    again = LayeredStack(entry, 0, entry.num_layers - 1, compile_decode=True,
-                         compile_dir=tmp_path / "compiled")
-    again.compiled.after_decode = ("round",)
-    again.compiled.start(0, again.hi)
-    assert again.compiled.wait(0, again.hi).startswith("loaded in ")
-    assert again.compiled.extra_state("round")["0-5"].startswith("loaded in ")
-    toks, outs = _rounds(head, again, prompts, 3)
+    toks, outs = _rounds(head, _with_rounds(entry, tmp_path, "loaded in "), prompts, 3)
     assert toks == want and (outs - want_outs).abs().max() < 1e-4 * want_outs.abs().max()
 
 

@@ -60,6 +60,13 @@ async def tick(b: RoundBatcher[Any, Any], clock: FakeClock, to: float) -> None:
     await settle()
 
 
+async def _three_in_step(b: RoundBatcher[int, int], clock: FakeClock) -> None:
+    """Sessions a, b and c step together at 1000 and 1100: a pace of 100 s each."""
+    for t in (0.0, 100.0):
+        clock.t = 1000.0 + t
+        await asyncio.wait_for(asyncio.gather(*(b.submit(1, key=k) for k in "abc")), 20)
+
+
 async def test_concurrent_steps_form_one_batch_and_each_gets_its_row(pool):
     rec = Recorder()
     sizes: list[int] = []
@@ -101,9 +108,7 @@ async def test_a_session_due_by_its_pace_is_waited_for_beyond_the_window(pool):
     rec, clock = Recorder(), FakeClock()
     b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3,
                                              clock=clock)
-    for t in (0.0, 100.0):  # a pace of one job every 100 s, the last at 1100
-        clock.t = 1000.0 + t
-        await asyncio.wait_for(asyncio.gather(*(b.submit(1, key=k) for k in "abc")), 20)
+    await _three_in_step(b, clock)  # one job each every 100 s, the last at 1100
     clock.t = 1150.0
     early = asyncio.ensure_future(b.submit(3, key="b"))
     await settle()
@@ -184,9 +189,7 @@ async def test_of_two_groups_the_smaller_waits_for_the_larger(pool):
     rec, clock = Recorder(), FakeClock()
     b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3,
                                              clock=clock)
-    for t in (0.0, 100.0):
-        clock.t = 1000.0 + t
-        await asyncio.wait_for(asyncio.gather(*(b.submit(1, key=k) for k in "abc")), 20)
+    await _three_in_step(b, clock)
     clock.t = 1150.0
     pair = asyncio.ensure_future(asyncio.gather(b.submit(2, key="b"), b.submit(3, key="c")))
     await settle()
@@ -207,9 +210,7 @@ async def test_a_session_late_against_its_pace_is_not_waited_for_longer(pool):
     rec, clock = Recorder(), FakeClock()
     b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3,
                                              clock=clock)
-    for t in (0.0, 100.0):
-        clock.t = 1000.0 + t
-        await asyncio.wait_for(asyncio.gather(*(b.submit(1, key=k) for k in "abc")), 20)
+    await _three_in_step(b, clock)
     clock.t = 1150.0
     early = asyncio.ensure_future(b.submit(3, key="b"))
     await settle()
