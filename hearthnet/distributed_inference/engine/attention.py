@@ -56,7 +56,8 @@ def segments_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
     if kwargs.pop(ROUND_KWARG, False):
         other = [k for k in _ROUND_REFUSED if kwargs.get(k) is not None]
         if other or kwargs.get("dropout") or not getattr(module, _PLAIN_SDPA, False):
-            # refused while tracing: the round stays eager, and its state says why
+            # while tracing: the compilation fails, so rounds stay eager (their state names
+            # dynamo's error; a family without plain sdpa is refused before, `_cannot`)
             raise ModelUnusable(f"{type(module).__name__}'s attention is not plain sdpa "
                                 f"({', '.join(other) or 'its own function or dropout'}); "
                                 "a compiled round does not take it")
