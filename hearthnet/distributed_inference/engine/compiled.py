@@ -313,10 +313,6 @@ class CompiledDecode:
             self._start_extra(key, kind)
         return fn
 
-    def verify_state(self) -> dict[str, str]:
-        """``"lo-hi"`` → what the sub-range's speculative passes run as (once asked for)."""
-        return self.extra_state("verify")
-
     def extra_state(self, kind: str) -> dict[str, str]:
         """``"lo-hi"`` → what the sub-range's steps of `kind` (`EXTRA_KINDS`) run as."""
         return {f"{a}-{b}": s for (a, b), s in sorted(self._extra_states[kind].items())}

@@ -315,6 +315,10 @@ class LayeredStack:
             self.layers.append(layer)
             release_free_heap()  # the layer's conversion temporaries, not kept resident
         attention.install(base.config, self.layers)  # batched rows attend in place
+        # layer index -> its attention module (a compiled round's attention op finds them)
+        self._attention_modules = {i: layer.self_attn
+                                   for i, layer in zip(range(lo, hi + 1), self.layers,
+                                                       strict=True)}
         self.rotary = _Rotary(self.config, base, str(entry.path), self.device)
         self.graphs = self.graphs and not self.rotary.dynamic  # data-dependent rope: eager
         del base
@@ -468,8 +472,7 @@ class LayeredStack:
         """A compiled decode round (`compiled.round_step`): one row per session of `cache`,
         their attention served by `attention.round_attention` on this thread."""
         table, _ = self.tables(capacity)
-        modules = {self.lo + i: layer.self_attn for i, layer in enumerate(self.layers)}
-        with attention.decode_round(cache, modules):
+        with attention.decode_round(cache, self._attention_modules):
             return fn(first, h, torch.cat(cache.at), table)
 
     def _rotary_at(self, h: torch.Tensor, positions: torch.Tensor, counts: list[int],
