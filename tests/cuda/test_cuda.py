@@ -18,6 +18,7 @@ from hearthnet.distributed_inference.engine.head import LayeredHead
 from hearthnet.distributed_inference.engine.layers import LayeredStack
 from hearthnet.distributed_inference.engine.local import LocalEngine
 from hearthnet.distributed_inference.engine.sampling import SamplingParams
+from hearthnet.distributed_inference.engine.speculation import Speculator
 from hearthnet.distributed_inference.shard.server import OpenRequest, ShardServer, ShardSettings
 from hearthnet.errors import ShardUnavailable
 from tests.helpers.faults import FaultyStack
@@ -64,11 +65,13 @@ def test_graph_decode_gives_the_eager_tokens(tiny, family):
     assert _tokens(graphs) == got  # a second session replays the first one's graph
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gemma2"])
-def test_batched_rows_on_the_gpu_equal_solo_steps(tiny, family):
-    """Rows of several sessions in one forward, each attending over its own cache where it
-    lies (sdpa; eager soft-capping), equal each session's solo (graph-captured) steps."""
-    stack = LayeredStack(tiny(family), 0, 5, device="cuda")
+def test_batched_rows_on_the_gpu_equal_solo_steps(tiny, family, graphs):
+    """Eager: rows of several sessions in one forward, each attending over its own cache
+    where it lies (sdpa; eager soft-capping), equal each session's solo steps. With graphs:
+    each row replays its own session's graph, so a batched answer is exactly its solo one."""
+    stack = LayeredStack(tiny(family), 0, 5, device="cuda", cuda_graphs=graphs)
     prompts = [9, 3, 14]  # shorter and longer than the sliding windows
     g = torch.Generator().manual_seed(0)
     solo = [stack.open_session(0, 5, 64) for _ in prompts]
@@ -83,6 +86,55 @@ def test_batched_rows_on_the_gpu_equal_solo_steps(tiny, family):
         got = stack.decode_batch(batch, xs, starts)
         assert got.device.type == "cuda"
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got, want) or not graphs
+    assert all(set(s.slot.graphs) == ({1} if graphs else set()) for s in batch)
+
+
+class _Answer:
+    """A proposer that knows the plain answer: proposes its next tokens, with every third
+    proposal run's last token wrong, so passes are taken whole and in part (the cache cut
+    back past the wrong one)."""
+
+    def __init__(self, answer: list[int]) -> None:
+        self.answer, self.calls = answer, 0
+        self.top = max(answer) + 1  # a wrong token that is still in the vocabulary
+
+    def propose(self, gen, k: int) -> list[int]:
+        self.calls += 1
+        out = list(self.answer[len(gen.tokens):len(gen.tokens) + k])
+        if out and self.calls % 3 == 0:
+            out[-1] = (out[-1] + 1) % self.top
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_speculative_passes_replay_graphs_and_answer_as_plain_decoding(tiny, family):
+    """A pass of the last token and k proposals replays a graph captured for k + 1 rows
+    (eager, it would cost more than the tokens it saves); accepted, cut-back and rejected
+    passes give the plain answer, and the rows equal an eager stack's."""
+    entry = tiny(family)
+    engine = LocalEngine(entry, device="cuda")
+    plain = _tokens(engine, 40)
+    spec = Speculator("test", _Answer(plain), max_k=6)
+    gen = engine.new_generation(MSGS, SamplingParams(max_tokens=40))
+    assert [ev.token_id for ev in engine.run(gen, speculator=spec)] == plain
+    assert spec.stats.passes < 40 and spec.stats.accepted < spec.stats.proposed
+    slots = [s for ss in engine.stack._idle.values() for s in ss]
+    assert any(rows > 1 for s in slots for rows in s.graphs)
+
+    eager = LayeredStack(entry, 0, entry.num_layers - 1, device="cuda", cuda_graphs=False)
+    a, b = engine.stack.open_session(0, entry.num_layers - 1, 32), \
+        eager.open_session(0, entry.num_layers - 1, 32)
+    torch.manual_seed(0)
+    x = torch.randn(1, 12, engine.stack.hidden_size, device="cuda")
+    torch.testing.assert_close(a.forward(x[:, :7], 0), b.forward(x[:, :7], 0))
+    for at, n in [(7, 3), (8, 4), (12, 1)]:  # a pass, a cut-back pass, a decode step
+        y = x[:, at:at + n] if at + n <= 12 else torch.randn(1, n, x.shape[2], device="cuda")
+        torch.testing.assert_close(a.forward(y, at), b.forward(y, at), rtol=1e-4, atol=1e-4)
+    assert {1, 3, 4} <= set(a.slot.graphs) and not b.slot.graphs
 
 
 def test_split_stacks_equal_the_local_engine_on_cuda(tiny):

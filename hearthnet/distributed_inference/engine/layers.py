@@ -48,6 +48,7 @@ from hearthnet.distributed_inference.engine.quant import (
     format_name,
     held_bytes,
 )
+from hearthnet.distributed_inference.engine.speculation import DEFAULT_MAX_PROPOSED
 from hearthnet.distributed_inference.engine.weights import (
     WeightsReader,
     fill_module,
@@ -60,6 +61,9 @@ from hearthnet.models.store import ModelEntry
 if TYPE_CHECKING:
     from hearthnet.distributed_inference.engine.base import LayerSession
 
+# the most positions a step replays as a CUDA graph beyond the prompt's first chunk: a
+# speculative pass's last token and its proposals (speculation.DEFAULT_MAX_PROPOSED)
+GRAPH_MAX_ROWS = 1 + DEFAULT_MAX_PROPOSED
 
 class _Rotary:
     """The base model's rotary embedding module (a copy on the device), called as the model
@@ -92,17 +96,23 @@ class _Rotary:
 
 
 class _DecodeGraph:
-    """One captured decode step (T = 1) of a slot: static input, position and output.
+    """One captured step of `rows` positions (a decode step: 1; a speculative pass: the last
+    token and its proposals) of a slot: static input, positions and output.
 
-    Captured once per slot at position ``capacity - 1`` (a harmless write: any session
-    writes a position before a query can see it), then replayed by every session that
-    takes the slot — no capture on the hot path after the first (DESIGN.md decision 11).
+    Captured once per slot and row count at the slot's last positions (a harmless write: any
+    session writes a position before a query can see it), then replayed by every session
+    that takes the slot — no capture on the hot path after the first (DESIGN.md decision
+    11). Eager, a step costs the GPU its kernels' launches from Python: 36.6 ms against 6.7
+    replayed for the 3B shape on an H100 (docs/benchmarks.md), so a speculative pass run
+    eagerly would cost more than the tokens it saves (M26 §5.4).
     """
 
-    def __init__(self, session: LayeredSession) -> None:
+    def __init__(self, session: LayeredSession, rows: int) -> None:
         stack, slot = session.stack, session.slot
-        self.x = torch.zeros(1, 1, stack.hidden_size, dtype=stack.dtype, device=stack.device)
-        self.pos = torch.full((1,), slot.capacity - 1, dtype=torch.long, device=stack.device)
+        self.rows = rows
+        self.x = torch.zeros(1, rows, stack.hidden_size, dtype=stack.dtype, device=stack.device)
+        self.offsets = torch.arange(rows, device=stack.device)
+        self.pos = self.offsets + (slot.capacity - rows)
         before = torch.cuda.memory_allocated(stack.device)
         new_stream: Callable[..., Any] = torch.cuda.Stream  # untyped in torch
         side = new_stream(stack.device)
@@ -118,7 +128,7 @@ class _DecodeGraph:
 
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         self.x.copy_(x)
-        self.pos.fill_(pos)
+        torch.add(self.offsets, pos, out=self.pos)
         self.graph.replay()
         return self.out.clone()
 
@@ -194,8 +204,8 @@ class LayeredSession:
         if self.stack.compiled is not None and (t == 1 or start_pos > 0):
             compiled = self.stack.compiled.step_for(self, start_pos + 1) if t == 1 \
                 else self.stack.compiled.rows_step_for(self, t, start_pos + t)
-        if t == 1 and self.stack.graphs:
-            out = self._graph()(h, start_pos)
+        if self.stack.graphs and (t == 1 or (start_pos > 0 and t <= GRAPH_MAX_ROWS)):
+            out = self._graph(t)(h, start_pos)
         elif compiled is not None:  # a decode step, or a speculative pass's few rows
             positions = torch.arange(start_pos, start_pos + t, device=self.stack.device)
             # contiguous: the compiled step reads its inputs by the strides it was traced
@@ -235,11 +245,11 @@ class LayeredSession:
         """The cache holds `length` positions after a step."""
         self._len = length
 
-    def _graph(self) -> _DecodeGraph:
-        graph: _DecodeGraph | None = getattr(self.slot, "graph", None)
+    def _graph(self, rows: int) -> _DecodeGraph:
+        graph: _DecodeGraph | None = self.slot.graphs.get(rows)
         if graph is None:
-            graph = _DecodeGraph(self)
-            self.slot.graph = graph  # type: ignore[attr-defined]
+            graph = _DecodeGraph(self, rows)
+            self.slot.graphs[rows] = graph
             self.stack.budget.reserve(graph.nbytes, "a CUDA graph's workspace")
             self.slot.nbytes += graph.nbytes
         return graph
@@ -434,9 +444,16 @@ class LayeredStack:
         history is copied, and rows never see each other. Returns each session's output,
         ``(1, T_r, H)`` on the device. A round of decode rows alone runs compiled on the
         CPU once its step is ready (`compiled.round_step`); anything else eagerly (a lone
-        session takes its own, possibly compiled or graph-captured, `forward`)."""
+        session takes its own, possibly compiled or graph-captured, `forward`).
+
+        Where steps replay CUDA graphs, each session takes its own `forward` in turn: a
+        replay costs a fraction of an eager forward's kernel launches (2.9 against 18 ms for
+        half the 3B shape on an H100), so up to several rows replayed one after another
+        beat one eager forward of all, and each row is then exactly its solo step."""
         first = sessions[0]
         counts = self._check_rows(sessions, hidden, starts)
+        if self.graphs:
+            return [s.forward(x, p) for s, x, p in zip(sessions, hidden, starts, strict=True)]
         h = torch.cat([x.to(self.device, self.dtype) for x in hidden], dim=1)  # (1, N, H)
         cache = SegmentsKV([s.slot for s in sessions], starts, counts, first._types,
                            self.sliding_window, self.additive_mask, self.device)
