@@ -245,9 +245,16 @@ class LayeredHead:
         beside other chats' last positions."""
         sizes = [int(x.shape[1]) for x in hidden]
         h = torch.cat([x[0].to(self.device, self.dtype) for x in hidden])  # (sum T_i, H)
+        n = int(h.shape[0])
+        if self.device.type == "cuda" and n % HEAD_ROWS_CUDA:
+            # a GPU rounds a product of 1 row and one of 3 differently (bf16): padded to
+            # one row count, a row's logits do not depend on the rows beside it (other
+            # chats', a speculative pass's), and a greedy answer stays the solo one
+            # (M26 §5.4); the lm_head is read once either way
+            h = torch.cat([h, h.new_zeros(HEAD_ROWS_CUDA - n % HEAD_ROWS_CUDA, h.shape[1])])
         fn = self.compiled.fn("logits") if self.compiled is not None else None
         logits = fn(self, h) if fn is not None else self.logits_of(h)
-        return list(torch.split(logits.cpu(), sizes))
+        return list(torch.split(logits[:n].cpu(), sizes))
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         """(T, vocab) fp32 logits of final hidden rows h (T, H) in the head's dtype: the
@@ -265,6 +272,9 @@ class LayeredHead:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+
+HEAD_ROWS_CUDA = 16
+"""On a CUDA device the head's rows are padded to a multiple of this (`logits_rows`)."""
 
 WEIGHTS_LEFT_GAIN = 0.8
 """Compute fp32 logits as ``(W @ rows.T).T`` where that measured at most this share of

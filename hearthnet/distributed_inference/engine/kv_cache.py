@@ -113,8 +113,8 @@ class KVSlot:
         # what the next `update` writes: positions (T,) and how many positions to return
         self.positions = torch.zeros(1, dtype=torch.long, device=device)
         self.kv_len: int | None = None  # None: the whole capacity (graph-captured steps)
-        # captured steps by row count (CUDA; layers._DecodeGraph), kept with the slot
-        self.graphs: dict[int, Any] = {}
+        # the captured step (CUDA; layers._DecodeGraph), kept with the slot
+        self.graph: Any = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,9 +61,10 @@ from hearthnet.models.store import ModelEntry
 if TYPE_CHECKING:
     from hearthnet.distributed_inference.engine.base import LayerSession
 
-# the most positions a step replays as a CUDA graph beyond the prompt's first chunk: a
-# speculative pass's last token and its proposals (speculation.DEFAULT_MAX_PROPOSED)
-GRAPH_MAX_ROWS = 1 + DEFAULT_MAX_PROPOSED
+# the rows of every step replayed as a CUDA graph (`_DecodeGraph`): at least a speculative
+# pass's last token and its proposals (speculation.DEFAULT_MAX_PROPOSED); 16, a tile of the
+# GPU's matrix units, costs a memory-bound step no more than 1 row
+GRAPH_ROWS = max(16, 1 + DEFAULT_MAX_PROPOSED)
 
 class _Rotary:
     """The base model's rotary embedding module (a copy on the device), called as the model
@@ -96,23 +97,33 @@ class _Rotary:
 
 
 class _DecodeGraph:
-    """One captured step of `rows` positions (a decode step: 1; a speculative pass: the last
-    token and its proposals) of a slot: static input, positions and output.
+    """One captured step of `GRAPH_ROWS` positions of a slot (static input, positions and
+    output), replayed for every step of 1..`GRAPH_ROWS` positions after the prompt's first
+    chunk: a decode step (1) and a speculative pass (the last token and its proposals).
 
-    Captured once per slot and row count at the slot's last positions (a harmless write: any
-    session writes a position before a query can see it), then replayed by every session
-    that takes the slot — no capture on the hot path after the first (DESIGN.md decision
-    11). Eager, a step costs the GPU its kernels' launches from Python: 36.6 ms against 6.7
-    replayed for the 3B shape on an H100 (docs/benchmarks.md), so a speculative pass run
-    eagerly would cost more than the tokens it saves (M26 §5.4).
+    A step of fewer positions fills the rest with copies of its last position (same input,
+    same position: they compute and write exactly what it does), so every replay runs the
+    same kernels on the same number of rows. A row's result then does not depend on how
+    many rows came with it: a speculative pass's rows are bit for bit the plain decode
+    steps' (on a GPU a product of 1 row and one of 5 round differently in bf16, enough to
+    change a greedy answer: M26 §5.4, DESIGN.md decision 16), and the rows cost what one
+    costs (the weights are read once). Eager, a step costs the GPU its kernels' launches
+    from Python: 36.6 ms against 6.7 replayed for the 3B shape on an H100
+    (docs/benchmarks.md).
+
+    Captured once per slot at the slot's last position (a harmless write: any session writes
+    a position before a query can see it) and kept with the slot for every session that
+    takes it — no capture on the hot path after the first (DESIGN.md decision 11).
     """
 
-    def __init__(self, session: LayeredSession, rows: int) -> None:
+    def __init__(self, session: LayeredSession) -> None:
         stack, slot = session.stack, session.slot
-        self.rows = rows
+        rows = GRAPH_ROWS
         self.x = torch.zeros(1, rows, stack.hidden_size, dtype=stack.dtype, device=stack.device)
-        self.offsets = torch.arange(rows, device=stack.device)
-        self.pos = self.offsets + (slot.capacity - rows)
+        self.pos = torch.full((rows,), slot.capacity - 1, dtype=torch.long, device=stack.device)
+        # row i of a step of t positions is position min(i, t - 1) after its start
+        self._offsets = {t: torch.arange(rows, device=stack.device).clamp_(max=t - 1)
+                         for t in range(1, rows + 1)}
         before = torch.cuda.memory_allocated(stack.device)
         new_stream: Callable[..., Any] = torch.cuda.Stream  # untyped in torch
         side = new_stream(stack.device)
@@ -127,10 +138,12 @@ class _DecodeGraph:
         self.nbytes = max(0, torch.cuda.memory_allocated(stack.device) - before)
 
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        self.x.copy_(x)
-        torch.add(self.offsets, pos, out=self.pos)
+        t = int(x.shape[1])
+        self.x[:, :t].copy_(x)
+        self.x[:, t:].copy_(x[:, -1:].expand(-1, GRAPH_ROWS - t, -1))
+        torch.add(self._offsets[t], pos, out=self.pos)
         self.graph.replay()
-        return self.out.clone()
+        return self.out[:, :t].clone()
 
 
 class LayeredSession:
@@ -204,8 +217,8 @@ class LayeredSession:
         if self.stack.compiled is not None and (t == 1 or start_pos > 0):
             compiled = self.stack.compiled.step_for(self, start_pos + 1) if t == 1 \
                 else self.stack.compiled.rows_step_for(self, t, start_pos + t)
-        if self.stack.graphs and (t == 1 or (start_pos > 0 and t <= GRAPH_MAX_ROWS)):
-            out = self._graph(t)(h, start_pos)
+        if self.stack.graphs and (t == 1 or (start_pos > 0 and t <= GRAPH_ROWS)):
+            out = self._graph()(h, start_pos)
         elif compiled is not None:  # a decode step, or a speculative pass's few rows
             positions = torch.arange(start_pos, start_pos + t, device=self.stack.device)
             # contiguous: the compiled step reads its inputs by the strides it was traced
@@ -245,11 +258,11 @@ class LayeredSession:
         """The cache holds `length` positions after a step."""
         self._len = length
 
-    def _graph(self, rows: int) -> _DecodeGraph:
-        graph: _DecodeGraph | None = self.slot.graphs.get(rows)
+    def _graph(self) -> _DecodeGraph:
+        graph: _DecodeGraph | None = self.slot.graph
         if graph is None:
-            graph = _DecodeGraph(self, rows)
-            self.slot.graphs[rows] = graph
+            graph = _DecodeGraph(self)
+            self.slot.graph = graph
             self.stack.budget.reserve(graph.nbytes, "a CUDA graph's workspace")
             self.slot.nbytes += graph.nbytes
         return graph
