@@ -460,8 +460,8 @@ class LayeredStack:
         session takes its own, possibly compiled or graph-captured, `forward`).
 
         Where steps replay CUDA graphs, each session takes its own `forward` in turn: a
-        replay costs a fraction of an eager forward's kernel launches (2.9 against 18 ms for
-        half the 3B shape on an H100), so up to several rows replayed one after another
+        replay costs a fraction of an eager forward's kernel launches (2.9 against about 18 ms
+        for half the 3B shape on an H100), so up to several rows replayed one after another
         beat one eager forward of all, and each row is then exactly its solo step."""
         first = sessions[0]
         counts = self._check_rows(sessions, hidden, starts)
