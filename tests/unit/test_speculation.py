@@ -86,6 +86,20 @@ def test_greedy_acceptance_takes_the_agreeing_prefix_and_one_more():
         s.accept(g, _rows(1, 2), [1, 2])
 
 
+def test_a_pass_the_head_picked_is_taken_as_its_logits_would_be():
+    """Where the head picked each row's argmax itself (`Generation.argmax_only`: greedy, no
+    grammar, no log-probabilities), a pass of token ids is taken as the pass of logits."""
+    for rows in (_rows(5, 6, 9, 0), _rows(5, 6, 9, 0).argmax(dim=-1)):
+        g = _gen([1, 2, 3])
+        g.tokens = [4]
+        events = Speculator("lookup", LookupProposer()).accept(g, rows, [5, 6, 7])
+        assert [e.token_id for e in events] == [5, 6, 9] and g.tokens == [4, 5, 6, 9]
+        assert g.step(rows[-1]).token_id == 0
+    assert _gen([1]).argmax_only
+    assert not _gen([1], temperature=0.7).argmax_only  # the sampler draws from the row
+    assert not _gen([1], logprobs=2).argmax_only  # the row's log-probabilities are reported
+
+
 def test_acceptance_stops_at_eos_and_at_max_tokens():
     s = Speculator("lookup", LookupProposer())
     g = _gen([1, 2], eos=(31,))
@@ -191,3 +205,18 @@ def test_local_speculative_answer_is_the_plain_answer(engine, local_answer, prom
         draft.close()
     # the model as its own draft: every proposal is taken, up to the answer's end
     assert draft.stats.as_dict()["tokens_per_pass"] >= 3.0, draft.stats
+
+
+def test_the_head_picks_the_argmax_where_the_logits_are(engine):
+    """`logits_rows(..., picks)`: a picked entry's rows come back as their argmax token
+    ids, beside the others' logits from the same product."""
+    head = engine.head
+    g = torch.Generator().manual_seed(0)
+    hidden = [torch.randn(1, 3, head.hidden_size, generator=g),
+              torch.randn(1, 1, head.hidden_size, generator=g)]
+    logits = head.logits_rows(hidden)
+    ids, rest = head.logits_rows(hidden, [True, False])
+    assert ids.dtype == torch.int64 and ids.shape == (3,)
+    assert torch.equal(ids, logits[0].argmax(dim=-1)) and torch.equal(rest, logits[1])
+    assert all(torch.equal(a, b) for a, b in zip(head.logits_rows(hidden, [False, False]),
+                                                 logits, strict=True))

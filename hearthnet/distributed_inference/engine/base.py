@@ -138,8 +138,10 @@ class ClientHead(Protocol):
         (DESIGN.md decision 12), one (vocab,) tensor per chat."""
         ...
 
-    def logits_rows(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def logits_rows(self, hidden: Sequence[torch.Tensor],
+                    picks: Sequence[bool] | None = None) -> list[torch.Tensor]:
         """The logits of every position of each `(1, T_i, H)` hidden state, as one
         product: one `(T_i, vocab)` tensor each (a speculative step's rows, DESIGN.md
-        decision 16)."""
+        decision 16); for an entry whose `picks` is true, each row's argmax instead, a
+        `(T_i,)` int64 tensor picked where the logits are."""
         ...

@@ -61,7 +61,10 @@ class Sampler:
         self.row: torch.Tensor | None = None  # (vocab,) the logits last picked from
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """`logits`: (vocab,) fp32."""
+        """`logits`: (vocab,) fp32; or a 0-d int64 tensor, the token the head already
+        picked where the logits are (`Generation.argmax_only`)."""
+        if logits.dim() == 0:
+            return int(logits)
         if self.keep_rows:
             self.row = logits  # raw: log-probabilities are the model's own
         if self.grammar is not None:
@@ -118,6 +121,8 @@ class Sampler:
         rejection rule of speculative sampling (Leviathan et al. 2023, Chen et al. 2023) for
         a proposer that names one token, so every token is distributed exactly as `__call__`
         would draw it."""
+        if logits.dim() == 0:  # picked by the head (`Generation.argmax_only`): the argmax
+            return int(logits)
         if self.keep_rows:
             self.row = logits
         if self.grammar is not None:  # the mask of the tokens taken before this position
@@ -243,6 +248,14 @@ class Generation:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether picking a token needs nothing but its logits' argmax (greedy, no grammar,
+        no log-probabilities): the head can pick it where the logits are
+        (`LayeredHead.logits_rows`'s `picks`) and hand over the token id alone."""
+        return self.params.greedy and self.sampler.grammar is None \
+            and not self.sampler.keep_rows
 
     @property
     def all_ids(self) -> list[int]:

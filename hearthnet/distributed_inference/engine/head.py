@@ -239,10 +239,16 @@ class LayeredHead:
         return [r[-1] for r in self.logits_rows([x[:, -1:, :] for x in hidden])]
 
     @torch.inference_mode()
-    def logits_rows(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def logits_rows(self, hidden: Sequence[torch.Tensor],
+                    picks: Sequence[bool] | None = None) -> list[torch.Tensor]:
         """(T_i, vocab) fp32 host logits of every position of each (1, T_i, H) hidden state,
         as one norm + lm_head product: a speculative step's rows (DESIGN.md decision 16)
-        beside other chats' last positions."""
+        beside other chats' last positions.
+
+        `picks[i]`: entry i needs only each row's argmax (`Generation.argmax_only`: greedy,
+        no grammar, no log-probabilities), so its (T_i,) int64 token ids come back instead,
+        picked on the head's device: on a GPU one integer per row crosses to the host, not
+        a vocabulary of floats (M26 §5.4)."""
         sizes = [int(x.shape[1]) for x in hidden]
         h = torch.cat([x[0].to(self.device, self.dtype) for x in hidden])  # (sum T_i, H)
         n = int(h.shape[0])
@@ -253,8 +259,12 @@ class LayeredHead:
             # (M26 §5.4); the lm_head is read once either way
             h = torch.cat([h, h.new_zeros(HEAD_ROWS_CUDA - n % HEAD_ROWS_CUDA, h.shape[1])])
         fn = self.compiled.fn("logits") if self.compiled is not None else None
-        logits = fn(self, h) if fn is not None else self.logits_of(h)
-        return list(torch.split(logits[:n].cpu(), sizes))
+        logits = (fn(self, h) if fn is not None else self.logits_of(h))[:n]
+        if picks is None or not any(picks):
+            return list(torch.split(logits.cpu(), sizes))
+        ids = torch.split(logits.argmax(dim=-1).cpu(), sizes)  # the first largest, as Sampler
+        return [i if p else r.cpu() for i, r, p in
+                zip(ids, torch.split(logits, sizes), picks, strict=True)]
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         """(T, vocab) fp32 logits of final hidden rows h (T, H) in the head's dtype: the

@@ -129,7 +129,9 @@ class LocalEngine:
                 yield None
             last = ((len(ids) - 1) // n) * n
             h = session.forward(self.head.embed(ids[last:]), last)  # (1, T, H)
-            ev = gen.step(self.head.logits(h))
+            # the token picked where the logits are when its argmax is all it needs
+            picks = [gen.argmax_only]
+            ev = gen.step(self.head.logits_rows([h[:, -1:]], picks)[0][-1])
             t.prefill_ms = t.first_token_ms = \
                 (time.perf_counter() - t0) * 1000
             yield ev
@@ -139,9 +141,10 @@ class LocalEngine:
                 proposed = speculator.propose(gen) if speculator is not None else []
                 h = session.forward(self.head.embed([gen.tokens[-1], *proposed]), pos)
                 if speculator is None:
-                    events = [gen.step(self.head.logits(h))]
+                    events = [gen.step(self.head.logits_rows([h[:, -1:]], picks)[0][-1])]
                 else:
-                    events = speculator.accept(gen, self.head.logits_rows([h])[0], proposed)
+                    events = speculator.accept(gen, self.head.logits_rows([h], picks)[0],
+                                               proposed)
                 ms = (time.perf_counter() - t1) * 1000 / len(events)
                 for ev in events:
                     t.decode_ms.append(ms)

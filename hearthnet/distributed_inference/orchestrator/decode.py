@@ -55,19 +55,20 @@ class DecodeLoop:
         # calls in their decode loop, per micro-batch lane: the head rows a lane's round expects
         self.running: Counter[int] = Counter()
         self._heads: weakref.WeakKeyDictionary[
-            ClientHead, dict[int, RoundBatcher[torch.Tensor, torch.Tensor]]] = \
+            ClientHead, dict[int, RoundBatcher[tuple[torch.Tensor, bool], torch.Tensor]]] = \
             weakref.WeakKeyDictionary()
 
     def head_batcher(self, head: ClientHead, lane: int = 0
-                     ) -> RoundBatcher[torch.Tensor, torch.Tensor]:
+                     ) -> RoundBatcher[tuple[torch.Tensor, bool], torch.Tensor]:
         """The batcher of `head`'s norm + lm_head for one lane (one per loaded head and
         lane, as the stages keep theirs): each call submits the rows it needs logits of,
-        (1, T, H), and gets (T, vocab) back."""
+        (1, T, H), and whether their argmax alone will do (`Generation.argmax_only`), and
+        gets (T, vocab) logits back, or (T,) token ids."""
         lanes = self._heads.setdefault(head, {})
         batcher = lanes.get(lane)
         if batcher is None:
-            def run(hs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-                return head.logits_rows(hs)
+            def run(jobs: Sequence[tuple[torch.Tensor, bool]]) -> list[torch.Tensor]:
+                return head.logits_rows([h for h, _ in jobs], [p for _, p in jobs])
 
             batcher = RoundBatcher(run, self.executor, window_s=self.batch_window_s,
                                    expected=lambda: self.running[lane], on_batch=self._observe)
@@ -129,7 +130,8 @@ class DecodeLoop:
             # norm + lm_head (~7 ms for SmolLM2) run off the loop, batched with the other
             # calls' heads of this round (DESIGN.md decision 12): the last row, or every row
             # of a speculative pass (DESIGN.md decision 16)
-            rows = await heads.submit(h[:, -(len(proposed) + 1):], key=id(call))
+            rows = await heads.submit((h[:, -(len(proposed) + 1):], gen.argmax_only),
+                                      key=id(call))
             events = spec.accept(gen, rows, proposed) if spec is not None and not prompt \
                 else [gen.step(rows[-1])]
             prompt = False
