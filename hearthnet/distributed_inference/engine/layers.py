@@ -62,9 +62,10 @@ if TYPE_CHECKING:
     from hearthnet.distributed_inference.engine.base import LayerSession
 
 # the rows of every step replayed as a CUDA graph (`_DecodeGraph`): at least a speculative
-# pass's last token and its proposals (speculation.DEFAULT_MAX_PROPOSED); 16, a tile of the
-# GPU's matrix units, costs a memory-bound step no more than 1 row
+# pass's last token and its proposals (speculation.DEFAULT_MAX_PROPOSED), rounded up to 16,
+# a tile of the GPU's matrix units
 GRAPH_ROWS = max(16, 1 + DEFAULT_MAX_PROPOSED)
+
 
 class _Rotary:
     """The base model's rotary embedding module (a copy on the device), called as the model
@@ -106,10 +107,11 @@ class _DecodeGraph:
     same kernels on the same number of rows. A row's result then does not depend on how
     many rows came with it: a speculative pass's rows are bit for bit the plain decode
     steps' (on a GPU a product of 1 row and one of 5 round differently in bf16, enough to
-    change a greedy answer: M26 §5.4, DESIGN.md decision 16), and the rows cost what one
-    costs (the weights are read once). Eager, a step costs the GPU its kernels' launches
-    from Python: 36.6 ms against 6.7 replayed for the 3B shape on an H100
-    (docs/benchmarks.md).
+    change a greedy answer: M26 §5.4, DESIGN.md decision 16), and a pass costs what a
+    decode step does. The padding costs the GPU's share of a decode step about 14 % on an
+    H100 against a 1-row graph (docs/benchmarks.md, "GPUs, 27 Nov 2026"). Eager, a step
+    costs the GPU its kernels' launches from Python: 36.6 ms against 6.7 replayed for the
+    3B shape on an H100.
 
     Captured once per slot at the slot's last position (a harmless write: any session writes
     a position before a query can see it) and kept with the slot for every session that

@@ -200,8 +200,9 @@ class Speculator:
                proposed: list[int]) -> list[TokenEvent]:
         """Take the tokens of one pass: `rows` (len(proposed) + 1, vocab) are the logits
         after the pass's input token and after each proposal (or, where the head picked
-        them, `Generation.argmax_only`, their (len(proposed) + 1,) argmax token ids). Returns the tokens taken, in
-        order (one at least; fewer than all when the answer ends among them)."""
+        them, `Generation.argmax_only`, their (len(proposed) + 1,) argmax token ids).
+        Returns the tokens taken, in order (one at least; fewer than all when the answer
+        ends among them)."""
         if rows.shape[0] != len(proposed) + 1:
             raise ValueError(f"{rows.shape[0]} rows for {len(proposed)} proposals")
         out: list[TokenEvent] = []
