@@ -97,7 +97,7 @@ def _speculative_pass_compiled(entry, stack, family_reference):
     session = stack.open_session(0, stack.hi, 32)
     session.forward(head.embed(ids[:3]), 0)
     assert stack.compiled.rows_step_for(session, 4, 7) is None  # eager while it compiles
-    assert stack.compiled.wait_verify(0, stack.hi).startswith("compiled in ")
+    assert stack.compiled.wait_extra("verify", 0, stack.hi).startswith("compiled in ")
     calls = stack.compiled.calls
     rows = head.logits_rows([session.forward(head.embed(ids[3:7]), 3)])[0]  # positions 3..6
     assert stack.compiled.calls == calls + 1

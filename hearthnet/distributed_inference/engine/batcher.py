@@ -213,7 +213,7 @@ class RoundBatcher(Generic[J, R]):
         due = [(last + cycle, cycle) for k in self._seen if k not in queued
                for last, cycle in [self._pace.get(k, (0.0, None))] if cycle is not None]
         deadline = start + self.window_s
-        missing = min(self.expected(), len(self._seen)) - len(queued)
+        missing = self._expecting() - len(queued)
         if due and len(queued) < missing:  # the smaller group waits for the larger one
             # (a tenth of a cycle of slack: a step due "now" may be a little late)
             latest = max(d + max(self.window_s, PACE_SLACK * c) for d, c in due)
@@ -232,7 +232,7 @@ class RoundBatcher(Generic[J, R]):
         if not self._batch or self.window_s <= 0:
             return
         start = self.clock()
-        while self.queued < min(self.expected(), len(self._seen)):
+        while self.queued < self._expecting():
             left = self._deadline(start) - self.clock()
             if left <= 0:
                 self.waited_out += 1
@@ -247,11 +247,15 @@ class RoundBatcher(Generic[J, R]):
                     self.on_progress()
         self._log_hold(start, "every expected step arrived")
 
+    def _expecting(self) -> int:
+        """How many sessions' jobs a round waits for: the open ones that stepped lately."""
+        return min(self.expected(), len(self._seen))
+
     def _log_hold(self, start: float, end: str) -> None:
         held = self.clock() - start
         if held >= HOLD_LOG_S:
             log.info("round_held", held_ms=round(held * 1000, 1), queued=self.queued,
-                     expected=min(self.expected(), len(self._seen)), ended=end)
+                     expected=self._expecting(), ended=end)
 
     @staticmethod
     def _take(queue: deque[_Queued[J]], limit: int, *, by_tokens: bool = False

@@ -364,10 +364,6 @@ class CompiledDecode:
             _BUILDERS.add(t)
         t.start()
 
-    def wait_verify(self, start: int, end: int, timeout: float | None = None) -> str:
-        """Wait for a sub-range's speculative step (tests, benchmarks); its state."""
-        return self.wait_extra("verify", start, end, timeout)
-
     def wait_extra(self, kind: str, start: int, end: int, timeout: float | None = None
                    ) -> str:
         """Wait for a sub-range's step of `kind` (tests, benchmarks); its state."""

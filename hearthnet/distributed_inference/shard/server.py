@@ -210,16 +210,22 @@ class ShardServer:
         batcher = self._lanes.get(lane)
         if batcher is None:
             s = self.settings
-            replays = isinstance(self.stack, LayeredStack) and self.stack.graphs
             batcher = RoundBatcher(
-                self._run_steps, self.executor,
-                window_s=0.0 if replays else s.batch_window_ms / 1000,
+                self._run_steps, self.executor, window_s=self._batch_window_s(),
                 expected=lambda: self._lane_active[lane],
                 prefill_budget=s.prefill_chunk_tokens, mixed_budget=s.mixed_prefill_tokens,
                 on_batch=self._observe_batch,
                 on_progress=self._progressed)
             self._lanes[lane] = batcher
         return batcher
+
+    def _batch_window_s(self) -> float:
+        """How long a round waits for other sessions' rows: none where each row replays its
+        own session's graph (`LayeredStack.forward_packed`): rows share no forward there,
+        so a round waiting for another's row only delays."""
+        if isinstance(self.stack, LayeredStack) and self.stack.graphs:
+            return 0.0
+        return self.settings.batch_window_ms / 1000
 
     def _refuse_over_budget(self, shard_id: str) -> None:
         """A shard over `shard_max_vram_mb` is refused before loading (M26 §5.6)."""
@@ -255,11 +261,8 @@ class ShardServer:
                     stack.compiled.after_decode = ("round", "verify")
                     stack.compiled.start(self.lo, self.hi)
                 self.stack = stack
-                if isinstance(stack, LayeredStack) and stack.graphs:
-                    # each row replays its own session's graph (`forward_packed`): rows
-                    # share no forward, so a round waiting for another's row only delays
-                    for batcher in self._lanes.values():
-                        batcher.window_s = 0.0
+                for batcher in self._lanes.values():  # made before the stack was known
+                    batcher.window_s = self._batch_window_s()
                 mb = self.stack.param_bytes() / 2**20
                 log.info("shard_loaded", shard_id=self.shard_id, weights=self.weights_format,
                          weights_mb=round(mb, 1), required_mb=self.memory.total_mb,
