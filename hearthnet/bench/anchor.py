@@ -339,13 +339,23 @@ def measure_two_shards(s: Subject, entry: Any, built: lc.LlamaCpp, args: argpars
             threads=1, runs=args.runs, rpc=[a for a, _ in servers]),
             logs / f"llama-bench-rpc-{_slug(s.key)}.log")
         ref["server_peak_rss_mb"] = lc.server_memory([p for _, p in servers])
+    # one chat's token passes the 1-thread stages one after the other, so no such pipeline
+    # decodes faster than one thread running every layer with no network at all: that
+    # figure, beside RPC's, is the ceiling of the mesh-vs-RPC ratio on this machine
+    _say(f"{s.key}: llama-bench, 1 thread, no network (a 1-thread pipeline's ceiling)")
+    one = lc.run_llama_bench(lc.llama_bench_argv(
+        built.tool("llama-bench"), s.gguf, prompt_tokens=0, tokens=args.tokens, threads=1,
+        runs=args.runs), logs / f"llama-bench-1-thread-{_slug(s.key)}.log")
+    ceiling = {"llama_cpp_one_thread": one,
+               "ceiling_ratio": _ratio(one.get("decode_tokens_per_s"),
+                                       ref.get("decode_tokens_per_s"))}
     _say(f"{s.key}: HearthNet mesh, 2 shard nodes × 1 thread on 127.0.0.1")
     try:
         hn = mesh_decode(entry, args)
     except HearthNetError as e:  # llama.cpp's figure stands without it
         return {"llama_cpp_rpc": ref, "hearthnet_mesh": {"error": e.message},
-                "decode_ratio": None, "error": e.message}
-    return {"llama_cpp_rpc": ref, "hearthnet_mesh": hn,
+                "decode_ratio": None, "error": e.message, **ceiling}
+    return {"llama_cpp_rpc": ref, "hearthnet_mesh": hn, **ceiling,
             "decode_ratio": _ratio(hn["decode_tokens_per_s"], ref.get("decode_tokens_per_s"))}
 
 
@@ -465,7 +475,9 @@ def report(f: dict[str, Any]) -> str:
         if two is not None:
             mesh_rows.append([key, two.get("llama_cpp_rpc", {}).get("decode_tokens_per_s"),
                               two.get("hearthnet_mesh", {}).get("decode_tokens_per_s"),
-                              two.get("decode_ratio")])
+                              two.get("decode_ratio"),
+                              two.get("llama_cpp_one_thread", {}).get("decode_tokens_per_s"),
+                              two.get("ceiling_ratio")])
             if "error" in two:
                 errors.append(f"{key} two shards: {two['error']}")
     steps = [f"{key}: first start {c['first_start']['state']}, restart "
@@ -477,7 +489,9 @@ def report(f: dict[str, Any]) -> str:
     t1 = table(["model", "GGUF MB", "store MB (×)", "llama.cpp decode", "HearthNet decode",
                 "ratio", "llama.cpp prefill", "HearthNet prefill", "ratio",
                 "llama.cpp RSS MiB", "HearthNet RSS MiB"], rows)
-    t2 = table(["model", "llama.cpp RPC decode", "HearthNet mesh decode", "ratio"], mesh_rows) \
+    t2 = table(["model", "llama.cpp RPC decode", "HearthNet mesh decode", "ratio",
+                "llama.cpp 1 thread, no network", "its ratio (a 1-thread pipeline's ceiling)"],
+               mesh_rows) \
         if mesh_rows else "two shards: skipped (--no-rpc)"
     ll = f["llama_cpp"]
     return (f"bench anchor: tok/s, {f['tokens']} decode tokens × {f['runs']} runs (median), "

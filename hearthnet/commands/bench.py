@@ -22,13 +22,19 @@ RunBench = Callable[[argparse.Namespace], tuple[dict[str, Any], str]]
 
 
 def _transport_args(p: argparse.ArgumentParser) -> None:
+    from hearthnet.argtypes import number_in
     from hearthnet.constants import TENSOR_CHUNK_BYTES, TENSOR_FLOW_CONTROL_WINDOW
+    from hearthnet.transport.bench import IDLE_GAP_MS
 
     p.add_argument("--steps", type=int, default=2000,
                    help="decode round trips measured per tensor size (default 2000)")
     p.add_argument("--warmup", type=int, default=200, help="unmeasured round trips first")
     p.add_argument("--prefill-reps", type=int, default=20,
                    help="prefill round trips measured per size (default 20)")
+    p.add_argument("--idle-gap-ms", type=number_in(0, 1000, "ms"), default=IDLE_GAP_MS,
+                   help=f"also time a quarter of the decode steps each after this long idle, "
+                        f"as a pipeline's hop follows the other stages' compute (default "
+                        f"{IDLE_GAP_MS:g})")
     p.add_argument("--window", type=int, default=TENSOR_FLOW_CONTROL_WINDOW,
                    help="credit window in chunks")
     p.add_argument("--chunk-bytes", type=int, default=TENSOR_CHUNK_BYTES,
@@ -43,7 +49,7 @@ def _transport_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
     res = run_transport_bench(steps=args.steps, warmup=args.warmup,
                               prefill_reps=args.prefill_reps, window=args.window,
-                              chunk_bytes=args.chunk_bytes)
+                              chunk_bytes=args.chunk_bytes, idle_gap_ms=args.idle_gap_ms)
     res.setdefault("machine", machine())
     res["results_file"] = str(write_results("transport", res, Path(args.results_dir)))
     return res, format_report(res)

@@ -5,9 +5,13 @@ An echo peer runs in another process on 127.0.0.1 (``python -m hearthnet.transpo
 echo back → receive → decode — of decode-step hidden states (1×1×576 and 1×1×3072 fp16:
 SmolLM2-135M and a 3B-class model) over at least 2,000 steps, and of 2,048-token
 prefills. The goal on a laptop-class CPU is p95 ≤ 1 ms per decode round trip; the spec's
-budget is 25 ms per hop. Beside the round trips it times the codec alone, in this process:
-encoding and decoding one decode step's frame (1×1×hidden fp32, the lossless wire, for
-SmolLM2's 576 and a 1.5B model's 1536) — four of each are paid per pipeline hop.
+budget is 25 ms per hop. In a pipeline every hop follows an idle wait (the other stages'
+compute), so the 1×1×576 round trip is also timed after an idle gap of ``idle_gap_ms``
+between steps: what waking costs this machine beside the same code back to back (on a
+VM whose idle vCPUs halt, two to three times as much; docs/benchmarks.md). Beside the
+round trips it times the codec alone, in this process: encoding and decoding one decode
+step's frame (1×1×hidden fp32, the lossless wire, for SmolLM2's 576 and a 1.5B model's
+1536) — four of each are paid per pipeline hop.
 
 Both processes run single-threaded torch on uvloop when it is installed.
 """
@@ -44,6 +48,10 @@ from hearthnet.transport.websocket import SHARD_PATH, ServerStream, TensorChanne
 
 GOAL_P95_MS = 1.0
 DECODE_HIDDEN = (576, 3072)
+IDLE_HIDDEN = 576
+"""The decode step also timed after an idle gap (`run_transport_bench`'s `idle_gap_ms`)."""
+IDLE_GAP_MS = 5.0
+"""The default gap: about one SmolLM2 shard's compute of a step on one thread."""
 PREFILL_TOKENS = 2048
 CODEC_HIDDEN = (576, 1536)
 """Hidden widths whose decode-step frame is encoded and decoded alone (`codec_timings`)."""
@@ -132,13 +140,17 @@ def _percentiles(samples_ns: list[int]) -> dict[str, float]:
 
 
 async def _decode_round_trips(ch: TensorChannel, hidden: int, steps: int,
-                              warmup: int) -> dict[str, Any]:
+                              warmup: int, gap_s: float = 0.0) -> dict[str, Any]:
+    """`steps` timed round trips of a 1×1×`hidden` step; with `gap_s`, each after that
+    long idle (a pipeline's hop follows the other stages' compute)."""
     x = torch.randn(1, 1, hidden).to(torch.float16)  # (B, T, hidden)
     for i in range(warmup):
         await ch.step(i, i, x)
     samples: list[int] = []
     clock = time.perf_counter_ns
     for i in range(steps):
+        if gap_s:
+            await asyncio.sleep(gap_s)
         t0 = clock()
         out = await ch.step(i, i, x)
         samples.append(clock() - t0)
@@ -194,13 +206,17 @@ def codec_timings(hidden: int, *, number: int = 2000, repeat: int = 5) -> dict[s
 
 
 async def _client(uri: str, *, steps: int, warmup: int, prefill_reps: int, window: int,
-                  chunk_bytes: int) -> dict[str, Any]:
+                  chunk_bytes: int, idle_gap_ms: float) -> dict[str, Any]:
     ch = await TensorChannel.connect(uri, {"wire_dtype": "fp16"}, window=window,
                                      chunk_bytes=chunk_bytes, deadline_s=60.0)
     try:
         out: dict[str, Any] = {}
         for hidden in DECODE_HIDDEN:
             out[f"decode_{hidden}"] = await _decode_round_trips(ch, hidden, steps, warmup)
+        if idle_gap_ms > 0:  # a quarter of the steps: each waits the gap first
+            idle = await _decode_round_trips(ch, IDLE_HIDDEN, max(1, steps // 4), 0,
+                                             idle_gap_ms / 1000)
+            out[f"decode_{IDLE_HIDDEN}_after_idle"] = {**idle, "idle_gap_ms": idle_gap_ms}
         for hidden in DECODE_HIDDEN:
             out[f"prefill_{PREFILL_TOKENS}x{hidden}"] = await _prefill_round_trips(
                 ch, hidden, PREFILL_TOKENS, prefill_reps)
@@ -212,28 +228,35 @@ async def _client(uri: str, *, steps: int, warmup: int, prefill_reps: int, windo
 
 def run_transport_bench(*, steps: int = 2000, warmup: int = 200, prefill_reps: int = 20,
                         window: int = TENSOR_FLOW_CONTROL_WINDOW,
-                        chunk_bytes: int = TENSOR_CHUNK_BYTES) -> dict[str, Any]:
+                        chunk_bytes: int = TENSOR_CHUNK_BYTES,
+                        idle_gap_ms: float = IDLE_GAP_MS) -> dict[str, Any]:
     """Run the whole benchmark against a fresh echo peer process; return the figures.
 
     Keys: ``decode_576`` and ``decode_3072`` ({p50_ms, p95_ms, p99_ms, mean_ms, max_ms,
-    n, bytes}: one round trip each), ``prefill_2048x576`` and ``prefill_2048x3072`` ({ms:
-    median round trip, MB_per_s: bytes moved both ways per second, p95_ms, bytes,
-    chunks, n}), ``codec_fp32_576`` and ``codec_fp32_1536`` ({encode_us, decode_us,
-    frame_bytes, n}: `codec_timings`), ``goal`` and ``config``.
+    n, bytes}: one round trip each, back to back), ``decode_576_after_idle`` (the same,
+    a quarter as many, each after `idle_gap_ms` idle, with ``idle_gap_ms`` and
+    ``ratio_p50`` to the back-to-back p50; absent when the gap is 0), ``prefill_2048x576``
+    and ``prefill_2048x3072`` ({ms: median round trip, MB_per_s: bytes moved both ways
+    per second, p95_ms, bytes, chunks, n}), ``codec_fp32_576`` and ``codec_fp32_1536``
+    ({encode_us, decode_us, frame_bytes, n}: `codec_timings`), ``goal`` and ``config``.
     """
     torch.set_num_threads(1)
     codec = {f"codec_fp32_{h}": codec_timings(h) for h in CODEC_HIDDEN}
     with EchoPeer(window=window, chunk_bytes=chunk_bytes) as peer:
         res = run(_client(peer.uri, steps=steps, warmup=warmup, prefill_reps=prefill_reps,
-                          window=window, chunk_bytes=chunk_bytes))
+                          window=window, chunk_bytes=chunk_bytes, idle_gap_ms=idle_gap_ms))
     loop = res.pop("_loop")
+    idle = res.get(f"decode_{IDLE_HIDDEN}_after_idle")
+    if idle is not None:
+        idle["ratio_p50"] = round(idle["p50_ms"] / res[f"decode_{IDLE_HIDDEN}"]["p50_ms"], 2)
     res.update(codec)
     from websockets.version import version as websockets_version
 
     res["goal"] = {"decode_p95_ms_max": GOAL_P95_MS,
                    "met": all(res[f"decode_{h}"]["p95_ms"] <= GOAL_P95_MS
                               for h in DECODE_HIDDEN)}
-    res["config"] = {"steps": steps, "warmup": warmup, "window": window,
+    res["config"] = {"steps": steps, "warmup": warmup, "idle_gap_ms": idle_gap_ms,
+                     "window": window,
                      "chunk_bytes": chunk_bytes, "wire_dtype": "fp16", "event_loop": loop,
                      "host": "127.0.0.1", "echo_peer": "separate process",
                      "python": platform.python_version(), "torch": torch.__version__,
@@ -250,6 +273,12 @@ def format_report(res: dict[str, Any]) -> str:
         r = res[f"decode_{h}"]
         lines.append(f"  decode 1x1x{h:<5} fp16 ({r['bytes']:>5} B)  p50 {r['p50_ms']:.3f} ms  "
                      f"p95 {r['p95_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  (n={r['n']})")
+    idle = res.get(f"decode_{IDLE_HIDDEN}_after_idle")
+    if idle is not None:
+        lines.append(f"  decode 1x1x{IDLE_HIDDEN:<5} fp16, each after {idle['idle_gap_ms']:g} ms "
+                     f"idle (as a pipeline's hop): p50 {idle['p50_ms']:.3f} ms  "
+                     f"p95 {idle['p95_ms']:.3f} ms  (n={idle['n']}; {idle['ratio_p50']:.2f}x "
+                     f"back to back: what waking costs this machine)")
     for h in DECODE_HIDDEN:
         r = res[f"prefill_{PREFILL_TOKENS}x{h}"]
         lines.append(f"  prefill {PREFILL_TOKENS}x{h:<5} fp16 ({r['bytes'] / 1e6:.1f} MB, "

@@ -45,16 +45,23 @@ def test_port_in_use_is_one_line(tmp_path: Path, taken: str):
 
 def test_bench_transport_writes_bench_results(tmp_path: Path):
     """Every benchmark writes its figures to bench-results/ — transport too."""
-    r = subprocess.run([*CLI, "bench", "transport", "--steps", "10", "--warmup", "2",
-                        "--prefill-reps", "1", "--results-dir", str(tmp_path)],
+    r = subprocess.run([*CLI, "bench", "transport", "--steps", "12", "--warmup", "2",
+                        "--prefill-reps", "1", "--idle-gap-ms", "1",
+                        "--results-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     figures = json.loads((tmp_path / "transport.json").read_text())
-    assert figures["decode_576"]["n"] == 10 and figures["decode_576"]["p50_ms"] > 0
+    assert figures["decode_576"]["n"] == 12 and figures["decode_576"]["p50_ms"] > 0
+    # a pipeline's hop follows an idle wait: a quarter of the steps timed after the gap
+    idle = figures["decode_576_after_idle"]
+    assert idle["n"] == 3 and idle["idle_gap_ms"] == 1.0 and idle["p50_ms"] > 0
+    assert idle["ratio_p50"] == round(idle["p50_ms"] / figures["decode_576"]["p50_ms"], 2)
+    assert "after 1 ms idle" in r.stdout + r.stderr
     assert figures["machine"]["cpus"] >= 1
 
 
 @pytest.mark.parametrize("argv", [
+    ["bench", "transport", "--idle-gap-ms", "0"],
     ["bench", "pipeline", "--node-threads", "0"],  # was: three nodes started, then a node's
     ["bench", "reach", "--tokens", "-3"],          # config error; the others ran to a
     ["bench", "local", "--runs", "0"],             # check labelled `internal`

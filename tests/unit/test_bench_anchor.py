@@ -262,3 +262,47 @@ def test_report_prints_both_engines_the_ratios_the_goals_and_any_error():
     assert "error: smollm2 two shards: the chat did not finish" in text
     assert "smollm2 decode_ratio 0.8 (met, goal ≥ 0.8)" in text
     assert "smollm2 mesh_vs_rpc_ratio None (MISSED, goal ≥ 2.0)" in text
+
+
+def test_two_shards_also_measure_one_thread_with_no_network_as_the_ceiling(
+        tmp_path, monkeypatch):
+    """One chat's token passes 1-thread stages one after the other: llama.cpp on one thread
+    with no network at all is measured beside RPC, and the ratio of the two is reported as
+    the most any 1-thread pipeline can reach against RPC on that machine."""
+    import contextlib
+
+    runs: list[list[str]] = []
+
+    def bench(argv: list[str], log: Path) -> dict[str, float]:
+        runs.append(argv)
+        return {"decode_tokens_per_s": 50.0 if "--rpc" in argv else 75.0}
+
+    @contextlib.contextmanager
+    def servers(tool, count, threads, log_dir):
+        assert (count, threads) == (2, 1)
+        yield [("127.0.0.1:1", 11), ("127.0.0.1:2", 12)]
+
+    class Built:
+        def tool(self, name: str) -> Path:
+            return tmp_path / name
+
+    monkeypatch.setattr(lc, "run_llama_bench", bench)
+    monkeypatch.setattr(lc, "rpc_servers", servers)
+    monkeypatch.setattr(lc, "server_memory", lambda pids: [40.0 for _ in pids])
+    monkeypatch.setattr(anchor, "mesh_decode", lambda entry, args: {"decode_tokens_per_s": 60.0})
+    s = anchor.Subject("smollm2", "anchor-smollm2", tmp_path / "m.gguf")
+    two = anchor.measure_two_shards(s, object(), Built(), _args(tmp_path), tmp_path)
+    rpc_argv, one_argv = runs
+    assert "--rpc" in rpc_argv and "--rpc" not in one_argv
+    assert one_argv[one_argv.index("-t") + 1] == "1"
+    assert two["decode_ratio"] == 1.2 and two["ceiling_ratio"] == 1.5
+    assert two["llama_cpp_one_thread"] == {"decode_tokens_per_s": 75.0}
+    f = {"models": {"smollm2": {"gguf_mb": 93.8, "store_mb": 95.5, "store_ratio": 1.018,
+                                "local": {}, "two_shards": two}},
+         "tokens": 64, "runs": 3, "weights": "int4", "import_dtype": "gguf",
+         "settings": {"threads": 2}, "results_file": "x.json",
+         "llama_cpp": {"version": "v", "instruction_sets": [], "folder": "/c"}}
+    f["goals"] = anchor.evaluate_goals(f["models"])
+    row = next(ln for ln in anchor.report(f).splitlines()
+               if ln.startswith("smollm2") and "50.0" in ln)
+    assert row.split() == ["smollm2", "50.0", "60.0", "1.20", "75.0", "1.50"]
