@@ -4,9 +4,11 @@ The node is named after the machine (the host name cut to the node-id rule of
 `hearthnet.ids`), listens for the mesh on every interface (mutual TLS, members only) and
 finds its peers by mDNS, serves the OpenAI-compatible API on loopback port 11435, and
 hosts layers automatically (``shards = "auto"``, DESIGN.md decision 14) within half the
-memory free now. Its key is made as ``hearthnet keys init`` makes it. An existing config
-is never overwritten. Then ``hearthnet invite`` on a member and ``hearthnet join CODE`` here
-make it a member (docs/security.md: Joining with a code).
+memory free now, and computes on the machine's physical cores (``torch_threads``; the
+config's own default is one thread, for several nodes on one machine). Its key is made as
+``hearthnet keys init`` makes it. An existing config is never overwritten. Then
+``hearthnet invite`` on a member and ``hearthnet join CODE`` here make it a member
+(docs/security.md: Joining with a code).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import re
 import socket
 from pathlib import Path
+
+import psutil
 
 from hearthnet.commands.keys import NODE_ID_FILE
 from hearthnet.config import parse_config
@@ -79,13 +83,25 @@ def budget_mb() -> int:
     return max(MIN_BUDGET_MB, free // 2) if free else MIN_BUDGET_MB
 
 
+def compute_threads() -> int:
+    """Threads for the node's compute: the physical cores this process may run on, as
+    llama.cpp's and torch's own defaults take (a second hardware thread of a core shares
+    its vector units: no faster for products bound by them or by memory)."""
+    try:
+        usable = len(os.sched_getaffinity(0))  # a container's or taskset's share (Linux)
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    physical = psutil.cpu_count(logical=False) or usable
+    return max(1, min(usable, physical))
+
+
 def default_dir() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "hearthnet"
 
 
 def render_config(node_id: str, *, listen_host: str, port: int, api_port: int,
-                  data_dir: str, memory_mb: int) -> str:
+                  data_dir: str, memory_mb: int, threads: int) -> str:
     """The TOML `init` writes (validated by the caller before it is written)."""
     wildcard = listen_host in ("0.0.0.0", "::")
     advertise = lan_address() if wildcard else ""
@@ -104,6 +120,7 @@ def render_config(node_id: str, *, listen_host: str, port: int, api_port: int,
         (f"listen_port = {port}", ""),
         (f"data_dir = {q(data_dir)}", f'"" = <HEARTHNET_DATA_DIR>/nodes/{node_id}'),
         (f"discovery = {q('off' if loopback else 'mdns')}", "find members on the LAN"),
+        (f"torch_threads = {threads}", "compute threads: this machine's cores at init"),
         ("peers = []", "`hearthnet join` adds the node that invited this one"),
         ("", ""), ("[research]", ""), ("enable = true", ""),
         ("", ""), ("[research.distributed_inference]", ""), ("enabled = true", ""),
@@ -129,7 +146,8 @@ def _init(args: argparse.Namespace) -> int:
                           key="node.id", reason="invalid node id")
     data_dir = str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else ""
     text = render_config(node_id, listen_host=args.listen_host, port=args.port,
-                         api_port=args.api_port, data_dir=data_dir, memory_mb=budget_mb())
+                         api_port=args.api_port, data_dir=data_dir, memory_mb=budget_mb(),
+                         threads=compute_threads())
     cfg = parse_config(text, source=path)  # never write a config the node would refuse
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -153,8 +171,8 @@ def _init(args: argparse.Namespace) -> int:
     print(f"node_id     {node_id}")
     print(f"fingerprint {key.fingerprint}")
     print(f"key_file    {key.path}")
-    print(f"budget      {cfg.di.auto.memory_mb} MiB of layers; API "
-          f"http://127.0.0.1:{args.api_port}/")
+    print(f"budget      {cfg.di.auto.memory_mb} MiB of layers, "
+          f"{cfg.node.torch_threads} compute threads; API http://127.0.0.1:{args.api_port}/")
     print("\nnext steps:")
     print("  on a machine already in the community:  hearthnet invite --config ITS_CONFIG")
     print(f"  then here:                              hearthnet join CODE --config {path}")

@@ -321,6 +321,12 @@ def test_init_writes_a_valid_config_and_key_and_never_overwrites(tmp_path, capsy
     assert cfg.node.id == "kitchen" and cfg.shards == "auto" and cfg.auto_hosting
     assert cfg.api.listen_port == 11435 and cfg.api.loopback
     assert cfg.di.auto.memory_mb >= 256 and cfg.node.peers == []
+    # the machine's cores compute (the config's own default, one thread, is for several
+    # nodes sharing a machine)
+    from hearthnet.commands.init import compute_threads
+
+    assert cfg.node.torch_threads == compute_threads()
+    assert f"{compute_threads()} compute threads" in out
     assert (tmp_path / "d" / "node.key").stat().st_mode & 0o077 == 0
     before = (tmp_path / "c" / "node.toml").read_text()
     assert main(argv) == 2  # a config error: exit 2, file untouched
@@ -337,6 +343,27 @@ def test_init_into_a_folder_it_cannot_make_is_one_line(tmp_path, capsys) -> None
     err = capsys.readouterr().err
     assert err.startswith("hearthnet: config error: cannot write ") and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_compute_threads_are_the_physical_cores_this_process_may_use(monkeypatch) -> None:
+    import os
+
+    import psutil
+
+    from hearthnet.commands import init
+
+    usable = len(os.sched_getaffinity(0))
+    assert 1 <= init.compute_threads() <= usable
+    # a machine of 8 cores with two hardware threads each, this process allowed all 16
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16 if logical else 8)
+    assert init.compute_threads() == 8
+    # a container given 3 of them
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert init.compute_threads() == 3
+    # where psutil cannot tell the physical cores: every usable one
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: None)
+    assert init.compute_threads() == 3
 
 
 def test_free_memory_is_read() -> None:
@@ -373,7 +400,7 @@ def test_add_peer_edits_only_the_peers(tmp_path) -> None:
 
     path = tmp_path / "node.toml"
     path.write_text(render_config("n", listen_host="127.0.0.1", port=0, api_port=0,
-                                  data_dir="", memory_mb=300))
+                                  data_dir="", memory_mb=300, threads=2))
     before = tomllib.loads(path.read_text())
     assert add_peer(path, "wss://10.0.0.2:7700")
     assert not add_peer(path, "wss://10.0.0.2:7700")  # already there
