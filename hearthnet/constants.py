@@ -12,6 +12,8 @@ transport can all import it cheaply:
 - `CloseCode`: the WebSocket close codes HearthNet sends (RFC 6455 §7.4.1, docs/protocol.md §7).
 - `TENSOR_CHUNK_BYTES` / `MAX_TENSOR_BYTES` / `TENSOR_FLOW_CONTROL_WINDOW`: the tensor
   transport's defaults (M26 §5.5, docs/protocol.md §3–4), also the config's defaults.
+- `TRANSPORT_IDLE_GAP_MS`: the idle gap before each step `bench transport` also times (the
+  benchmark's and its command line's default).
 - `DEFAULT_GGUF_DTYPE`: how a GGUF is imported (DESIGN.md decisions 10 and 15): `gguf`
   keeps its own quantised blocks (a store of the file's size; Q4 blocks are held as they
   are by default, `formats.default_held`), or a float dtype to de-quantise to; the
@@ -48,6 +50,11 @@ MAX_TENSOR_BYTES = 256 << 20
 
 TENSOR_FLOW_CONTROL_WINDOW = 16
 """Default credit window in chunks (M26 §5.5)."""
+
+TRANSPORT_IDLE_GAP_MS = 5.0
+"""`bench transport` also times decode round trips each after this long idle, as a
+pipeline's hop follows the other stages' compute: about one SmolLM2 shard's step on one
+thread."""
 
 DEFAULT_GGUF_DTYPE = "gguf"  # its own blocks kept: the GGUF's size, held exactly
 """A GGUF is imported to bf16 unless `--dtype` says otherwise: half fp32's size."""

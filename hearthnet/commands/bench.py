@@ -23,18 +23,21 @@ RunBench = Callable[[argparse.Namespace], tuple[dict[str, Any], str]]
 
 def _transport_args(p: argparse.ArgumentParser) -> None:
     from hearthnet.argtypes import number_in
-    from hearthnet.constants import TENSOR_CHUNK_BYTES, TENSOR_FLOW_CONTROL_WINDOW
-    from hearthnet.transport.bench import IDLE_GAP_MS
+    from hearthnet.constants import (
+        TENSOR_CHUNK_BYTES,
+        TENSOR_FLOW_CONTROL_WINDOW,
+        TRANSPORT_IDLE_GAP_MS,
+    )
 
     p.add_argument("--steps", type=int, default=2000,
                    help="decode round trips measured per tensor size (default 2000)")
     p.add_argument("--warmup", type=int, default=200, help="unmeasured round trips first")
     p.add_argument("--prefill-reps", type=int, default=20,
                    help="prefill round trips measured per size (default 20)")
-    p.add_argument("--idle-gap-ms", type=number_in(0, 1000, "ms"), default=IDLE_GAP_MS,
+    p.add_argument("--idle-gap-ms", type=number_in(0, 1000, "ms"), default=TRANSPORT_IDLE_GAP_MS,
                    help=f"also time a quarter of the decode steps each after this long idle, "
                         f"as a pipeline's hop follows the other stages' compute (default "
-                        f"{IDLE_GAP_MS:g})")
+                        f"{TRANSPORT_IDLE_GAP_MS:g})")
     p.add_argument("--window", type=int, default=TENSOR_FLOW_CONTROL_WINDOW,
                    help="credit window in chunks")
     p.add_argument("--chunk-bytes", type=int, default=TENSOR_CHUNK_BYTES,

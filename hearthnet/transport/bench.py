@@ -33,7 +33,11 @@ from typing import Any
 
 import torch
 
-from hearthnet.constants import TENSOR_CHUNK_BYTES, TENSOR_FLOW_CONTROL_WINDOW
+from hearthnet.constants import (
+    TENSOR_CHUNK_BYTES,
+    TENSOR_FLOW_CONTROL_WINDOW,
+    TRANSPORT_IDLE_GAP_MS,
+)
 from hearthnet.loop import run
 from hearthnet.observability import configure_logging
 from hearthnet.stats import percentile
@@ -50,8 +54,6 @@ GOAL_P95_MS = 1.0
 DECODE_HIDDEN = (576, 3072)
 IDLE_HIDDEN = 576
 """The decode step also timed after an idle gap (`run_transport_bench`'s `idle_gap_ms`)."""
-IDLE_GAP_MS = 5.0
-"""The default gap: about one SmolLM2 shard's compute of a step on one thread."""
 PREFILL_TOKENS = 2048
 CODEC_HIDDEN = (576, 1536)
 """Hidden widths whose decode-step frame is encoded and decoded alone (`codec_timings`)."""
@@ -229,7 +231,7 @@ async def _client(uri: str, *, steps: int, warmup: int, prefill_reps: int, windo
 def run_transport_bench(*, steps: int = 2000, warmup: int = 200, prefill_reps: int = 20,
                         window: int = TENSOR_FLOW_CONTROL_WINDOW,
                         chunk_bytes: int = TENSOR_CHUNK_BYTES,
-                        idle_gap_ms: float = IDLE_GAP_MS) -> dict[str, Any]:
+                        idle_gap_ms: float = TRANSPORT_IDLE_GAP_MS) -> dict[str, Any]:
     """Run the whole benchmark against a fresh echo peer process; return the figures.
 
     Keys: ``decode_576`` and ``decode_3072`` ({p50_ms, p95_ms, p99_ms, mean_ms, max_ms,

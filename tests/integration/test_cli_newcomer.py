@@ -84,3 +84,14 @@ def test_more_shards_than_layers_is_bad_request(smollm2):
 
     with pytest.raises(BadRequest, match=r"--shards must be in 1\.\.30"):
         split_layers(30, 31)
+
+
+def test_the_command_line_is_parsed_without_importing_torch():
+    """`hearthnet --help` and a bad argument answer at once: building the parser (every
+    command's and benchmark's options) imports no torch (seconds on a small machine)."""
+    code = ("import sys, hearthnet.cli as c; c.build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
