@@ -237,9 +237,10 @@ class DistributedInferenceSection(_Section):
     # sessions run as one batched forward; a round waits up to this long for the other
     # sessions' steps (0: batch only what is already queued)
     batch_window_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
-    # mixed rounds (DESIGN.md decision 12): positions of prefill chunks a shard's round packs with
-    # its decode rows (at least one chunk); a round with no decode rows takes up to
-    # prefill_chunk_tokens. Small keeps decoding chats' gaps short on compute-bound CPUs
+    # mixed rounds (DESIGN.md decision 12): prefill positions a shard's round takes (at least
+    # one piece); a prompt that arrives while other sessions decode goes in pieces of this
+    # size. Small keeps decoding chats' gaps short on compute-bound CPUs, and lets the next
+    # stage start on the first of several prompts while this one computes the others
     mixed_prefill_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 32
     # micro-batch lanes of this node's concurrent chats (DESIGN.md decision 12): 1 batches
     # every chat together; 0 is one lane per stage of a chat's pipeline, so the stages

@@ -63,11 +63,13 @@ async def test_chats_that_start_together_compute_their_shared_prompt_once(
         smollm2, model_store, local_answer):
     """Two chats about one note, started at once: the second opens its stages after the
     first has sent the shared positions and copies them from it on both shards, its `done`
-    says how many (and `/metrics`), and both answers equal the local engine's."""
+    says how many (and `/metrics`), and both answers equal the local engine's. The first
+    sends the rest of its prompt right behind the shared positions."""
     mesh = _mesh(smollm2)
     opens = _recording(mesh)
-    first_stage = next(h for h in mesh.hosts.values() if h.node_id == "node-b")
-    first_stage.trace = []
+    trace: list[tuple[str, int]] = []  # the steps both stages received, in order
+    for host in mesh.hosts.values():
+        host.trace = trace
     orch, m = _orch(mesh, model_store)
     answers = await asyncio.gather(*(_run(orch, q) for q in QUESTIONS))
     for q, frames in zip(QUESTIONS, answers, strict=True):
@@ -85,10 +87,37 @@ async def test_chats_that_start_together_compute_their_shared_prompt_once(
     assert len(refs) == 4 and {f["ref"] for f in forks} <= refs  # the first call's sessions
     # the first call sent the shared positions as a step of their own, then the rest of
     # its prompt: both calls' next steps start where the copy ends
-    assert first_stage.trace[0] == ("node-b", 0)
-    assert first_stage.trace.count(("node-b", second)) == 2, first_stage.trace
+    assert trace[0] == ("node-b", 0)
+    assert trace.count(("node-b", second)) == 2, trace
+    # and the rest right behind: the first stage had it before the second stage had the
+    # shared positions (the stages compute at once; the copy waits for the second stage)
+    assert trace.index(("node-b", second)) < trace.index(("node-c", 0)), trace
     assert not orch._live and not orch._constructing
     assert all(not h.by_ref for h in mesh.hosts.values())  # every session closed
+
+
+async def test_a_shared_part_longer_than_a_chunk_flows_and_is_copied(
+        smollm2, model_store, local_answer):
+    """With prefill chunks of 16 positions the shared part is several chunks: they flow
+    through both stages with the rest of the first prompt behind them, a chunk ends where
+    the shared part does, and the second call copies all of it (not a whole prompt each)."""
+    mesh = _mesh(smollm2)
+    trace: list[tuple[str, int]] = []
+    for host in mesh.hosts.values():
+        host.trace = trace
+    orch, _ = _orch(mesh, model_store, prefill_chunk_tokens=16)
+    answers = await asyncio.gather(*(_run(orch, q) for q in QUESTIONS))
+    for q, frames in zip(QUESTIONS, answers, strict=True):
+        assert frames[-1]["type"] == "done", frames[-1]
+        assert _tokens(frames) == local_answer(q, TOKENS), q
+    first, second = sorted(f[-1]["usage"].get("cached_prompt_tokens", 0) for f in answers)
+    assert first == 0 and second >= 40
+    starts = [p for node, p in trace if node == "node-b"]
+    chunks = [*range(0, second, 16), second]  # the last shared chunk ends at the copy's end
+    assert starts[:len(chunks)] == chunks, starts
+    assert starts.count(second) == 2, starts  # the first call's rest and the copy's own
+    # the second stage had the first chunk before the first stage had the last shared one
+    assert trace.index(("node-c", 0)) < trace.index(("node-b", second - second % 16)), trace
 
 
 async def test_a_forked_call_fails_over_with_the_copied_positions_replayed(

@@ -41,7 +41,8 @@ async def shard(llama: Any) -> AsyncIterator[tuple[ShardServer, str]]:
     with ThreadPoolExecutor(1) as pool:
         server = ShardServer(llama, 0, 5, node_id="node-s", endpoint="ws://127.0.0.1:1",
                              settings=ShardSettings(batch_window_ms=30_000,
-                                                    prefill_chunk_tokens=4),
+                                                    prefill_chunk_tokens=4,
+                                                    mixed_prefill_tokens=4),
                              executor=pool, metrics=Metrics())
         await server.start()
 
@@ -400,3 +401,82 @@ async def test_a_forward_longer_than_the_deadline_beats_through_its_layers(shard
     finally:
         for h in hooks:
             h.remove()
+
+
+@pytest.fixture
+async def pieced(llama: Any) -> AsyncIterator[tuple[ShardServer, str, list[list[int]]]]:
+    """A shard whose prefills go in chunks of 8 positions alone and in pieces of 2 beside
+    other sessions' decode rows; the third item records each round's positions per job."""
+    with ThreadPoolExecutor(1) as pool:
+        server = ShardServer(llama, 0, 5, node_id="node-s", endpoint="ws://127.0.0.1:1",
+                             settings=ShardSettings(batch_window_ms=30_000,
+                                                    prefill_chunk_tokens=8,
+                                                    mixed_prefill_tokens=2),
+                             executor=pool, metrics=Metrics())
+        await server.start()
+        rounds: list[list[int]] = []
+        real = server._run_steps
+
+        def recording(jobs: Any) -> list[Any]:
+            rounds.append([int(j.x.shape[1]) for j in jobs])
+            return real(jobs)
+
+        server.batcher.run_batch = recording
+
+        async def handler(stream: ServerStream) -> None:
+            await server.serve_session(stream, server.validate_open(stream.open_params))
+
+        async with await serve(handler, "127.0.0.1", 0) as ws:
+            yield server, f"ws://127.0.0.1:{ws.sockets[0].getsockname()[1]}/shard", rounds
+        await server.close_all()
+
+
+async def test_a_prefill_beside_decoding_sessions_goes_in_small_pieces(pieced, llama):
+    """M26 §5.3 (prefill beside decode): an 8-position prompt that arrives while another
+    session decodes is cut into pieces of `mixed_prefill_tokens` (2), so no round that
+    session waits for carries more than 2 prefill positions, and it goes on decoding while
+    the prompt is computed; alone, the same prompt goes as one chunk (8 ≤ 8). Both
+    sessions' outputs equal their solo steps."""
+    server, uri, rounds = pieced
+    decoding = await _open(server, uri)
+    first = [_x(1, 3)] + [_x(100 + t, 1) for t in range(60)]
+    started = asyncio.Event()
+    prompt_done = asyncio.Event()
+    outs: list[torch.Tensor] = []
+
+    async def decode() -> None:
+        pos = 0
+        for k, x in enumerate(first):
+            outs.append((await decoding.step(k, pos, x)).tensor)
+            pos += x.shape[1]
+            if k == 2:
+                started.set()  # it has a pace: it decodes
+            if prompt_done.is_set():
+                return
+
+    task = asyncio.create_task(decode())
+    await started.wait()
+    rounds.clear()
+    late = await _open(server, uri)
+    prompt = _x(7, 8)
+    before = len(outs)
+    got = (await late.step(0, 0, prompt)).tensor
+    during = len(outs) - before
+    prompt_done.set()
+    await task
+    torch.testing.assert_close(got, _solo(llama, [prompt])[0], rtol=1e-5, atol=1e-5)
+    _assert_solo(llama, [[first[:len(outs)], outs]])
+    pieces = [n for r in rounds for n in r if n > 1]
+    assert pieces == [2, 2, 2, 2], rounds
+    assert all(sum(n for n in r if n > 1) <= 2 for r in rounds), rounds
+    assert during >= 2, (during, rounds)  # it kept decoding between the pieces
+    await decoding.close()
+    await late.close()
+    await wait_until(lambda: server.active == 0, "the sessions closed")
+
+    rounds.clear()
+    alone = await _open(server, uri)
+    got = (await alone.step(0, 0, prompt)).tensor
+    torch.testing.assert_close(got, _solo(llama, [prompt])[0], rtol=1e-5, atol=1e-5)
+    assert rounds == [[8]]
+    await alone.close()

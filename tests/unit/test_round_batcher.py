@@ -368,3 +368,20 @@ async def test_a_round_held_for_a_session_reports_progress_while_it_waits(pool, 
     assert not held.done() and rec.rounds == [[1, 2]] and set(beats[1:]) == {1}
     assert await asyncio.wait_for(asyncio.gather(held, b.submit(4, key="b")), 20) == [30, 40]
     assert rec.rounds == [[1, 2], [3, 4]]  # the held round took both
+
+
+async def test_who_decodes_besides_a_session(pool):
+    """`decoding_besides`: open sessions other than the asking one that step decode rows.
+    A prefill chunk, a closed session (no longer `expected`) and the asker itself do not
+    count; for a session of another lane (`counted=False`) every open decoder does."""
+    open_ = {"n": 2}
+    b: RoundBatcher[int, int] = RoundBatcher(Recorder(), pool, expected=lambda: open_["n"])
+    await b.submit(1, key="a")
+    await b.submit(2, key="a")
+    assert b.decoding_besides("p") and not b.decoding_besides("a")
+    await b.submit(3, key="p", batchable=False, tokens=4)  # p prefills: not decoding
+    assert b.decoding_besides("p")
+    assert b.decoding_besides("q", counted=False)  # q of another lane: a decodes here
+    open_["n"] = 1  # a closed: only p is open
+    b.expected_changed("a")
+    assert not b.decoding_besides("p") and not b.decoding_besides("q", counted=False)

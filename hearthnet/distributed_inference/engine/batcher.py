@@ -146,8 +146,19 @@ class RoundBatcher(Generic[J, R]):
     def queued(self) -> int:
         return len(self._batch) + len(self._solo)
 
-    def expected_changed(self) -> None:
-        """A session ended (or began): a round waiting for its step re-checks `expected`."""
+    def decoding_besides(self, key: Hashable, *, counted: bool = True) -> bool:
+        """Whether sessions other than `key` step decode rows here: open ones (`expected`,
+        which counts `key` where `counted`) that queued a decode step lately (a pace) — a
+        prefill of `key` then shares the compute with their rounds."""
+        others = sum(1 for k in self._pace if k != key)
+        return min(others, self.expected() - counted) > 0
+
+    def expected_changed(self, ended: Hashable = None) -> None:
+        """A session ended (or began): a round waiting for its step re-checks `expected`;
+        the session `ended`, if named, is no longer waited for nor counted as decoding."""
+        if ended is not None:
+            self._seen.pop(ended, None)
+            self._pace.pop(ended, None)
         self._arrived.set()
 
     async def submit(self, job: J, *, batchable: bool = True, key: Hashable = None,

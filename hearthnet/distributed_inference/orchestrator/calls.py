@@ -168,34 +168,11 @@ class CallState:
     # another call (`prefix_source`), and how many of its prompt's every stage holds
     prefix: int = 0
     held: int = 0
-    # the prompt's first `share_at` positions go through as a step of their own, for calls
+    # the prompt's first `share_at` positions go through as a chunk of their own, for calls
     # that wait to copy them (0: the prompt in one go); `prefix_ready` is set once every
     # stage holds them, or the whole prompt, or the call ended
     share_at: int = 0
     prefix_ready: asyncio.Event = field(default_factory=asyncio.Event)
-    # calls that meant to copy from this one and have not opened their stages yet: the
-    # rest of this prompt waits for them (`forks_opened`), so the prompts' other positions
-    # go through the stages together, not one prompt beside the others' decoding
-    forks: int = 0
-    forks_opened: asyncio.Event = field(default_factory=asyncio.Event)
-    # the calls this one waited for to copy from (`forks` counts it there until it sends
-    # the rest of its own prompt, or ends)
-    sources: list[CallState] = field(default_factory=list)
-
-    def fork_done(self) -> None:
-        """A call that meant to copy from this one is sending the rest of its prompt (or
-        gave up)."""
-        self.forks -= 1
-        if self.forks <= 0:
-            self.forks_opened.set()
-
-    def release_sources(self) -> list[CallState]:
-        """This call is about to send the rest of its prompt, or ended: the calls it waited
-        for send theirs (once); those calls."""
-        sources, self.sources = self.sources, []
-        for src in sources:
-            src.fork_done()
-        return sources
 
     def hold(self, positions: int) -> None:
         """Every stage holds the prompt's first `positions`: other calls may copy them."""

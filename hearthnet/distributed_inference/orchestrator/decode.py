@@ -18,11 +18,10 @@ runs under one deadline (`Channel.step`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 
 import torch
@@ -38,8 +37,6 @@ from hearthnet.errors import HearthNetError, PipelineStalled, StreamStalled, Wir
 from hearthnet.frames import StreamFrame
 from hearthnet.observability import Metrics
 from hearthnet.transport.codec import cast_to_wire
-
-FORKS_OPEN_WAIT_S = 2.0  # the longest a prompt's rest waits for the calls copying its start
 
 
 class DecodeLoop:
@@ -95,7 +92,7 @@ class DecodeLoop:
             self.running[call.lane] -= 1
             for lanes in self._heads.values():  # a round waiting for this call goes on
                 if (batcher := lanes.get(call.lane)) is not None:
-                    batcher.expected_changed()
+                    batcher.expected_changed(id(call))
 
     async def _run(self, call: CallState, head: ClientHead, checker: SanityChecker,
                    t0: float) -> AsyncIterator[StreamFrame]:
@@ -108,21 +105,15 @@ class DecodeLoop:
         pos, proposed = call.prefix, list[int]()
         x = await loop.run_in_executor(self.executor, embed_for_wire, head,
                                        gen.prompt_ids[pos:], call.stages[0].channel.wire_dtype)
-        if pos < call.share_at < len(gen.prompt_ids):  # others wait to copy these positions
-            await self.relay_chunked(call, x[:, :call.share_at - pos], pos, checker)
-            call.hold(call.share_at)
-            # the rest goes with theirs (bounded: a call that cannot open is not waited for)
-            await _forks_opened(call)
-            x, pos = x[:, call.share_at - pos:], call.share_at
-        # the calls this one copied from send the rest of their prompts now too, when every
-        # call that copies from them is ready to: the prompts' own positions are sent
-        # together (a shard still starts a round with the first chunk that arrives)
-        for src in call.release_sources():
-            await _forks_opened(src)
+        # others wait to copy the prompt's first `share_at` positions: they go as a chunk of
+        # their own, held for copying once every stage has passed them, and the rest flows
+        # right behind (a stage does not idle while the next computes the shared part)
+        cut = call.share_at if pos < call.share_at < len(gen.prompt_ids) else 0
         spec = call.speculator
         prompt = True
         while not gen.done:
-            h = await self.relay_chunked(call, x, pos, checker)
+            h = await self.relay_chunked(call, x, pos, checker, cut)
+            cut = 0
             if prompt:  # every stage holds the prompt: others may copy it
                 call.hold(len(gen.prompt_ids))
             for f in call.take_frames():
@@ -159,34 +150,48 @@ class DecodeLoop:
                                call.stages[0].channel.wire_dtype)
 
     async def relay_chunked(self, call: CallState, x: torch.Tensor, pos: int,
-                            checker: SanityChecker) -> torch.Tensor:
+                            checker: SanityChecker, cut: int = 0) -> torch.Tensor:
         """`relay` a long prefill in chunks of `prefill_chunk_tokens` positions: each chunk
         is its own step, so other calls' steps interleave. Through several stages the
         chunks flow (M26 §5.3): stage 0 starts on chunk i+1 as soon as it has passed chunk i
-        on, so the stages compute at once (`_flow`). When a stage fails meanwhile, the
+        on, so the stages compute at once (`_flow`). With `cut` (a position inside the
+        prefill) a chunk ends there, and `call.hold(cut)` as soon as every stage has
+        passed it. When a stage fails meanwhile, the
         prefill goes on one chunk at a time from the last position every stage holds, where
         failover works as for any step."""
         n = self.prefill_chunk_tokens
         t = int(x.shape[1])
-        if t > n and len(call.stages) > 1:
-            done = await self._flow(call, x, pos, checker)
+        first = cut - pos if pos < cut < pos + t else 0
+        sizes = [min(n, end - at) for lo, end in ((0, first), (first, t))
+                 for at in range(lo, end, n)]
+        if len(sizes) > 1 and len(call.stages) > 1:
+            done = await self._flow(call, x, pos, checker, sizes,
+                                    (-(-first // n) - 1, lambda: call.hold(cut)) if first
+                                    else None)
             if isinstance(done, torch.Tensor):
                 return done
             for st in call.stages:  # rejoin at a position every stage holds
                 st.truncate(done)
             x, t, pos = x[:, done - pos:], t - (done - pos), done
+        elif first:  # one stage: the shared positions, then the rest
+            await self.relay_chunked(call, x[:, :first], pos, checker)
+            call.hold(cut)
+            x, t, pos = x[:, first:], t - first, cut
         for at in range(0, t - n, n):  # every chunk but the last
             await self.relay(call, x[:, at:at + n], pos + at, checker)
         last = ((t - 1) // n) * n
         return await self.relay(call, x[:, last:], pos + last, checker)
 
     async def _flow(self, call: CallState, x: torch.Tensor, pos: int,
-                    checker: SanityChecker) -> torch.Tensor | int:
-        """The chunks of `x` through every stage, each stage a task taking its chunks in
-        order from the one before. The last stage's output of the last chunk, or — when a
-        stage failed — the position up to which every stage has taken every chunk."""
-        n = self.prefill_chunk_tokens
-        chunks = [(pos + at, x[:, at:at + n]) for at in range(0, int(x.shape[1]), n)]
+                    checker: SanityChecker, sizes: list[int],
+                    passed: tuple[int, Callable[[], None]] | None = None
+                    ) -> torch.Tensor | int:
+        """The chunks of `x` (of `sizes` positions) through every stage, each stage a task
+        taking its chunks in order from the one before; with `passed` (i, f), f() once the
+        last stage has passed chunk i. The last stage's output of the last chunk, or — when
+        a stage failed — the position up to which every stage has taken every chunk."""
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        chunks = [(pos + at, x[:, at:at + size]) for at, size in zip(starts, sizes, strict=True)]
         step0 = call.step
         call.step += len(chunks)
         stages = list(call.stages)
@@ -213,7 +218,12 @@ class DecodeLoop:
                         q.put_nowait(None)
                     raise
                 taken[k] += 1
-                (queues[k + 1].put_nowait if k + 1 < len(stages) else out.append)(h)
+                if k + 1 < len(stages):
+                    queues[k + 1].put_nowait(h)
+                    continue
+                out.append(h)
+                if passed is not None and i == passed[0]:
+                    passed[1]()
 
         results = await asyncio.gather(*(run(k) for k in range(len(stages))),
                                        return_exceptions=True)
@@ -269,13 +279,6 @@ class DecodeLoop:
         st.overhead.observe(overhead)
         self.health.observe_latency(st.shard_id, rtt)
         return res.tensor
-
-
-async def _forks_opened(call: CallState) -> None:
-    """Until every call that meant to copy `call`'s first positions sends the rest of its
-    prompt, at most `FORKS_OPEN_WAIT_S`."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(call.forks_opened.wait(), FORKS_OPEN_WAIT_S)
 
 
 def embed_for_wire(head: ClientHead, token_ids: list[int], wire: torch.dtype) -> torch.Tensor:

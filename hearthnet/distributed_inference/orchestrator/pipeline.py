@@ -94,14 +94,12 @@ OpenSigner = Callable[[dict[str, Any]], dict[str, Any]]
 @dataclass
 class _Opening:
     """A call choosing and opening its stages: its prompt, an event set when that is done,
-    the shared lengths of the calls waiting to copy its prompt's first positions, and the
-    call once constructed."""
+    and the shared lengths of the calls waiting to copy its prompt's first positions."""
 
     weights: str  # the model's weights_sha256: only the same model's prompts are shared
     ids: list[int]
     done: asyncio.Event = field(default_factory=asyncio.Event)
     shares: list[int] = field(default_factory=list)
-    call: CallState | None = None
 
 
 @dataclass(frozen=True)
@@ -395,17 +393,16 @@ class PipelineOrchestrator:
         shares enough first tokens with (`worth_waiting_for`): chats that start together
         with one system prompt or document open after the first, and copy its positions
         once it has computed them (`_prefix_source`) instead of all computing them. The
-        first sends those positions as a step of their own (`CallState.share_at`, the
-        shortest shared length of the calls waiting for it), then the rest of its prompt
-        once they send theirs (`CallState.forks`), so the prompts' own positions are sent
-        together rather than the first decoding while the others' prompts take its
-        rounds."""
+        first sends those positions as a chunk of their own (`CallState.share_at`, the
+        shortest shared length of the calls waiting for it) and the rest of its prompt
+        right behind; each of the others sends its own positions as soon as its stages
+        hold the copy, so the stages compute the prompts' own positions while the later
+        stages still compute earlier ones (`DecodeLoop.relay_chunked`)."""
         if not self.prefix_sharing:
             return await self._construct_now(entry, gen, params, wire)
         ids, weights = gen.prompt_ids, entry.weights_sha256
         # one call to wait for, the first being constructed that is worth it — none where
-        # a running call is (`_prefix_source` finds it): a call counted as another's fork
-        # holds back the rest of that one's prompt (`CallState.forks`), so it counts at one
+        # a running call is (`_prefix_source` finds it)
         source = None if any(c.pipeline.weights_sha256 == weights
                              and worth_waiting_for(c.gen.prompt_ids, ids)
                              for c in self._live.values()) \
@@ -417,20 +414,10 @@ class PipelineOrchestrator:
                 await asyncio.wait_for(source.done.wait(), params.timeout_s)
         mine = _Opening(weights, ids)
         self._constructing[id(mine)] = mine
-        waited = [source.call] if source is not None and source.call is not None else []
         try:
             call = await self._construct_now(entry, gen, params, wire)
             call.share_at = min(mine.shares, default=0)
-            call.forks = len(mine.shares)
-            if not call.forks:
-                call.forks_opened.set()
-            call.sources = waited  # released as it sends its prompt's rest (`DecodeLoop`)
-            mine.call = call
             return call
-        except BaseException:
-            for src in waited:  # never to send a prompt: theirs go on
-                src.fork_done()
-            raise
         finally:
             del self._constructing[id(mine)]
             mine.done.set()
@@ -734,7 +721,6 @@ class PipelineOrchestrator:
     async def _close(self, call: CallState) -> None:
         self._live.pop(id(call), None)
         call.prefix_ready.set()  # a call waiting to copy its prompt goes on without it
-        call.release_sources()
         self.router.release(call.pipeline)
         self.lanes.give(call)
         for st in call.stages:

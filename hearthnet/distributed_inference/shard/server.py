@@ -108,7 +108,7 @@ class ShardSettings:
     compile_dir: Path | None = None  # where compiled steps are saved and loaded from
     incarnation: str = ""  # the host process's boot id (ShardDescriptor.incarnation)
     batch_window_ms: float = 2.0  # DESIGN.md decision 12: wait this long for other sessions' steps
-    mixed_prefill_tokens: int = 32  # mixed rounds: prefill positions a decode round packs
+    mixed_prefill_tokens: int = 32  # mixed rounds: prefill positions a round takes
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,7 @@ class ShardServer:
         self._waiting: dict[ShardStream, float] = {}  # streams whose step is queued -> since
         self._loop: asyncio.AbstractEventLoop | None = None  # for the compute thread's beats
         self._beat_at = 0.0
+        self._untrimmed = 0  # prefill positions computed since the last heap trim
 
     def lane_batcher(self, lane: int) -> RoundBatcher[StepJob, torch.Tensor]:
         """The batcher of one micro-batch lane (M26 §5.3, DESIGN.md decision 12): an
@@ -213,7 +214,7 @@ class ShardServer:
             batcher = RoundBatcher(
                 self._run_steps, self.executor, window_s=self._batch_window_s(),
                 expected=lambda: self._lane_active[lane],
-                prefill_budget=s.prefill_chunk_tokens, mixed_budget=s.mixed_prefill_tokens,
+                prefill_budget=s.mixed_prefill_tokens, mixed_budget=s.mixed_prefill_tokens,
                 on_batch=self._observe_batch,
                 on_progress=self._progressed)
             self._lanes[lane] = batcher
@@ -450,7 +451,8 @@ class ShardServer:
             self._streams.pop(stream, None)
             self.active -= 1
             self._lane_active[req.lane] -= 1
-            batcher.expected_changed()  # a round waiting for this session goes on
+            # a round waiting for this session goes on, and it no longer counts as decoding
+            batcher.expected_changed(None if session is None else id(session))
             self.last_used = self.clock()
             self._gauge()
 
@@ -537,24 +539,42 @@ class ShardServer:
                                start_pos: int, step: int, wire: torch.dtype,
                                batcher: RoundBatcher[StepJob, torch.Tensor]) -> torch.Tensor:
         """Run a step through the shard's batcher (DESIGN.md decision 12): a decode step joins the
-        next round's batch; a longer step runs in chunks of `prefill_chunk_tokens`
-        positions, which join the rounds' forwards (mixed rounds) within
-        `mixed_prefill_tokens` positions per round beside decode rows (at least one chunk)
-        and `prefill_chunk_tokens` in a round without, so a long prefill never holds the
-        other sessions' decode rows for more than one chunk. One chunk (every
-        decode step) comes back through the session's pinned buffer."""
-        n = self.settings.prefill_chunk_tokens
+        next round's batch; a longer step runs in pieces (`_piece`) that join the rounds'
+        forwards (mixed rounds), a round taking pieces of `mixed_prefill_tokens`
+        positions in all (at least one piece), so a prefill never holds the other
+        sessions' decode rows for more than one piece, and a round of several prompts'
+        chunks passes each on to the next stage without waiting for the others (M26
+        §5.3). One piece (every decode step) comes back through the session's pinned
+        buffer."""
         t = int(x.shape[1]) if x.dim() == 3 else 1
-        if x.dim() != 3 or t <= n:
+        piece = self._piece(session, batcher)
+        if x.dim() != 3 or t <= piece:
             return await batcher.submit(StepJob(session, staging, x, start_pos, step, wire),
-                                             batchable=x.dim() == 3 and t == 1,
-                                             key=id(session), tokens=t)
+                                        batchable=x.dim() == 3 and t == 1,
+                                        key=id(session), tokens=t)
         outs = []
-        for at in range(0, t, n):
-            job = StepJob(session, None, x[:, at:at + n], start_pos + at, step, wire)
+        at = 0
+        while at < t:
+            job = StepJob(session, None, x[:, at:at + piece], start_pos + at, step, wire)
             outs.append(await batcher.submit(job, batchable=False, key=id(session),
-                                                  tokens=int(job.x.shape[1])))
+                                             tokens=int(job.x.shape[1])))
+            at += int(job.x.shape[1])
+            piece = self._piece(session, batcher)  # others may have begun or stopped decoding
         return torch.cat(outs, dim=1)
+
+    def _piece(self, session: LayerSession,
+               batcher: RoundBatcher[StepJob, torch.Tensor]) -> int:
+        """Positions of the next piece of a prefill: `prefill_chunk_tokens` while no other
+        session decodes here (in any lane), `mixed_prefill_tokens` beside other sessions'
+        decode rows — their gaps grow by one such piece a round, not by a whole chunk
+        (M26 §5.3, the chunked prefill of Sarathi-Serve: 256 positions of the 1.5B shape
+        are ~2 s of one core)."""
+        s = self.settings
+        # every lane's rounds share the compute executor: decode rows of any lane count
+        if any(b.decoding_besides(id(session), counted=b is batcher)
+               for b in list(self._lanes.values())):
+            return min(s.prefill_chunk_tokens, s.mixed_prefill_tokens)
+        return s.prefill_chunk_tokens
 
     # ---- batched steps (DESIGN.md decision 12); these run on the compute executor ----
 
@@ -573,10 +593,13 @@ class ShardServer:
         for rows in groups.values():
             for i, out in zip(rows, self._batched([jobs[i] for i in rows]), strict=True):
                 results[i] = out
-        if any(job.x.dim() == 3 and job.x.shape[1] > 1 for job in jobs):
-            # a prefill chunk's activations (tens of MiB) leave the RSS instead of staying
-            # in glibc's arenas (M26 §5.6; 8 × 2,000-token prefills kept +394 MiB): 7-14 ms
-            # against seconds of prefill
+        self._untrimmed += sum(int(job.x.shape[1]) for job in jobs
+                               if job.x.dim() == 3 and job.x.shape[1] > 1)
+        if self._untrimmed >= self.settings.prefill_chunk_tokens:
+            # prefill activations (tens of MiB a chunk) leave the RSS instead of staying in
+            # glibc's arenas (M26 §5.6; 8 × 2,000-token prefills kept +394 MiB): 7-14 ms a
+            # trim, once a chunk's worth of positions — not after every small piece
+            self._untrimmed = 0
             release_free_heap()
         return results
 
