@@ -10,6 +10,7 @@ leave the other sessions' answers intact.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -36,13 +37,15 @@ def llama(family_models: Any) -> Any:
     return family_models[1]["llama"]
 
 
-@pytest.fixture
-async def shard(llama: Any) -> AsyncIterator[tuple[ShardServer, str]]:
+@contextlib.asynccontextmanager
+async def _serving(llama: Any, chunk: int, mixed: int
+                   ) -> AsyncIterator[tuple[ShardServer, str]]:
+    """A shard of the tiny Llama on 127.0.0.1 with these prefill sizes, and its URI."""
     with ThreadPoolExecutor(1) as pool:
         server = ShardServer(llama, 0, 5, node_id="node-s", endpoint="ws://127.0.0.1:1",
                              settings=ShardSettings(batch_window_ms=30_000,
-                                                    prefill_chunk_tokens=4,
-                                                    mixed_prefill_tokens=4),
+                                                    prefill_chunk_tokens=chunk,
+                                                    mixed_prefill_tokens=mixed),
                              executor=pool, metrics=Metrics())
         await server.start()
 
@@ -52,6 +55,12 @@ async def shard(llama: Any) -> AsyncIterator[tuple[ShardServer, str]]:
         async with await serve(handler, "127.0.0.1", 0) as ws:
             yield server, f"ws://127.0.0.1:{ws.sockets[0].getsockname()[1]}/shard"
         await server.close_all()
+
+
+@pytest.fixture
+async def shard(llama: Any) -> AsyncIterator[tuple[ShardServer, str]]:
+    async with _serving(llama, 4, 4) as served:
+        yield served
 
 
 def _x(seed: int, n: int) -> torch.Tensor:
@@ -407,13 +416,7 @@ async def test_a_forward_longer_than_the_deadline_beats_through_its_layers(shard
 async def pieced(llama: Any) -> AsyncIterator[tuple[ShardServer, str, list[list[int]]]]:
     """A shard whose prefills go in chunks of 8 positions alone and in pieces of 2 beside
     other sessions' decode rows; the third item records each round's positions per job."""
-    with ThreadPoolExecutor(1) as pool:
-        server = ShardServer(llama, 0, 5, node_id="node-s", endpoint="ws://127.0.0.1:1",
-                             settings=ShardSettings(batch_window_ms=30_000,
-                                                    prefill_chunk_tokens=8,
-                                                    mixed_prefill_tokens=2),
-                             executor=pool, metrics=Metrics())
-        await server.start()
+    async with _serving(llama, 8, 2) as (server, uri):
         rounds: list[list[int]] = []
         real = server._run_steps
 
@@ -422,13 +425,7 @@ async def pieced(llama: Any) -> AsyncIterator[tuple[ShardServer, str, list[list[
             return real(jobs)
 
         server.batcher.run_batch = recording
-
-        async def handler(stream: ServerStream) -> None:
-            await server.serve_session(stream, server.validate_open(stream.open_params))
-
-        async with await serve(handler, "127.0.0.1", 0) as ws:
-            yield server, f"ws://127.0.0.1:{ws.sockets[0].getsockname()[1]}/shard", rounds
-        await server.close_all()
+        yield server, uri, rounds
 
 
 async def test_a_prefill_beside_decoding_sessions_goes_in_small_pieces(pieced, llama):
