@@ -18,6 +18,7 @@ runs under one deadline (`Channel.step`).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import weakref
 from collections import Counter
@@ -156,9 +157,8 @@ class DecodeLoop:
         chunks flow (M26 §5.3): stage 0 starts on chunk i+1 as soon as it has passed chunk i
         on, so the stages compute at once (`_flow`). With `cut` (a position inside the
         prefill) a chunk ends there, and `call.hold(cut)` as soon as every stage has
-        passed it. When a stage fails meanwhile, the
-        prefill goes on one chunk at a time from the last position every stage holds, where
-        failover works as for any step."""
+        passed it. When a stage fails meanwhile, the prefill goes on one chunk at a time
+        from the last position every stage holds, where failover works as for any step."""
         n = self.prefill_chunk_tokens
         t = int(x.shape[1])
         first = cut - pos if pos < cut < pos + t else 0
@@ -190,7 +190,7 @@ class DecodeLoop:
         taking its chunks in order from the one before; with `passed` (i, f), f() once the
         last stage has passed chunk i. The last stage's output of the last chunk, or — when
         a stage failed — the position up to which every stage has taken every chunk."""
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        starts = [0, *itertools.accumulate(sizes[:-1])]
         chunks = [(pos + at, x[:, at:at + size]) for at, size in zip(starts, sizes, strict=True)]
         step0 = call.step
         call.step += len(chunks)

@@ -547,7 +547,8 @@ class ShardServer:
         §5.3). One piece (every decode step) comes back through the session's pinned
         buffer."""
         t = int(x.shape[1]) if x.dim() == 3 else 1
-        piece = self._piece(session, batcher)
+        # a decode step (one position) is one job as it is: no piece to size on its path
+        piece = self._piece(session, batcher) if t > 1 else t
         if x.dim() != 3 or t <= piece:
             return await batcher.submit(StepJob(session, staging, x, start_pos, step, wire),
                                         batchable=x.dim() == 3 and t == 1,
