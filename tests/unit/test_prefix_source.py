@@ -88,3 +88,50 @@ def test_inputs_before_cuts_the_record_at_a_position():
     assert [h.shape[1] for h in cut] == [5, 2]
     assert inputs_before(hist, 0) == []
     assert sum(h.shape[1] for h in inputs_before(hist, 100)) == 12
+
+
+
+class _Moving:
+    """A stage's channel whose shard PINGs progress as often as it is asked, `moves` times
+    (a source whose long prompt is still going on: the waiter reads the count once per
+    `idle_s`); then, with `then_hold`, the source holds its shared part."""
+
+    def __init__(self, call: Any, moves: int, then_hold: bool) -> None:
+        self.call, self.moves, self.then_hold, self.reads = call, moves, then_hold, 0
+
+    @property
+    def progress_pings(self) -> int:
+        self.reads += 1
+        if self.reads > self.moves and self.then_hold:
+            self.call.hold(24)
+        return min(self.reads, self.moves)
+
+
+def _source(moves: int, then_hold: bool) -> tuple[Any, _Moving]:
+    from hearthnet.distributed_inference.orchestrator.calls import CallState
+
+    call = CallState(None, [], None, None, 0, None)  # type: ignore[arg-type]
+    channel = _Moving(call, moves, then_hold)
+    call.stages = [SimpleNamespace(history=[], channel=channel)]  # type: ignore[list-item]
+    return call, channel
+
+
+async def test_a_copy_waits_for_a_source_whose_prompt_moves_longer_than_one_timeout():
+    """A call copying another's prompt start waits for it as long as that prompt moves (a
+    long document on a slow machine: many steps, each within its deadline) — not one
+    timeout in all, after which it would compute the whole prompt itself beside it."""
+    src, channel = _source(moves=5, then_hold=True)
+    await asyncio.wait_for(src.prefix_wait(0.01), 10)
+    assert src.prefix_ready.is_set() and src.held == 24
+    assert channel.reads > 5  # it waited through several idle periods, each with progress
+
+
+async def test_a_copy_stops_waiting_for_a_source_that_does_not_move():
+    src, channel = _source(moves=0, then_hold=False)
+    await asyncio.wait_for(src.prefix_wait(0.01), 10)
+    assert not src.prefix_ready.is_set()  # gave up after one idle period: the call goes on
+    assert channel.reads == 2  # the mark before and after that one period
+    # a step any stage takes counts as a move, as a PING does
+    before = src.progress_mark()
+    src.stages[0].history.append(None)
+    assert src.progress_mark() != before

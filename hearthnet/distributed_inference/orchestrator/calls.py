@@ -14,6 +14,7 @@ counts and shard ids only: no prompt, no token text, no tensor (M26 §5.8).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import Counter
@@ -178,6 +179,29 @@ class CallState:
         """Every stage holds the prompt's first `positions`: other calls may copy them."""
         self.held = positions
         self.prefix_ready.set()
+
+    def progress_mark(self) -> tuple[tuple[int, int], ...]:
+        """What changes while this call's steps go on: each stage's recorded inputs (one
+        more per step it took) and the progress PINGs its shard sent while a step waited
+        (docs/protocol.md §3.6a)."""
+        return tuple((len(st.history), int(getattr(st.channel, "progress_pings", 0)))
+                     for st in self.stages)
+
+    async def prefix_wait(self, idle_s: float) -> None:
+        """Wait for `prefix_ready` while this call's prompt moves: return once it is set,
+        or once `idle_s` passes with no stage taking a step or PINGing progress. A call
+        copying this one's prompt start waits so: a long shared document on a slow machine
+        is many steps, each within its own deadline, and may take longer than one of them
+        in all — a single `idle_s` for the whole of it gave up on such a source and then
+        computed the whole prompt itself, beside it (M26 §5.3)."""
+        mark = self.progress_mark()
+        while not self.prefix_ready.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.prefix_ready.wait(), idle_s)
+            now = self.progress_mark()
+            if now == mark:
+                return
+            mark = now
 
     @property
     def route(self) -> list[tuple[str, int, int, str]]:

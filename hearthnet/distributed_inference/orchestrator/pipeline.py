@@ -498,7 +498,8 @@ class PipelineOrchestrator:
                              ) -> tuple[CallState, int] | None:
         """The running call a new call through `stages` takes its prompt's first positions
         from, and how many (`prefix_source`): one still sending its prompt is waited for
-        (up to the call's `timeout_s`). None where prefix sharing is off or no call fits."""
+        while its prompt moves (`CallState.prefix_wait`: until the call's `timeout_s` passes
+        with no step of it). None where prefix sharing is off or no call fits."""
         if not self.prefix_sharing or not self._live:
             return None
         route = [(s.shard.shard_id, s.start, s.end, plan.for_stage(s.start, s.end))
@@ -507,8 +508,7 @@ class PipelineOrchestrator:
         if found is None or found[0].held >= found[1]:
             return found
         src = found[0]
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(src.prefix_ready.wait(), params.timeout_s)
+        await src.prefix_wait(params.timeout_s)  # as long as its prompt moves
         # it may have ended, failed over, or hold fewer positions (its shared part)
         n = min(found[1], src.held)
         if id(src) not in self._live or src.route != route or n < PREFIX_MIN_TOKENS:
