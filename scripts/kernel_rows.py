@@ -63,7 +63,7 @@ def main() -> None:
         hot = _best_ms(lambda x=x: mats[0](x), 4 * a.runs)
         cold = _best_ms(lambda x=x: [lin(x) for lin in mats], a.runs) / len(mats)
         rows.append({"rows": m, "hot_ms": round(hot, 3), "cold_ms": round(cold, 3),
-                     "cold_gb_s": round(mb / cold, 1)})
+                     "cold_gb_s": round(mb / cold, 2)})
     one = rows[0]
     print(f"int8 ({kernel}) product of a {a.out} × {a.inp} matrix, one thread, best of "
           f"{a.runs}; ratios to {one['rows']} row(s)")
