@@ -120,6 +120,42 @@ async def test_a_shared_part_longer_than_a_chunk_flows_and_is_copied(
     assert trace.index(("node-c", 0)) < trace.index(("node-b", second - second % 16)), trace
 
 
+async def test_each_chat_copies_from_the_one_that_shares_most_with_it(
+        smollm2, model_store, local_answer):
+    """Four chats that start together, two prompts twice (a note and two questions about
+    it): the first computes its prompt, a chat with the other question copies the note
+    from it, and each repeated prompt is copied whole (all but its last position) from the
+    chat with the same prompt — also from one that itself copied the note and was still
+    computing its own part, and from the first once it holds all of its prompt — not
+    only the note from the first."""
+    mesh = _mesh(smollm2)
+    opens = _recording(mesh)
+    orch, m = _orch(mesh, model_store)
+    questions = [QUESTIONS[0], QUESTIONS[1], QUESTIONS[0], QUESTIONS[1]]
+    answers = await asyncio.gather(*(_run(orch, q) for q in questions))
+    for q, frames in zip(questions, answers, strict=True):
+        assert frames[-1]["type"] == "done", frames[-1]
+        assert _tokens(frames) == local_answer(q, TOKENS), q
+    usage = [f[-1]["usage"] for f in answers]
+    cached = {q: sorted(u.get("cached_prompt_tokens", 0) for u, qq in zip(usage, questions,
+                                                                         strict=True)
+                        if qq == q) for q in QUESTIONS}
+    prompt = {q: next(u["prompt_tokens"] for u, qq in zip(usage, questions, strict=True)
+                      if qq == q) for q in QUESTIONS}
+    note = cached[QUESTIONS[1]][0]
+    assert cached[QUESTIONS[0]] == [0, prompt[QUESTIONS[0]] - 1], cached
+    assert 40 <= note < prompt[QUESTIONS[1]] - 1, cached
+    assert cached[QUESTIONS[1]][1] == prompt[QUESTIONS[1]] - 1, cached
+    assert m.prefix_reused_tokens_total._value.get() == sum(sum(v) for v in cached.values())
+    # three calls forked: the repeated second question from the sessions of the call that
+    # itself forked the note
+    forks = [o for o in opens if "fork" in o]
+    assert len(forks) == 6, forks
+    forked_refs = {o["ref"] for o in forks}
+    assert any(o["fork"]["ref"] in forked_refs for o in forks), forks
+    assert not orch._live and not orch._constructing
+
+
 async def test_a_forked_call_fails_over_with_the_copied_positions_replayed(
         smollm2, model_store, local_answer):
     """The last stage of a call that copied its prompt's first positions dies mid-answer:

@@ -20,8 +20,8 @@ ROUTE = [("shard-b", 0, 14, "fp16"), ("shard-c", 15, 29, "fp16")]
 def _call(ids: list[int], held: bool | int = True, route: list[Any] = ROUTE) -> Any:
     """A running call: `held` True holds its whole prompt, False none yet (still sending
     it), an int that many positions (its shared part, sent first)."""
-    event = asyncio.Event()
-    if held is not False:
+    event = asyncio.Event()  # set once the call holds its whole prompt (or ended)
+    if held is True:
         event.set()
     n = len(ids) if held is True else int(held)
     return SimpleNamespace(route=route, gen=SimpleNamespace(prompt_ids=ids), held=n,
@@ -71,13 +71,16 @@ def test_a_call_still_sending_its_prompt_is_waited_for_only_when_worth_it():
     assert worth_waiting_for(busy.gen.prompt_ids, ids)
 
 
-def test_a_call_that_sent_its_shared_part_gives_what_it_holds():
+def test_a_call_still_sending_its_prompt_is_waited_for_the_rest_of_the_share():
     ids = list(range(40))
-    # sent its first 24 positions as a step of their own (others wait for them): 24 now,
-    # not worth waiting for the rest
+    # sent its first 24 positions as a step of their own (others wait for them) and still
+    # sends the rest: worth waiting for all 35 shared positions, not only the 24 it holds
     first = _call(list(range(35)) + [-1] * 5, held=24)
-    assert prefix_source([first], ROUTE, ids) == (first, 24)
-    assert prefix_source([_call(list(range(35)), held=10)], ROUTE, ids) is None
+    assert prefix_source([first], ROUTE, ids) == (first, 35)
+    # a long prompt still computing is not worth waiting for: what it holds already
+    long = _call(list(range(35)) + [-1] * 60, held=24)
+    assert prefix_source([long], ROUTE, ids) == (long, 24)
+    assert prefix_source([_call(list(range(35)) + [-1] * 60, held=10)], ROUTE, ids) is None
 
 
 def test_inputs_before_cuts_the_record_at_a_position():
@@ -110,7 +113,8 @@ class _Moving:
 def _source(moves: int, then_hold: bool) -> tuple[Any, _Moving]:
     from hearthnet.distributed_inference.orchestrator.calls import CallState
 
-    call = CallState(None, [], None, None, 0, None)  # type: ignore[arg-type]
+    gen = SimpleNamespace(prompt_ids=list(range(40)))
+    call = CallState(None, [], gen, None, 0, None)  # type: ignore[arg-type]
     channel = _Moving(call, moves, then_hold)
     call.stages = [SimpleNamespace(history=[], channel=channel)]  # type: ignore[list-item]
     return call, channel
@@ -121,17 +125,41 @@ async def test_a_copy_waits_for_a_source_whose_prompt_moves_longer_than_one_time
     long document on a slow machine: many steps, each within its deadline) — not one
     timeout in all, after which it would compute the whole prompt itself beside it."""
     src, channel = _source(moves=5, then_hold=True)
-    await asyncio.wait_for(src.prefix_wait(0.01), 10)
-    assert src.prefix_ready.is_set() and src.held == 24
+    await asyncio.wait_for(src.prefix_wait(24, 0.01), 10)
+    assert src.held == 24 and not src.prefix_ready.is_set()  # 24 held, the rest to come
     assert channel.reads > 5  # it waited through several idle periods, each with progress
 
 
 async def test_a_copy_stops_waiting_for_a_source_that_does_not_move():
     src, channel = _source(moves=0, then_hold=False)
-    await asyncio.wait_for(src.prefix_wait(0.01), 10)
+    await asyncio.wait_for(src.prefix_wait(24, 0.01), 10)
     assert not src.prefix_ready.is_set()  # gave up after one idle period: the call goes on
     assert channel.reads == 2  # the mark before and after that one period
     # a step any stage takes counts as a move, as a PING does
     before = src.progress_mark()
     src.stages[0].history.append(None)
     assert src.progress_mark() != before
+
+
+async def test_a_copy_waits_until_its_source_holds_all_it_shares():
+    """A source that holds its shared part (24) and still sends the rest of its prompt is
+    waited for until it holds what the copy shares with it (39); one that ends meanwhile
+    lets the copy go on at once."""
+    src, _ = _source(moves=0, then_hold=False)
+    waiter = asyncio.create_task(src.prefix_wait(39, 60))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    src.hold(24)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not waiter.done()  # 24 of its 39: it waits on
+    src.hold(40)
+    await asyncio.wait_for(waiter, 5)
+    assert src.prefix_ready.is_set()  # the whole prompt: it will hold no more
+    ended, _ = _source(moves=0, then_hold=False)
+    waiter = asyncio.create_task(ended.prefix_wait(39, 60))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    ended.end_prefix()
+    await asyncio.wait_for(waiter, 5)
+    assert ended.held == 0

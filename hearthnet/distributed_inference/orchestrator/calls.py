@@ -171,14 +171,26 @@ class CallState:
     held: int = 0
     # the prompt's first `share_at` positions go through as a chunk of their own, for calls
     # that wait to copy them (0: the prompt in one go); `prefix_ready` is set once every
-    # stage holds them, or the whole prompt, or the call ended
+    # stage holds the whole prompt, or the call ended: it will hold no more
     share_at: int = 0
     prefix_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    _held_moved: asyncio.Event = field(default_factory=asyncio.Event)  # pulsed by `hold`
 
     def hold(self, positions: int) -> None:
         """Every stage holds the prompt's first `positions`: other calls may copy them."""
         self.held = positions
+        if positions >= len(self.gen.prompt_ids):
+            self.prefix_ready.set()
+        self._pulse()
+
+    def end_prefix(self) -> None:
+        """The call ended (or failed): it holds no more of its prompt for others."""
         self.prefix_ready.set()
+        self._pulse()
+
+    def _pulse(self) -> None:
+        moved, self._held_moved = self._held_moved, asyncio.Event()
+        moved.set()
 
     def progress_mark(self) -> tuple[tuple[int, int], ...]:
         """What changes while this call's steps go on: each stage's recorded inputs (one
@@ -187,19 +199,21 @@ class CallState:
         return tuple((len(st.history), int(getattr(st.channel, "progress_pings", 0)))
                      for st in self.stages)
 
-    async def prefix_wait(self, idle_s: float) -> None:
-        """Wait for `prefix_ready` while this call's prompt moves: return once it is set,
-        or once `idle_s` passes with no stage taking a step or PINGing progress. A call
-        copying this one's prompt start waits so: a long shared document on a slow machine
-        is many steps, each within its own deadline, and may take longer than one of them
-        in all — a single `idle_s` for the whole of it gave up on such a source and then
-        computed the whole prompt itself, beside it (M26 §5.3)."""
+    async def prefix_wait(self, positions: int, idle_s: float) -> None:
+        """Wait until every stage holds the prompt's first `positions` (or the call will
+        hold no more: `prefix_ready`) while this call's prompt moves: give up once `idle_s`
+        passes with no stage taking a step or PINGing progress. A call copying this one's
+        prompt start waits so: a long shared document on a slow machine is many steps,
+        each within its own deadline, and may take longer than one of them in all — a
+        single `idle_s` for the whole of it gave up on such a source and then computed the
+        whole prompt itself, beside it (M26 §5.3)."""
         mark = self.progress_mark()
-        while not self.prefix_ready.is_set():
+        while self.held < positions and not self.prefix_ready.is_set():
+            moved = self._held_moved
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.prefix_ready.wait(), idle_s)
+                await asyncio.wait_for(moved.wait(), idle_s)
             now = self.progress_mark()
-            if now == mark:
+            if now == mark and not moved.is_set():
                 return
             mark = now
 

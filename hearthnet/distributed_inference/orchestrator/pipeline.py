@@ -389,11 +389,13 @@ class PipelineOrchestrator:
 
     async def _construct(self, entry: ModelEntry, gen: Generation,
                          params: DistributedChatParams, wire: WirePlan) -> CallState:
-        """`_construct_now`, after any call being constructed whose prompt this one's
-        shares enough first tokens with (`worth_waiting_for`): chats that start together
-        with one system prompt or document open after the first, and copy its positions
-        once it has computed them (`_prefix_source`) instead of all computing them. The
-        first sends those positions as a chunk of their own (`CallState.share_at`, the
+        """`_construct_now`, after the call being constructed (or waiting to be) whose
+        prompt this one's shares the most first tokens with, where that is worth it
+        (`worth_waiting_for`): chats that start together with one system prompt or
+        document open after the first, and copy its positions once it has computed them
+        (`_prefix_source`) instead of all computing them; a chat that repeats another's
+        prompt copies all of it from that one. The first sends those positions as a chunk
+        of their own (`CallState.share_at`, the
         shortest shared length of the calls waiting for it) and the rest of its prompt
         right behind; each of the others sends its own positions as soon as its stages
         hold the copy, so the stages compute the prompts' own positions while the later
@@ -401,20 +403,30 @@ class PipelineOrchestrator:
         if not self.prefix_sharing:
             return await self._construct_now(entry, gen, params, wire)
         ids, weights = gen.prompt_ids, entry.weights_sha256
-        # one call to wait for, the first being constructed that is worth it — none where
-        # a running call is (`_prefix_source` finds it)
-        source = None if any(c.pipeline.weights_sha256 == weights
-                             and worth_waiting_for(c.gen.prompt_ids, ids)
-                             for c in self._live.values()) \
-            else next((o for o in self._constructing.values()
-                       if o.weights == weights and worth_waiting_for(o.ids, ids)), None)
-        if source is not None:
-            source.shares.append(min(shared_prefix(source.ids, ids), len(ids) - 1))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(source.done.wait(), params.timeout_s)
+
+        def share(other: list[int]) -> int:  # the last of `ids` is always computed
+            return min(shared_prefix(other, ids), len(ids) - 1)
+
+        # the call to wait for: of those being constructed or waiting to be, the one whose
+        # prompt shares the most first tokens with this one's, where it is worth it — not
+        # where a running call shares as many (`_prefix_source` finds that one). Calls
+        # that wait are listed too, so of eight chats that start together with four
+        # prompts (or one document and its questions) each copies from the one that
+        # shares most with it, not all from the first; a call waits only for one listed
+        # before it, so no two wait for each other
+        live = max((share(c.gen.prompt_ids) for c in self._live.values()
+                    if c.pipeline.weights_sha256 == weights
+                    and worth_waiting_for(c.gen.prompt_ids, ids)), default=0)
+        source = max((o for o in self._constructing.values()
+                      if o.weights == weights and worth_waiting_for(o.ids, ids)
+                      and share(o.ids) > live), key=lambda o: share(o.ids), default=None)
         mine = _Opening(weights, ids)
         self._constructing[id(mine)] = mine
         try:
+            if source is not None:
+                source.shares.append(share(source.ids))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(source.done.wait(), params.timeout_s)
             call = await self._construct_now(entry, gen, params, wire)
             call.share_at = min(mine.shares, default=0)
             return call
@@ -508,7 +520,7 @@ class PipelineOrchestrator:
         if found is None or found[0].held >= found[1]:
             return found
         src = found[0]
-        await src.prefix_wait(params.timeout_s)  # as long as its prompt moves
+        await src.prefix_wait(found[1], params.timeout_s)  # as long as its prompt moves
         # it may have ended, failed over, or hold fewer positions (its shared part)
         n = min(found[1], src.held)
         if id(src) not in self._live or src.route != route or n < PREFIX_MIN_TOKENS:
@@ -720,7 +732,7 @@ class PipelineOrchestrator:
 
     async def _close(self, call: CallState) -> None:
         self._live.pop(id(call), None)
-        call.prefix_ready.set()  # a call waiting to copy its prompt goes on without it
+        call.end_prefix()  # a call waiting to copy its prompt goes on without it
         self.router.release(call.pipeline)
         self.lanes.give(call)
         for st in call.stages:
