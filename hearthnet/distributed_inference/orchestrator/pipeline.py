@@ -395,11 +395,11 @@ class PipelineOrchestrator:
         document open after the first, and copy its positions once it has computed them
         (`_prefix_source`) instead of all computing them; a chat that repeats another's
         prompt copies all of it from that one. The first sends those positions as a chunk
-        of their own (`CallState.share_at`, the
-        shortest shared length of the calls waiting for it) and the rest of its prompt
-        right behind; each of the others sends its own positions as soon as its stages
-        hold the copy, so the stages compute the prompts' own positions while the later
-        stages still compute earlier ones (`DecodeLoop.relay_chunked`)."""
+        of their own (`CallState.share_at`, the shortest shared length of the calls
+        waiting for it) and the rest of its prompt right behind; each of the others sends
+        its own positions as soon as its stages hold the copy, so the stages compute the
+        prompts' own positions while the later stages still compute earlier ones
+        (`DecodeLoop.relay_chunked`)."""
         if not self.prefix_sharing:
             return await self._construct_now(entry, gen, params, wire)
         ids, weights = gen.prompt_ids, entry.weights_sha256
