@@ -19,23 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from hearthnet.distributed_inference.engine import quant
-
-
-def _best_ms(f: Callable[[], object], runs: int) -> float:
-    f()
-    best = float("inf")
-    for _ in range(runs):
-        t = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t)
-    return best * 1000
 
 
 def main() -> None:
@@ -60,8 +48,8 @@ def main() -> None:
     rows: list[dict[str, float]] = []
     for m in a.rows:
         x = torch.randn(1, m, a.inp)
-        hot = _best_ms(lambda x=x: mats[0](x), 4 * a.runs)
-        cold = _best_ms(lambda x=x: [lin(x) for lin in mats], a.runs) / len(mats)
+        hot = quant.best_ms(lambda x=x: mats[0](x), 4 * a.runs)
+        cold = quant.best_ms(lambda x=x: [lin(x) for lin in mats], a.runs) / len(mats)
         rows.append({"rows": m, "hot_ms": round(hot, 3), "cold_ms": round(cold, 3),
                      "cold_gb_s": round(mb / cold, 2)})
     one = rows[0]

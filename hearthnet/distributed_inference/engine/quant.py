@@ -215,7 +215,7 @@ def _fbgemm(digits: torch.Tensor, packed: Any) -> torch.Tensor:
     return y
 
 
-def _best_ms(f: Callable[[], object], runs: int = 20) -> float:
+def best_ms(f: Callable[[], object], runs: int = 20) -> float:
     f()
     best = math.inf
     for _ in range(runs):
@@ -254,7 +254,7 @@ def _probe_ms(kernels: Iterable[str]) -> dict[str, float]:
             run[kernel] = partial(torch._weight_int8pack_mm, torch.randn(
                 1, k, dtype=torch.bfloat16), w, scales.bfloat16())
     with _one_thread():
-        return {kernel: _best_ms(f) for kernel, f in run.items()}
+        return {kernel: best_ms(f) for kernel, f in run.items()}
 
 
 @contextmanager
@@ -317,7 +317,7 @@ def _vnni_probe_ms(other: str) -> dict[str, float]:
     base = Int8Linear(w, None, scales=scales, kernel=other)
     xs = [torch.randn(m, k, generator=g) for m in INT8_PROBE_ROWS]
     with _one_thread(), torch.inference_mode():
-        return {name: sum(_best_ms(partial(lin, x)) for x in xs)
+        return {name: sum(best_ms(partial(lin, x)) for x in xs)
                 for name, lin in ((q4vnni.INT8_KERNEL, vnni), (other, base))}
 
 
@@ -375,7 +375,7 @@ def _int4_probe_ms() -> dict[str, float]:
         w, s, _ = q4vnni.pack(q, sz[..., 0].t().half(), None)
         run[q4vnni.KERNEL] = partial(q4vnni.mm, x, w, s, None)
     with _one_thread():
-        return {name: _best_ms(f, runs=10) for name, f in run.items()}
+        return {name: best_ms(f, runs=10) for name, f in run.items()}
 
 
 def faster_int4(ms: dict[str, float]) -> str:
@@ -562,9 +562,9 @@ def _dense_probe_ms(dequantise: Callable[..., torch.Tensor]
     out = {}
     for rows in DENSE_PROBE_ROWS:
         x = torch.randn(rows, k, generator=g)
-        kernel = _best_ms(partial(torch._weight_int4pack_mm_for_cpu, x.to(sz.dtype), packed,
+        kernel = best_ms(partial(torch._weight_int4pack_mm_for_cpu, x.to(sz.dtype), packed,
                                   GROUP, sz), runs=3)
-        dense = _best_ms(partial(dense_product, x, packed, sz, GROUP, dequantise), runs=3)
+        dense = best_ms(partial(dense_product, x, packed, sz, GROUP, dequantise), runs=3)
         out[rows] = (kernel, dense)
     return out
 

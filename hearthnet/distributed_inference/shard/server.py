@@ -214,7 +214,7 @@ class ShardServer:
             batcher = RoundBatcher(
                 self._run_steps, self.executor, window_s=self._batch_window_s(),
                 expected=lambda: self._lane_active[lane],
-                prefill_budget=s.mixed_prefill_tokens, mixed_budget=s.mixed_prefill_tokens,
+                prefill_budget=s.mixed_prefill_tokens,  # beside decode rows too
                 on_batch=self._observe_batch,
                 on_progress=self._progressed)
             self._lanes[lane] = batcher
