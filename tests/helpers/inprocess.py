@@ -105,14 +105,16 @@ class InProcessMesh:
         self.channels: list[Channel] = []
 
     def add(self, node_id: str, lo: int, hi: int, weights: str = "fp32", *,
-            max_streams: int = 8) -> Host:
+            max_streams: int = 8, device: str = "cpu") -> Host:
+        """A shard host of layers lo..hi; `device` is what its advertisement says it
+        computes on (its layers run on this machine's CPU whatever it says)."""
         stack = LayeredStack(self.entry, lo, hi, weights)
         d = ShardDescriptor.create(model_id=self.entry.model_id,
                                    weights_sha256=self.entry.weights_sha256,
                                    layer_range=(lo, hi), host=node_id,
                                    endpoint=f"ws://{node_id}.inproc:1",
                                    max_concurrent_streams=max_streams,
-                                   weights_format=stack.format,
+                                   weights_format=stack.format, device=device,
                                    kernel=kernel_of(stack.format,
                                                     bool(self.entry.ggml_types)))
         with tempfile.TemporaryDirectory(prefix="hn-inproc-") as folder:  # nothing left

@@ -222,6 +222,32 @@ async def test_prefix_sharing_off_and_prompts_sharing_only_the_preamble(
             assert all("cached_prompt_tokens" not in f[-1]["usage"] for f in answers)
 
 
+async def test_no_prompt_is_shared_through_a_stage_on_a_gpu(smollm2, model_store, local_answer):
+    """A stage that computes on a GPU rounds a prompt cut in two pieces differently from
+    the whole (half-precision products of other row counts): the two chats about one note
+    then ask no fork, and each sends its prompt as one step, as alone."""
+    mesh = InProcessMesh(smollm2)
+    mesh.add("node-b", 0, 14)
+    mesh.add("node-c", 15, 29, device="cuda")
+    opens = _recording(mesh)
+    trace: list[tuple[str, int]] = []
+    for host in mesh.hosts.values():
+        host.trace = trace
+    orch, m = _orch(mesh, model_store)
+    answers = await asyncio.gather(*(_run(orch, q) for q in QUESTIONS))
+    for q, frames in zip(QUESTIONS, answers, strict=True):
+        assert frames[-1]["type"] == "done", frames[-1]
+        assert _tokens(frames) == local_answer(q, TOKENS), q
+        assert "cached_prompt_tokens" not in frames[-1]["usage"]
+    assert not any("fork" in o for o in opens)
+    assert m.prefix_reused_tokens_total._value.get() == 0
+    shortest = min(f[-1]["usage"]["prompt_tokens"] for f in answers)
+    # each prompt went as one step from position 0; every later step is a decode step
+    starts = [pos for node, pos in trace if node == "node-b"]
+    assert starts.count(0) == 2 and all(p == 0 or p >= shortest for p in starts), starts
+    assert not orch._live and not orch._constructing
+
+
 def test_a_session_copies_another_sessions_first_positions(smollm2):
     """`copy_prefix`: the positions a session takes from another of the same stack and
     sub-range make its next step's output the one a full prefill gives; a session of

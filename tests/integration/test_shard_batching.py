@@ -428,12 +428,10 @@ async def pieced(llama: Any) -> AsyncIterator[tuple[ShardServer, str, list[list[
         yield server, uri, rounds
 
 
-async def test_a_prefill_beside_decoding_sessions_goes_in_small_pieces(pieced, llama):
-    """M26 §5.3 (prefill beside decode): an 8-position prompt that arrives while another
-    session decodes is cut into pieces of `mixed_prefill_tokens` (2), so no round that
-    session waits for carries more than 2 prefill positions; alone, the same prompt goes
-    as one chunk (8 ≤ 8). Both sessions' outputs equal their solo steps."""
-    server, uri, rounds = pieced
+async def _prompt_beside_decoding(server: ShardServer, uri: str, rounds: list[list[int]],
+                                  llama: Any) -> list[list[int]]:
+    """An 8-position prompt sent while another session decodes: the rounds that ran
+    meanwhile (positions per job). Both sessions' outputs equal their solo steps."""
     decoding = await _open(server, uri)
     first = [_x(1, 3)] + [_x(100 + t, 1) for t in range(60)]
     started = asyncio.Event()
@@ -456,20 +454,42 @@ async def test_a_prefill_beside_decoding_sessions_goes_in_small_pieces(pieced, l
     late = await _open(server, uri)
     prompt = _x(7, 8)
     got = (await late.step(0, 0, prompt)).tensor
+    seen = list(rounds)
     await late.close()  # not waited for by the decoding session's rounds any more
     prompt_done.set()
     await task
     torch.testing.assert_close(got, _solo(llama, [prompt])[0], rtol=1e-5, atol=1e-5)
     _assert_solo(llama, [[first[:len(outs)], outs]])
-    pieces = [n for r in rounds for n in r if n > 1]
-    assert pieces == [2, 2, 2, 2], rounds
-    assert all(sum(n for n in r if n > 1) <= 2 for r in rounds), rounds
     await decoding.close()
     await wait_until(lambda: server.active == 0, "the sessions closed")
+    return seen
+
+
+async def test_a_prefill_beside_decoding_sessions_goes_in_small_pieces(pieced, llama):
+    """M26 §5.3 (prefill beside decode): an 8-position prompt that arrives while another
+    session decodes is cut into pieces of `mixed_prefill_tokens` (2), so no round that
+    session waits for carries more than 2 prefill positions; alone, the same prompt goes
+    as one chunk (8 ≤ 8). Both sessions' outputs equal their solo steps."""
+    server, uri, rounds = pieced
+    seen = await _prompt_beside_decoding(server, uri, rounds, llama)
+    pieces = [n for r in seen for n in r if n > 1]
+    assert pieces == [2, 2, 2, 2], seen
+    assert all(sum(n for n in r if n > 1) <= 2 for r in seen), seen
 
     rounds.clear()
+    prompt = _x(7, 8)
     alone = await _open(server, uri)
     got = (await alone.step(0, 0, prompt)).tensor
     torch.testing.assert_close(got, _solo(llama, [prompt])[0], rtol=1e-5, atol=1e-5)
     assert rounds == [[8]]
     await alone.close()
+
+
+async def test_a_shard_whose_products_round_by_row_count_never_cuts_by_load(pieced, llama):
+    """On a GPU (`cuts_by_load` false: half-precision products of other row counts round
+    differently) the same prompt beside a decoding session goes as one chunk, as alone,
+    so its answer does not depend on who else is decoding."""
+    server, uri, rounds = pieced
+    server.cuts_by_load = False
+    seen = await _prompt_beside_decoding(server, uri, rounds, llama)
+    assert [n for r in seen for n in r if n > 1] == [8], seen

@@ -254,6 +254,18 @@ def worth_waiting_for(source: Sequence[int], ids: Sequence[int]) -> bool:
     return n >= PREFIX_MIN_TOKENS and 2 * n >= len(ids) and len(source) <= 2 * len(ids)
 
 
+def copies_exactly(stages: Iterable[PipelineStage]) -> bool:
+    """Whether positions copied from another call's sessions leave a call's answer as
+    computing them would (DESIGN.md decision 12): where every stage computes on a CPU. A
+    copying call computes the rest of its prompt as a smaller product than its own prefill,
+    and the call it copies from sends its prompt in two pieces. On a CPU that changes no
+    answer (the tests and `bench pipeline`'s agreement with solo runs check it); on a GPU,
+    half-precision products of different row counts round differently, and an H100 gave
+    every copying chat an answer other than its solo one (docs/benchmarks.md), so there
+    prompts are not shared and the default stays faithful."""
+    return all(s.shard.device == "cpu" for s in stages)
+
+
 def prefix_source(calls: Iterable[CallState], route: list[tuple[str, int, int, str]],
                   ids: Sequence[int]) -> tuple[CallState, int] | None:
     """The running call a new call with prompt `ids` through `route` copies its first

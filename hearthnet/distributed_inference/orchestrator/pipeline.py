@@ -54,6 +54,7 @@ from hearthnet.distributed_inference.orchestrator.calls import (
     Lanes,
     RunningCalls,
     StageSession,
+    copies_exactly,
     inputs_before,
     prefix_source,
     shared_prefix,
@@ -428,7 +429,8 @@ class PipelineOrchestrator:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(source.done.wait(), params.timeout_s)
             call = await self._construct_now(entry, gen, params, wire)
-            call.share_at = min(mine.shares, default=0)
+            if copies_exactly(call.pipeline.stages):
+                call.share_at = min(mine.shares, default=0)
             return call
         finally:
             del self._constructing[id(mine)]
@@ -512,7 +514,7 @@ class PipelineOrchestrator:
         from, and how many (`prefix_source`): one still sending its prompt is waited for
         while its prompt moves (`CallState.prefix_wait`: until the call's `timeout_s` passes
         with no step of it). None where prefix sharing is off or no call fits."""
-        if not self.prefix_sharing or not self._live:
+        if not self.prefix_sharing or not self._live or not copies_exactly(stages):
             return None
         route = [(s.shard.shard_id, s.start, s.end, plan.for_stage(s.start, s.end))
                  for s in stages]

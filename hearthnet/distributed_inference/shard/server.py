@@ -173,6 +173,12 @@ class ShardServer:
         self.weights_format = resolve_format(settings.weights, entry.dtype)
         self.device = resolve_device(settings.device)  # absent: ConfigError at start-up
         self.device_info = device_info(self.device)
+        # whether a position's output is the same however its prompt is cut into pieces:
+        # a CPU's kernels give a row the same result whatever rows share its product; a
+        # GPU's half-precision products of other row counts round differently, so there a
+        # prompt is cut by its length alone, never by the load (`_piece`), and its answer
+        # is its solo answer
+        self.cuts_by_load = self.device.type == "cpu"
         self.memory = plan_shard(entry, lo, hi, self.weights_format,
                                  settings.max_concurrent_streams, settings.max_session_tokens)
         self._refuse_over_budget(make_shard_id(entry.model_id, lo, hi, node_id))
@@ -569,11 +575,12 @@ class ShardServer:
         session decodes here (in any lane), `mixed_prefill_tokens` beside other sessions'
         decode rows — their gaps grow by one such piece a round, not by a whole chunk
         (M26 §5.3, the chunked prefill of Sarathi-Serve: 256 positions of the 1.5B shape
-        are ~2 s of one core)."""
+        are ~2 s of one core); always `prefill_chunk_tokens` where the pieces would change
+        the answer (`cuts_by_load` false: a GPU)."""
         s = self.settings
         # every lane's rounds share the compute executor: decode rows of any lane count
-        if any(b.decoding_besides(id(session), counted=b is batcher)
-               for b in list(self._lanes.values())):
+        if self.cuts_by_load and any(b.decoding_besides(id(session), counted=b is batcher)
+                                     for b in list(self._lanes.values())):
             return min(s.prefill_chunk_tokens, s.mixed_prefill_tokens)
         return s.prefill_chunk_tokens
 
