@@ -8,13 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# Under `make test` two xdist workers share the two cores with the node processes they
+# start: a worker computing on two threads then waits at every parallel region's barrier
+# for a thread the other worker's load has descheduled (transformers' 64-token generate
+# took 118 s that way against 6.5 s alone). One thread per worker; a lone run keeps two.
+torch.set_num_threads(1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # compiled decode steps (engine/compiled.py) take 30-70 s of both cores to build: off for
 # the suite (nodes it starts inherit this), on in the tests of compiled steps themselves
 os.environ.setdefault("HEARTHNET_COMPILE", "0")
 # inductor's kernels for the suite's compiled steps in one cache shared by its runs (as
 # inductor's /tmp default is): each test's store would otherwise build them all again
+# and built in this process, not in a pool of compile workers that each import torch
+# first: on two cores shared with another test file that only adds load
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       str(Path.home() / ".cache" / "hearthnet" / "test-suite-inductor"))
 

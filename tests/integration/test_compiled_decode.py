@@ -163,7 +163,7 @@ def test_a_decode_round_of_sessions_runs_compiled_as_the_eager_round(family_mode
     assert toks == want and (outs - want_outs).abs().max() < 1e-4 * want_outs.abs().max()
 
 
-@pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize("weights", ["int4", pytest.param("int8", marks=IN_MAKE_BENCH)])
 def test_quantised_formats_compile_to_their_eager_tokens(weights, family_models, tmp_path,
                                                         monkeypatch):
     """int4's linears (the GGUF-block and re-quantised kernel) trace into the compiled

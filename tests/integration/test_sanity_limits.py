@@ -24,6 +24,7 @@ from hearthnet.distributed_inference.orchestrator.sanity import SanityChecker, c
 from hearthnet.errors import ShardCorrupted
 from hearthnet.observability import Metrics
 from tests.helpers.inprocess import InProcessMesh
+from tests.helpers.marks import IN_MAKE_BENCH
 
 PROMPT = [{"role": "user", "content": "Write a short poem about a lighthouse keeper."}]
 N = 24
@@ -65,6 +66,7 @@ def test_permuted_hidden_state_passes_every_check(smollm2):
         checker.check("nan", end, h * float("nan"))
 
 
+@IN_MAKE_BENCH  # a limit shown, not a behaviour kept: a minute of `make test` on 2 cores
 async def test_plausible_garbage_is_not_detected_and_changes_the_answer(
         smollm2, model_store, local_tokens):
     mesh = InProcessMesh(smollm2)
