@@ -22,10 +22,11 @@ QUESTIONS = [NOTE + "When does the plumber come?", NOTE + "What does the bicycle
 TOKENS = 12
 
 
-def _mesh(smollm2) -> InProcessMesh:
+def _mesh(smollm2, device: str = "cpu") -> InProcessMesh:
+    """Layers 0-14 on node-b, 15-29 on node-c, which advertises `device`."""
     mesh = InProcessMesh(smollm2)
     mesh.add("node-b", 0, 14)
-    mesh.add("node-c", 15, 29)
+    mesh.add("node-c", 15, 29, device=device)
     return mesh
 
 
@@ -59,15 +60,14 @@ def _recording(mesh: InProcessMesh) -> list[dict]:
     return opens
 
 
-async def test_chats_that_start_together_compute_their_shared_prompt_once(
-        smollm2, model_store, local_answer):
-    """Two chats about one note, started at once: the second opens its stages after the
-    first has sent the shared positions and copies them from it on both shards, its `done`
-    says how many (and `/metrics`), and both answers equal the local engine's. The first
-    sends the rest of its prompt right behind the shared positions."""
-    mesh = _mesh(smollm2)
+async def _note_chats(mesh: InProcessMesh, model_store, local_answer
+                      ) -> tuple[list[list[dict]], list[dict], list[tuple[str, int]],
+                                 PipelineOrchestrator, Metrics]:
+    """The two chats about one note, started at once, each answer checked against the
+    local engine's: their frames, the stages' opens, the steps both stages received in
+    order (node id, first position), the orchestrator and its metrics."""
     opens = _recording(mesh)
-    trace: list[tuple[str, int]] = []  # the steps both stages received, in order
+    trace: list[tuple[str, int]] = []
     for host in mesh.hosts.values():
         host.trace = trace
     orch, m = _orch(mesh, model_store)
@@ -75,6 +75,17 @@ async def test_chats_that_start_together_compute_their_shared_prompt_once(
     for q, frames in zip(QUESTIONS, answers, strict=True):
         assert frames[-1]["type"] == "done", frames[-1]
         assert _tokens(frames) == local_answer(q, TOKENS), q
+    return answers, opens, trace, orch, m
+
+
+async def test_chats_that_start_together_compute_their_shared_prompt_once(
+        smollm2, model_store, local_answer):
+    """Two chats about one note, started at once: the second opens its stages after the
+    first has sent the shared positions and copies them from it on both shards, its `done`
+    says how many (and `/metrics`), and both answers equal the local engine's. The first
+    sends the rest of its prompt right behind the shared positions."""
+    mesh = _mesh(smollm2)
+    answers, opens, trace, orch, m = await _note_chats(mesh, model_store, local_answer)
     cached = [f[-1]["usage"].get("cached_prompt_tokens", 0) for f in answers]
     first, second = sorted(cached)
     assert first == 0 and second >= 40, cached  # the template's preamble and the note
@@ -226,19 +237,9 @@ async def test_no_prompt_is_shared_through_a_stage_on_a_gpu(smollm2, model_store
     """A stage that computes on a GPU rounds a prompt cut in two pieces differently from
     the whole (half-precision products of other row counts): the two chats about one note
     then ask no fork, and each sends its prompt as one step, as alone."""
-    mesh = InProcessMesh(smollm2)
-    mesh.add("node-b", 0, 14)
-    mesh.add("node-c", 15, 29, device="cuda")
-    opens = _recording(mesh)
-    trace: list[tuple[str, int]] = []
-    for host in mesh.hosts.values():
-        host.trace = trace
-    orch, m = _orch(mesh, model_store)
-    answers = await asyncio.gather(*(_run(orch, q) for q in QUESTIONS))
-    for q, frames in zip(QUESTIONS, answers, strict=True):
-        assert frames[-1]["type"] == "done", frames[-1]
-        assert _tokens(frames) == local_answer(q, TOKENS), q
-        assert "cached_prompt_tokens" not in frames[-1]["usage"]
+    mesh = _mesh(smollm2, device="cuda")
+    answers, opens, trace, orch, m = await _note_chats(mesh, model_store, local_answer)
+    assert all("cached_prompt_tokens" not in f[-1]["usage"] for f in answers)
     assert not any("fork" in o for o in opens)
     assert m.prefix_reused_tokens_total._value.get() == 0
     shortest = min(f[-1]["usage"]["prompt_tokens"] for f in answers)
