@@ -9,9 +9,8 @@ import pytest
 import torch
 
 # Under `make test` two xdist workers share the two cores with the node processes they
-# start: a worker computing on two threads then waits at every parallel region's barrier
-# for a thread the other worker's load has descheduled (transformers' 64-token generate
-# took 118 s that way against 6.5 s alone). One thread per worker; a lone run keeps two.
+# start (one compute thread each): two threads per worker would only oversubscribe them.
+# One thread per worker; a lone run keeps two.
 torch.set_num_threads(1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # compiled decode steps (engine/compiled.py) take 30-70 s of both cores to build: off for
