@@ -66,6 +66,15 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
     return torch.device("cuda", index)
 
 
+def rows_independent(kind: str) -> bool:
+    """Whether a row's output on a device of `kind` (cpu | cuda | mps) is the same whatever
+    rows share its product, so a prompt may be cut into pieces by the load (prefix sharing,
+    a shard's prefill pieces beside decode rows) without changing an answer: a CPU's
+    kernels; a GPU's half-precision products of other row counts round differently (an
+    H100 changed every answer at 2 and 4 chats, docs/benchmarks.md)."""
+    return kind == "cpu"
+
+
 def device_info(device: torch.device) -> dict[str, Any]:
     """Kind, name and total/free memory in MiB of `device` (advertised; `hearthnet status`)."""
     info: dict[str, Any] = {"kind": device.type, "name": str(device)}

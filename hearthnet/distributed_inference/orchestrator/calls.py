@@ -28,6 +28,7 @@ from prometheus_client import Histogram
 
 from hearthnet.distributed_inference.directory.descriptors import Pipeline, PipelineStage
 from hearthnet.distributed_inference.engine.batcher import MAX_LANES
+from hearthnet.distributed_inference.engine.device import rows_independent
 from hearthnet.distributed_inference.engine.generation import Generation
 from hearthnet.distributed_inference.engine.speculation import Speculator
 from hearthnet.distributed_inference.orchestrator.request import DistributedChatParams
@@ -256,14 +257,10 @@ def worth_waiting_for(source: Sequence[int], ids: Sequence[int]) -> bool:
 
 def copies_exactly(stages: Iterable[PipelineStage]) -> bool:
     """Whether positions copied from another call's sessions leave a call's answer as
-    computing them would (DESIGN.md decision 12): where every stage computes on a CPU. A
-    copying call computes the rest of its prompt as a smaller product than its own prefill,
-    and the call it copies from sends its prompt in two pieces. On a CPU that changes no
-    answer (the tests and `bench pipeline`'s agreement with solo runs check it); on a GPU,
-    half-precision products of different row counts round differently, and an H100 gave
-    every copying chat an answer other than its solo one (docs/benchmarks.md), so there
-    prompts are not shared and the default stays faithful."""
-    return all(s.shard.device == "cpu" for s in stages)
+    computing them would (DESIGN.md decision 12): the copier computes the rest of its
+    prompt as a smaller product than its own prefill, and its source sends its prompt in
+    two pieces; so only where every stage's products are `rows_independent`."""
+    return all(rows_independent(s.shard.device) for s in stages)
 
 
 def prefix_source(calls: Iterable[CallState], route: list[tuple[str, int, int, str]],

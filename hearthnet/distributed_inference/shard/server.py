@@ -53,6 +53,7 @@ from hearthnet.distributed_inference.engine.device import (
     device_info,
     is_out_of_memory,
     resolve_device,
+    rows_independent,
 )
 from hearthnet.distributed_inference.engine.layers import LayeredSession, LayeredStack
 from hearthnet.distributed_inference.engine.memory import plan_shard, release_free_heap
@@ -173,12 +174,9 @@ class ShardServer:
         self.weights_format = resolve_format(settings.weights, entry.dtype)
         self.device = resolve_device(settings.device)  # absent: ConfigError at start-up
         self.device_info = device_info(self.device)
-        # whether a position's output is the same however its prompt is cut into pieces:
-        # a CPU's kernels give a row the same result whatever rows share its product; a
-        # GPU's half-precision products of other row counts round differently, so there a
-        # prompt is cut by its length alone, never by the load (`_piece`), and its answer
-        # is its solo answer
-        self.cuts_by_load = self.device.type == "cpu"
+        # a prompt is cut into pieces by the load (`_piece`) only where that changes no
+        # answer; elsewhere (a GPU) by its length alone, as when it runs alone
+        self.cuts_by_load = rows_independent(self.device.type)
         self.memory = plan_shard(entry, lo, hi, self.weights_format,
                                  settings.max_concurrent_streams, settings.max_session_tokens)
         self._refuse_over_budget(make_shard_id(entry.model_id, lo, hi, node_id))
