@@ -9,8 +9,9 @@ Python can see beside them), the compiled decode step and round, one session's s
         --model qwen2.5-1.5b --weights int8 --layers 0 13 [--compiled]
 
 (`hearthnet models synth qwen2.5-1.5b` makes the model). Prints one JSON object: each
-stage's RSS, anonymous and file-backed resident MiB (Linux /proc), and the bytes of every
-distinct tensor storage alive after loading against the stack's `param_bytes`.
+stage's RSS, peak, anonymous and file-backed resident MiB (`hearthnet.bench.proc_memory`),
+and the bytes of every distinct tensor storage alive after loading against the stack's
+`param_bytes`.
 """
 
 from __future__ import annotations
@@ -18,21 +19,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-from pathlib import Path
+import sys
 from typing import Any
 
+from hearthnet.bench import proc_memory  # no torch: the interpreter is measured first
+
 MIB = 2**20
-
-
-def resident() -> dict[str, float]:
-    """This process's RSS, RssAnon and RssFile in MiB (/proc/self/status)."""
-    keys = {"VmRSS": "rss_mb", "RssAnon": "anon_mb", "RssFile": "file_mb"}
-    out: dict[str, float] = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if k in keys:
-            out[keys[k]] = round(int(v.split()[0]) / 1024, 1)
-    return out
 
 
 def tensor_bytes() -> int:
@@ -55,25 +47,25 @@ def main() -> None:
     p.add_argument("--compiled", action="store_true",
                    help="compile (or load) the decode step and round (HEARTHNET_COMPILE=1)")
     a = p.parse_args()
-    stages: list[dict[str, Any]] = [{"stage": "interpreter", **resident()}]
+    stages: list[dict[str, Any]] = [{"stage": "interpreter", **proc_memory()}]
     import torch
-    stages.append({"stage": "torch imported", **resident()})
+    stages.append({"stage": "torch imported", **proc_memory()})
     import transformers  # noqa: F401 - what a shard imports, measured on its own
 
-    stages.append({"stage": "transformers imported", **resident()})
+    stages.append({"stage": "transformers imported", **proc_memory()})
     from hearthnet.distributed_inference.engine.compiled import compile_dir_of
     from hearthnet.distributed_inference.engine.layers import LayeredStack
     from hearthnet.distributed_inference.engine.memory import release_free_heap
     from hearthnet.models import ModelStore
 
-    stages.append({"stage": "hearthnet engine imported", **resident()})
+    stages.append({"stage": "hearthnet engine imported", **proc_memory()})
     torch.set_num_threads(1)
     lo, hi = a.layers
     entry = ModelStore().get(a.model)
     stack = LayeredStack(entry, lo, hi, a.weights, compile_decode=a.compiled,
                          compile_dir=compile_dir_of(entry))
     release_free_heap()
-    stages.append({"stage": "layers loaded", **resident(),
+    stages.append({"stage": "layers loaded", **proc_memory(),
                    "weights_mb": round(stack.param_bytes() / MIB, 1),
                    "tensors_mb": round(tensor_bytes() / MIB, 1)})
     steps: dict[str, str] = {}
@@ -83,7 +75,7 @@ def main() -> None:
         steps = {"decode": stack.compiled.wait(lo, hi),
                  "round": stack.compiled.wait_extra("round", lo, hi)}
         release_free_heap()
-        stages.append({"stage": "decode step and round compiled", **resident()})
+        stages.append({"stage": "decode step and round compiled", **proc_memory()})
     g = torch.Generator().manual_seed(0)
     s = stack.open_session(lo, hi, 128)
     s.forward(torch.randn(1, 100, stack.hidden_size, generator=g) * 0.1, 0)
@@ -91,10 +83,15 @@ def main() -> None:
         s.forward(torch.randn(1, 1, stack.hidden_size, generator=g) * 0.1, 100 + i)
     s.close()
     release_free_heap()
-    stages.append({"stage": "a 100-position prompt and 4 steps, session closed", **resident()})
+    stages.append({"stage": "a 100-position prompt and 4 steps, session closed", **proc_memory()})
     print(json.dumps({"model": a.model, "weights": a.weights, "layers": a.layers,
                       "steps": steps, "stages": stages}))
 
 
 if __name__ == "__main__":
-    main()
+    from hearthnet.errors import HearthNetError
+
+    try:
+        main()
+    except HearthNetError as e:  # an unknown model, format or layer range: one line, exit 1
+        sys.exit(f"shard_memory: {e}")
