@@ -48,14 +48,15 @@ browser:
 	      $$SUDO apt-get install -y -q chromium >/dev/null 2>&1; }; } || \
 	  echo "chromium could not be installed: the status-page browser test will skip"; }
 
-# Two workers (pytest-xdist), a whole test file per worker (--dist loadfile: a module's mesh
-# fixture stays in one process). Most tests wait on node processes, so two files at once
-# use the cores better: on the 2-core VM pytest took 15 min instead of 23 (docs/benchmarks.md).
-# TEST_WORKERS=0 runs one test at a time.
+# Three workers (pytest-xdist), a whole test file per worker (--dist loadfile: a module's
+# mesh fixture stays in one process). Most tests wait on node processes, so several files
+# at once use the cores better: on the 2-core VM pytest took 15 min with two instead of 23
+# with one, and 14.7 min with three against 17.1 with two in one sitting, the CPU then 98 %
+# busy (docs/benchmarks.md). TEST_WORKERS=0 runs one test at a time.
 # The suite has its own data dir: SmolLM2 de-quantised to bf16 there is the reference its
 # correctness tests and transformers load, while the demo's store (`make model`, the
 # default import) keeps the GGUF's own 4-bit blocks.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 TEST_DATA_DIR ?= $(if $(HEARTHNET_DATA_DIR),$(HEARTHNET_DATA_DIR)/test-suite,$(HOME)/.cache/hearthnet/test-suite)
 test: $(STAMP) browser
 	HEARTHNET_DATA_DIR=$(TEST_DATA_DIR) $(HN) models import smollm2 --dtype bf16

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Under `make test` two xdist workers share the two cores with the node processes they
+# Under `make test` the xdist workers share the two cores with the node processes they
 # start (one compute thread each): two threads per worker would only oversubscribe them.
 # One thread per worker; a lone run keeps two.
 torch.set_num_threads(1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2)

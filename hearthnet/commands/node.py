@@ -154,8 +154,14 @@ def run_node(node: Node) -> None:
 def exit_promptly(grace_s: float = 2.0) -> None:
     """End the process within `grace_s` of the node stopping, whatever compute threads do
     (SIGTERM must work mid-prefill): the interpreter would otherwise join a busy executor thread
-    for as long as its forward runs. Threads still busy after the grace are logged, then
-    `os._exit`."""
+    for as long as its forward runs. Threads still busy after the grace are logged.
+
+    Then the exit handlers run and the process ends with `os._exit`, without the
+    interpreter's teardown: with torch, a shard's weights and its modules loaded, that
+    teardown frees object by object for 1-1.6 s of CPU after the node has stopped and
+    its log is flushed (measured on a 2-core VM), time a service manager waits and a
+    machine that hosts the next shard pays for."""
+    import atexit
     import os
     import sys
     import threading
@@ -171,6 +177,10 @@ def exit_promptly(grace_s: float = 2.0) -> None:
     busy = [t.name for t in others if t.is_alive()]
     if busy:
         get_logger("node").warning("exit_with_busy_threads", threads=busy, grace_s=grace_s)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    else:
+        # what a normal exit runs before its teardown (logging's flush, temporary
+        # folders' finalizers); with a thread still busy they could wait on it
+        atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -153,7 +153,12 @@ def node_toml(spec: NodeSpec, port: int, peers: list[str], data_dir: Path, model
     """One node's TOML. `members` are listed without keys (`provision` fills them in)."""
     serves = bool(spec.shards or spec.model_shards) or spec.auto is not None
     di = {"enabled": True, "shard_health_timeout_seconds": timeout_s,
-          "activation_dtype": "auto", **spec.extra_di}
+          "activation_dtype": "auto",
+          # one machine: a node that holds layers leaves the head to the node that answers
+          # (it loads one when asked to) rather than building its own while the mesh
+          # starts, on the cores every node shares (M26 §5.6)
+          **({"prepare_heads_at_start": False} if spec.shards or spec.model_shards else {}),
+          **spec.extra_di}
     lines = ['shards = "auto"', ""] if spec.auto is not None else []
     lines += ["[node]", f'id = "{spec.node_id}"', 'listen_host = "127.0.0.1"',
               f"listen_port = {port}", f"data_dir = {_toml_value(str(data_dir))}",

@@ -517,7 +517,8 @@ def test_orchestrator_death_mid_answer_is_connection_lost_with_tokens_so_far(mes
 def solo(tmp_path_factory, smollm2):
     """One node hosting layer 0 whose forwards sleep 600 s, heartbeating every 2 s; its
     SIGTERM drain gives an open session 1 s."""
-    spec = NodeSpec("node-s", [(0, 0)], extra_di={"shard_health_timeout_seconds": 4},
+    spec = NodeSpec("node-s", [(0, 0)], extra_di={"shard_health_timeout_seconds": 4,
+                                                  "prepare_heads_at_start": True},
                     extra_node={"drain_timeout_seconds": 1})
     m = TestMesh([spec], root=tmp_path_factory.mktemp("solo"), timeout_s=4,
                  faults={"node-s": {"mode": "slow", "delay_s": 600}})

@@ -25,7 +25,9 @@ def test_a_node_prepares_heads_only_of_models_it_can_run(smollm2, family_models,
     (tmp_path / "m").mkdir()
     (models / "smollm2").symlink_to(smollm2.path)
     (models / "llama").symlink_to(family_models[1]["llama"].path)  # stored, hosted nowhere
-    with LocalMesh([NodeSpec("node-a"), NodeSpec("node-b", [(0, 29)])], root=tmp_path / "m",
+    # node-b keeps the daemon's default (a local mesh turns it off for layer hosts)
+    b = NodeSpec("node-b", [(0, 29)], extra_di={"prepare_heads_at_start": True})
+    with LocalMesh([NodeSpec("node-a"), b], root=tmp_path / "m",
                    model="smollm2", models=models) as mesh:
         deadline = time.monotonic() + 120
         while "smollm2" not in _head_loads(mesh, "node-a"):  # it sees smollm2 covered

@@ -48,10 +48,12 @@ def reference(local_answer) -> list[int]:
 
 @pytest.fixture(scope="module")
 def mesh(smollm2):
-    # node-b is a shard-only host: it loads no head at start (issue 12, `bench reach`)
+    # node-b is a shard-only host: it loads no head at start (`bench reach`); node-c keeps
+    # the daemon's default, which a local mesh turns off for its layer hosts
     with TestMesh([NodeSpec("node-a"),
                    NodeSpec("node-b", [(0, 14)], extra_di={"prepare_heads_at_start": False}),
-                   NodeSpec("node-c", [(15, 29)])]) as m:
+                   NodeSpec("node-c", [(15, 29)], extra_di={"prepare_heads_at_start": True})
+                   ]) as m:
         yield m
 
 
