@@ -63,7 +63,7 @@ import torch
 from filelock import FileLock
 
 from hearthnet.config import COMPILE_ENV, compile_decode_enabled
-from hearthnet.distributed_inference.engine import attention, q4vnni
+from hearthnet.distributed_inference.engine import attention, q4vnni, tracegate
 from hearthnet.distributed_inference.engine.kv_cache import CAPACITY_QUANTUM, SegmentsKV
 from hearthnet.distributed_inference.engine.quant import kernel_of
 from hearthnet.errors import ConfigError
@@ -563,6 +563,7 @@ def _aot_compile(session: LayeredSession, kv_len: int, kind: str = "decode") -> 
     # size asserts: the step's inputs are a session's cache slots, laid out by one
     # allocator (kv_cache.py) and checked once against the eager step (`_compare`), and
     # SmolLM2's step made ~630 assert calls a token (~5 % of its time, measured A/B).
+    tracegate.install()  # eager passes on other threads wait out its fx traces
     compiled: Any = torch.compile(_STEPS[kind], fullgraph=True, dynamic=True,
                                   options={"guard_filter_fn":
                                            torch.compiler.skip_all_guards_unsafe,

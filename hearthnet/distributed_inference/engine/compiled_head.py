@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hearthnet.distributed_inference.engine import compiled
+from hearthnet.distributed_inference.engine import compiled, tracegate
 from hearthnet.distributed_inference.engine.quant import Int8Linear, Q8Linear, kernel_of
 from hearthnet.observability import get_logger
 
@@ -220,6 +220,7 @@ def _aot_compile(head: LayeredHead, kind: str) -> Any:
     torch._dynamo.decorators.mark_unbacked(x, 0 if kind == "logits" else 1)
     # as the layers' steps (compiled._aot_compile): guards replaced by `artefact_key`,
     # floats (norm eps, the soft-cap) constants of the model, no size asserts
+    tracegate.install()  # eager passes on other threads wait out its fx traces
     fn: Any = torch.compile(_STEPS[kind], fullgraph=True, dynamic=True,
                             options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
                                      "size_asserts": False,

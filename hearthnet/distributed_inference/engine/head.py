@@ -19,6 +19,7 @@ from hearthnet.distributed_inference.directory.formats import (
     HEAD_FORMATS,
     resolve_format,
 )
+from hearthnet.distributed_inference.engine import tracegate
 from hearthnet.distributed_inference.engine.blocks import GgmlBlocks
 from hearthnet.distributed_inference.engine.compiled_head import CompiledHead
 from hearthnet.distributed_inference.engine.device import (
@@ -218,7 +219,8 @@ class LayeredHead:
         """(1, T, H) input hidden states of token ids (1, T): the eager embedding, and what
         `compiled_head` compiles."""
         if self.embed_q is None:
-            out: torch.Tensor = self.embed_tokens(ids)
+            with tracegate.eager():  # not while a tracer has patched nn.Module
+                out: torch.Tensor = self.embed_tokens(ids)
             return out
         rows = self.embed_q.rows(ids)
         scale = getattr(self.embed_tokens, "embed_scale", None)  # Gemma's scaled embedding
@@ -269,13 +271,14 @@ class LayeredHead:
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         """(T, vocab) fp32 logits of final hidden rows h (T, H) in the head's dtype: the
         eager norm + lm_head (+ soft-cap), and what `compiled_head` compiles."""
-        x = self.norm(h.unsqueeze(0))
-        if self.lm_head_q is not None:
-            logits = self.lm_head_q(x)[0]
-        elif self.weights_left:
-            logits = _weights_left(self.lm_head_weight, x[0])
-        else:
-            logits = torch.nn.functional.linear(x, self.lm_head_weight)[0]
+        with tracegate.eager():  # not while a tracer has patched nn.Module (tracegate.py)
+            x = self.norm(h.unsqueeze(0))
+            if self.lm_head_q is not None:
+                logits = self.lm_head_q(x)[0]
+            elif self.weights_left:
+                logits = _weights_left(self.lm_head_weight, x[0])
+            else:
+                logits = torch.nn.functional.linear(x, self.lm_head_weight)[0]
         assert isinstance(logits, torch.Tensor)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping

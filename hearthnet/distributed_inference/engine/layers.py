@@ -23,7 +23,7 @@ from torch import nn
 from hearthnet.distributed_inference.directory.formats import (
     resolve_format,
 )
-from hearthnet.distributed_inference.engine import attention
+from hearthnet.distributed_inference.engine import attention, tracegate
 from hearthnet.distributed_inference.engine.compiled import CompiledDecode
 from hearthnet.distributed_inference.engine.device import (
     MemoryBudget,
@@ -191,19 +191,20 @@ class LayeredSession:
         """
         self.slot.positions, self.slot.kv_len = positions, kv_len
         masks = self._masks(positions, kv_len, plain)
-        if self.stack.rotary.dynamic:
-            pe = self.stack.rotary(h, positions.unsqueeze(0), self._types)
-        else:
-            pe = {kind: (cos[:, positions], sin[:, positions])
-                  for kind, (cos, sin) in self._pe.items()}
-        pos_ids = positions.unsqueeze(0)
-        beat = None if torch.compiler.is_compiling() else self.stack.on_layer
-        for layer, kind in zip(self.layers, self._types, strict=True):
-            h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
-                      use_cache=True, position_embeddings=pe[kind],
-                      **{self.stack.cache_arg: self.slot})
-            if beat is not None:
-                beat()
+        with tracegate.eager():  # not while a tracer has patched nn.Module (tracegate.py)
+            if self.stack.rotary.dynamic:
+                pe = self.stack.rotary(h, positions.unsqueeze(0), self._types)
+            else:
+                pe = {kind: (cos[:, positions], sin[:, positions])
+                      for kind, (cos, sin) in self._pe.items()}
+            pos_ids = positions.unsqueeze(0)
+            beat = None if torch.compiler.is_compiling() else self.stack.on_layer
+            for layer, kind in zip(self.layers, self._types, strict=True):
+                h = layer(h, attention_mask=masks[kind], position_ids=pos_ids,
+                          use_cache=True, position_embeddings=pe[kind],
+                          **{self.stack.cache_arg: self.slot})
+                if beat is not None:
+                    beat()
         return h
 
     @torch.inference_mode()
@@ -488,15 +489,16 @@ class LayeredStack:
                      capacity: int) -> torch.Tensor:
         """`forward_packed`'s eager forward of the packed rows `h` (1, N, H)."""
         positions = torch.cat(cache.at)
-        pe = self._rotary_at(h, positions, cache.counts, first._types, capacity)
-        pos_ids = positions.unsqueeze(0)
-        beat = self.on_layer
-        for layer, kind in zip(first.layers, first._types, strict=True):
-            h = layer(h, attention_mask=None, position_ids=pos_ids, use_cache=True,
-                      position_embeddings=pe[kind], **{self.cache_arg: cache,
-                                                       attention.SEGMENTS_KWARG: cache})
-            if beat is not None:
-                beat()
+        with tracegate.eager():  # not while a tracer has patched nn.Module (tracegate.py)
+            pe = self._rotary_at(h, positions, cache.counts, first._types, capacity)
+            pos_ids = positions.unsqueeze(0)
+            beat = self.on_layer
+            for layer, kind in zip(first.layers, first._types, strict=True):
+                h = layer(h, attention_mask=None, position_ids=pos_ids, use_cache=True,
+                          position_embeddings=pe[kind], **{self.cache_arg: cache,
+                                                           attention.SEGMENTS_KWARG: cache})
+                if beat is not None:
+                    beat()
         return h
 
     def run_round(self, fn: Callable[..., torch.Tensor], first: LayeredSession,
