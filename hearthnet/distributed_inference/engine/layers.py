@@ -387,7 +387,7 @@ class LayeredStack:
         if capacity not in self._tables:
             pos = torch.arange(capacity, device=self.device)
             probe = torch.zeros(1, 1, self.hidden_size, dtype=self.dtype, device=self.device)
-            with torch.inference_mode():
+            with torch.inference_mode(), tracegate.eager():  # a module call (tracegate.py)
                 pe = self.rotary(probe, pos.unsqueeze(0), self.layer_types)
             self._tables[capacity] = (pe, pos)
         return self._tables[capacity]
