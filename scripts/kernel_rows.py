@@ -12,7 +12,8 @@ throughput. This prints both for one (out × in) matrix, on one thread:
     python scripts/kernel_rows.py [--out 8960 --in 1536] [--rows 1 2 4 8 16 32]
 
 Prints a table and writes JSON (``--json FILE``). The kernel is the one int8 layers run in
-here (`quant.int8_kernel_name()`: ``int8-vnni`` where AVX-512 VNNI builds, else torch's).
+here (`quant.int8_kernel_name()`: ``int8-vnni`` where AVX-512 VNNI builds, else torch's),
+and whether its AMX path is on (``HEARTHNET_INT8_AMX=off`` runs the same rows without it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hearthnet.distributed_inference.engine import quant
+from hearthnet.distributed_inference.engine import q4vnni, quant
 
 
 def main() -> None:
@@ -53,15 +54,16 @@ def main() -> None:
         rows.append({"rows": m, "hot_ms": round(hot, 3), "cold_ms": round(cold, 3),
                      "cold_gb_s": round(mb / cold, 2)})
     one = rows[0]
+    amx = q4vnni.amx_state() if kernel == q4vnni.INT8_KERNEL else ""
     print(f"int8 ({kernel}) product of a {a.out} × {a.inp} matrix, one thread, best of "
-          f"{a.runs}; ratios to {one['rows']} row(s)")
+          f"{a.runs}; ratios to {one['rows']} row(s)" + (f"\nAMX tiles: {amx}" if amx else ""))
     print(f"{'rows':>5} {'hot ms':>8} {'×':>6} {'cold ms':>8} {'×':>6} {'GB/s':>6}")
     for r in rows:
         print(f"{r['rows']:>5} {r['hot_ms']:>8.3f} {r['hot_ms'] / one['hot_ms']:>6.2f} "
               f"{r['cold_ms']:>8.3f} {r['cold_ms'] / one['cold_ms']:>6.2f} "
               f"{r['cold_gb_s']:>6.1f}")
     if a.json:
-        a.json.write_text(json.dumps({"kernel": kernel, "out": a.out, "in": a.inp,
+        a.json.write_text(json.dumps({"kernel": kernel, "amx": amx, "out": a.out, "in": a.inp,
                                       "matrices": a.matrices, "rows": rows}, indent=1))
 
 

@@ -281,10 +281,12 @@ def _named_kernel(env: str, choice: str | None, names: tuple[str, ...], fmt: str
 
 def kernel_settings() -> None:
     """`ConfigError` for a `HEARTHNET_INT8_KERNEL` or `HEARTHNET_INT4_KERNEL` naming no
-    kernel: one line before a node starts (whether a named kernel runs here is known when
-    the first weights of its format load)."""
+    kernel, or a `HEARTHNET_INT8_AMX` that is none of its settings: one line before a node
+    starts (whether a named kernel runs here is known when the first weights of its format
+    load)."""
     _named_kernel(INT8_KERNEL_ENV, None, ("auto", *INT8_KERNELS), "int8")
     _named_kernel(INT4_KERNEL_ENV, None, tuple(_INT4_CHOICES), "int4")
+    q4vnni.amx_setting()
 
 
 @cache
