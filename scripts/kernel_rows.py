@@ -13,7 +13,7 @@ throughput. This prints both for one (out × in) matrix, on one thread:
 
 Prints a table and writes JSON (``--json FILE``). The kernel is the one int8 layers run in
 here (`quant.int8_kernel_name()`: ``int8-vnni`` where AVX-512 VNNI builds, else torch's),
-and whether its AMX path is on (``HEARTHNET_INT8_AMX=off`` runs the same rows without it).
+and whether its AMX path is on (``HEARTHNET_AMX=off`` runs the same rows without it).
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "parts": parts})
     figures["device_name"] = full.get("device_name", "cpu")
     figures["int8_kernel"] = full["int8_kernel"]
-    figures["int8_amx"] = full.get("int8_amx", "")
+    figures["amx"] = full.get("amx", "")
     figures["kernel"] = full.get("kernel", "")  # the held format's (`quant.kernel_of`)
     figures["int4_dense_rows"] = full.get("int4_dense_rows")  # int4 prefills' fp32 path
     if args.against:
@@ -312,7 +312,7 @@ def _measure_full(entry: Any, a: argparse.Namespace) -> dict[str, Any]:
                            "param_mb": round((engine.stack.param_bytes()
                                               + engine.head.param_bytes()) / 2**20, 1),
                            "int8_kernel": quant.INT8_KERNEL,
-                           "int8_amx": q4vnni.amx_state(),  # "" where the kernel is not loaded
+                           "amx": q4vnni.amx_state(),  # "" where the kernel is not loaded
                            "kernel": quant.kernel_of(a.weights, bool(entry.ggml_types))}
     msgs = [{"role": "user", "content": a.prompt}]
     list(engine.generate(msgs, SamplingParams(max_tokens=4)))  # warm-up

@@ -1,9 +1,11 @@
-"""8-bit products in AMX tiles (`q4vnni`'s AMX path): the VNNI path's results bit for bit,
-for every row count and both scale layouts, and the setting that turns it on or off."""
+"""Products in AMX tiles (`q4vnni`'s AMX path): the VNNI path's results bit for bit, for
+every row count, 8-bit values with both scale layouts and 4-bit values with and without
+offsets, and the setting that turns it on or off."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ def _amx_here() -> str:
     """Why the AMX path cannot run in this process ("" when it can)."""
     if not q4vnni.available():
         return q4vnni.unavailable_reason()
-    was = bool(torch.ops.hearthnet.q8_amx(True))
+    was = bool(torch.ops.hearthnet.use_amx(True))
     if not was:
         return "no AMX-INT8 on this CPU (or Linux does not allow its tiles)"
     return ""
@@ -30,14 +32,14 @@ def amx_toggle() -> Iterator[None]:
         pytest.skip(why)
     state = q4vnni._amx.get("state", "")
     yield
-    torch.ops.hearthnet.q8_amx(state.startswith("on"))
+    torch.ops.hearthnet.use_amx(state.startswith("on"))
 
 
-def _both(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    torch.ops.hearthnet.q8_amx(False)
-    vnni = q4vnni.mm8(x, w, s)
-    assert torch.ops.hearthnet.q8_amx(True)
-    return vnni, q4vnni.mm8(x, w, s)
+def _both(product: Any, *args: Any) -> tuple[torch.Tensor, ...]:
+    torch.ops.hearthnet.use_amx(False)
+    vnni = product(*args)
+    assert torch.ops.hearthnet.use_amx(True)
+    return vnni, product(*args)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 40])
@@ -50,10 +52,26 @@ def test_the_amx_path_gives_the_vnni_products_bit_for_bit(rows, amx_toggle):
     per_row = q4vnni.pack8_rows(q, torch.rand(n, generator=g) * 1e-2 + 1e-3)
     per_group = q4vnni.pack8(q, (torch.rand(n, k // 32, generator=g) * 1e-2).half())
     for w, s in (per_row, per_group):
-        vnni, amx = _both(x, w, s)
+        vnni, amx = _both(q4vnni.mm8, x, w, s)
         assert torch.equal(vnni, amx)
         ref = x @ (q.float() * _scales(s, n, k)).T
         assert float((amx - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 8, 9, 20])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q4_k"])
+def test_4bit_products_in_tiles_are_the_vnni_products(rows, kind, amx_toggle):
+    """Q4_0 ((q − 8)·d), Q4_1 (q·d + m, fp16) and Q4_K (fp32 d·sc and offsets) blocks."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 32, 32 * 5
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    dtype = torch.float32 if kind == "q4_k" else torch.float16
+    scale = (torch.rand(n, k // 32, generator=g) * 1e-2).to(dtype)
+    offset = None if kind == "q4_0" else (torch.randn(n, k // 32, generator=g) * 1e-2).to(dtype)
+    w, s, o = q4vnni.pack(q, scale, offset)
+    x = torch.randn(rows, k, generator=g) * torch.linspace(0.01, 30, k)
+    vnni, amx = _both(q4vnni.mm, x, w, s, o)
+    assert torch.equal(vnni, amx)
 
 
 def _scales(s: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -69,25 +87,25 @@ def test_a_round_of_rows_is_each_row_alone(amx_toggle):
     w, s = q4vnni.pack8_rows(torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g),
                              torch.rand(32, generator=g) * 1e-2)
     x = torch.randn(11, 256, generator=g)
-    assert torch.ops.hearthnet.q8_amx(True)
+    assert torch.ops.hearthnet.use_amx(True)
     together = q4vnni.mm8(x, w, s)
     for i in range(11):
         assert torch.equal(q4vnni.mm8(x[i:i + 1].contiguous(), w, s), together[i:i + 1])
 
 
 def test_the_amx_setting_is_checked_and_chosen_once(monkeypatch, amx_toggle):
-    with pytest.raises(ConfigError, match="HEARTHNET_INT8_AMX='sometimes': use one of"):
+    with pytest.raises(ConfigError, match="HEARTHNET_AMX='sometimes': use one of"):
         q4vnni.amx_setting("sometimes")
     monkeypatch.setenv(q4vnni.AMX_ENV, " OFF ")
     assert q4vnni.amx_setting() == "off"
-    with pytest.raises(ConfigError, match="HEARTHNET_INT8_AMX"):
+    with pytest.raises(ConfigError, match="HEARTHNET_AMX"):
         monkeypatch.setenv(q4vnni.AMX_ENV, "yes")
         quant.kernel_settings()  # a node's start refuses it in one line
     q4vnni._choose_amx("off")
-    assert q4vnni.amx_state() == "off: HEARTHNET_INT8_AMX=off"
-    assert not torch.ops.hearthnet.q8_amx(False)
+    assert q4vnni.amx_state() == "off: HEARTHNET_AMX=off"
+    assert not torch.ops.hearthnet.use_amx(False)
     q4vnni._choose_amx("on")
-    assert q4vnni.amx_state() == "on: HEARTHNET_INT8_AMX=on"
+    assert q4vnni.amx_state() == "on: HEARTHNET_AMX=on"
     # auto: a probe of 8 rows with the path off and on, alternated; kept unless clearly slower
     monkeypatch.setattr(q4vnni, "_amx_probe_ms", lambda: {"vnni": 1.0, "amx": 1.5})
     q4vnni._choose_amx("auto")

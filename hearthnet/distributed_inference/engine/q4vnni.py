@@ -25,12 +25,15 @@ source, torch and the compiler flags, so every later process loads the built lib
 well under a second (and needs no compiler). Where the CPU lacks AVX-512 VNNI
 or the build fails, `available` is false and says why; int4 then runs in torch's kernel.
 
-8-bit products (`q8_mm`) also have a path in AMX tiles, for CPUs with AMX-INT8 (Intel
-Sapphire Rapids and later): one tile instruction sums a group's products for 16 outputs
-and every digit row of up to 8 activation rows, with the same integer sums and the same
-fp32 operations, so its results are bit for bit the VNNI path's. `HEARTHNET_INT8_AMX`
-(``auto``, the default: on where the CPU and Linux allow it and a probe of 8 rows finds it
-no slower; ``on``; ``off``) chooses, once per process, when the kernel loads (`amx_state`).
+Both products also have a path in AMX tiles, for CPUs with AMX-INT8 (Intel Sapphire
+Rapids and later): one tile instruction sums a group's products for 16 outputs and every
+digit row of up to 8 activation rows, with the same integer sums and the same fp32
+operations, so its results are bit for bit the VNNI path's. It takes products of 2 rows
+and more (8-bit values) or 6 and more (4-bit values, unpacked to bytes for each tile):
+rounds of several chats, speculative passes, prompts; one chat's decode step stays in
+VNNI registers, where it is as fast or faster. `HEARTHNET_AMX` (``auto``, the default: on
+where the CPU and Linux allow it and a probe of 8 rows finds it no slower; ``on``;
+``off``) chooses, once per process, when the kernel loads (`amx_state`).
 """
 
 from __future__ import annotations
@@ -61,12 +64,12 @@ _FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx51
           "-mf16c", "-mfma", "-fopenmp")  # -fopenmp: ATen's parallel_for pragmas; the
 # symbols resolve to torch's own libgomp (already loaded), so torch.set_num_threads holds
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
-AMX_ENV = "HEARTHNET_INT8_AMX"
+AMX_ENV = "HEARTHNET_AMX"
 AMX_SETTINGS = ("auto", "on", "off")
 AMX_PROBE = (1024, 1024, 8)  # out × in × rows: a round of 8 chats' rows (M26 §5.3)
 AMX_MAX_RATIO = 1.1  # auto keeps the AMX path unless the probe finds it clearly slower: its
 # products are the same, so only speed decides (measured on a Sapphire Rapids-class VM:
-# 8 rows of the 1.5B shape's MLP matrix 1.80 against 2.34 ms from memory)
+# 8 rows of the 1.5B shape's int8 MLP matrix 1.77 against 2.29 ms from memory)
 _lock = threading.RLock()  # `_choose_amx` packs its probe (which asks `available`)
 _state: dict[str, str] = {}  # "ok" or "reason": set once per process
 _amx: dict[str, str] = {}  # "state": what `amx_state` says
@@ -113,7 +116,7 @@ def _load() -> None:
 
 
 def amx_setting(value: str | None = None) -> str:
-    """`value`, else the environment's `HEARTHNET_INT8_AMX`, normalised (empty: ``auto``);
+    """`value`, else the environment's `HEARTHNET_AMX`, normalised (empty: ``auto``);
     `ConfigError` unless it is one of `AMX_SETTINGS`."""
     v = (os.environ.get(AMX_ENV, "") if value is None else value).strip().lower() or "auto"
     if v not in AMX_SETTINGS:
@@ -124,7 +127,8 @@ def amx_setting(value: str | None = None) -> str:
 
 def _amx_probe_ms() -> dict[str, float]:
     """ms of an `AMX_PROBE` 8-bit product with the AMX path off and on, best of 10 each,
-    alternated, on one thread."""
+    alternated, on one thread (the 4-bit path differs only in unpacking each tile's
+    values, which the row threshold in the kernel accounts for)."""
     n, k, m = AMX_PROBE
     g = torch.Generator().manual_seed(2)
     w, s = pack8_rows(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
@@ -136,7 +140,7 @@ def _amx_probe_ms() -> dict[str, float]:
     try:
         for _ in range(10):
             for name in best:
-                torch.ops.hearthnet.q8_amx(name == "amx")
+                torch.ops.hearthnet.use_amx(name == "amx")
                 t = time.perf_counter()
                 mm8(x, w, s)
                 best[name] = min(best[name], (time.perf_counter() - t) * 1e3)
@@ -146,10 +150,10 @@ def _amx_probe_ms() -> dict[str, float]:
 
 
 def _choose_amx(setting: str | None = None) -> None:
-    """Turn the AMX path of 8-bit products on or off for this process (module docstring)
+    """Turn the AMX path of the products on or off for this process (module docstring)
     and note why in `amx_state`."""
     setting = amx_setting(setting)
-    permitted = setting != "off" and bool(torch.ops.hearthnet.q8_amx(True))
+    permitted = setting != "off" and bool(torch.ops.hearthnet.use_amx(True))
     if setting == "off":
         state = f"off: {AMX_ENV}=off"
     elif not permitted:
@@ -162,14 +166,14 @@ def _choose_amx(setting: str | None = None) -> None:
         state = (f"{'on' if permitted else 'off'}: {AMX_PROBE[2]} rows × "
                  f"{AMX_PROBE[0]} × {AMX_PROBE[1]} in {ms['amx']:.3f} ms against "
                  f"{ms['vnni']:.3f} in VNNI")
-    torch.ops.hearthnet.q8_amx(permitted)
+    torch.ops.hearthnet.use_amx(permitted)
     _amx["state"] = state
-    log.debug("int8_amx", state=state)  # a CLI's stderr stays quiet; `amx_state` tells
+    log.debug("amx", state=state)  # a CLI's stderr stays quiet; `amx_state` tells
 
 
 def amx_state() -> str:
-    """Whether 8-bit products use AMX tiles in this process, and why ("" before the
-    kernel is loaded)."""
+    """Whether products of several rows use AMX tiles in this process, and why ("" before
+    the kernel is loaded)."""
     return _amx.get("state", "")
 
 
@@ -214,7 +218,7 @@ def available() -> bool:
                 try:
                     _choose_amx()
                 except ConfigError as e:  # checked at a node's start (`kernel_settings`)
-                    torch.ops.hearthnet.q8_amx(False)
+                    torch.ops.hearthnet.use_amx(False)
                     _amx["state"] = f"off: {e}"
         return "ok" in _state
 

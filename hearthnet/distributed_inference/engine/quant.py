@@ -281,7 +281,7 @@ def _named_kernel(env: str, choice: str | None, names: tuple[str, ...], fmt: str
 
 def kernel_settings() -> None:
     """`ConfigError` for a `HEARTHNET_INT8_KERNEL` or `HEARTHNET_INT4_KERNEL` naming no
-    kernel, or a `HEARTHNET_INT8_AMX` that is none of its settings: one line before a node
+    kernel, or a `HEARTHNET_AMX` that is none of its settings: one line before a node
     starts (whether a named kernel runs here is known when the first weights of its format
     load)."""
     _named_kernel(INT8_KERNEL_ENV, None, ("auto", *INT8_KERNELS), "int8")

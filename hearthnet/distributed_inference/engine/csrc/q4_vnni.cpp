@@ -168,26 +168,32 @@ void product(const uint8_t* w, const S* s, int64_t ss, const S* o, const int8_t*
 }
 
 
-// ---- 8-bit values in AMX tiles (Intel AMX-INT8), where the CPU and the kernel have them.
+// ---- Products in AMX tiles (Intel AMX-INT8), where the CPU and the kernel have them.
 //
-// The same products as `tile<S, false, 8, R>`: per group of 32 inputs, one TDPBSUD sums
-// the group's products for 16 outputs and every digit row of up to 8 activation rows at
-// once (VNNI needs 16 dot-product instructions per row), then the same int32 combination
-// and the same fp32 operations in the same order; every integer sum is exact, so the
-// results are bit for bit those of the VNNI path, for any number of rows. What is left per
-// group and row is combining the tile's sums in vector registers (the per-group scales
-// of the digits need it): a round of 8 chats' rows or a prompt's rows cost ~15-25 % less
-// than in VNNI (M26 §5.3: batched decode; §5.7: the per-token cost); one row, the same.
+// The same products as `tile`: per group of 32 inputs, one TDPBSUD sums the group's
+// products for 16 outputs and every digit row of up to 8 activation rows at once (VNNI
+// needs 16 dot-product instructions per row), then the same int32 combination and the
+// same fp32 operations in the same order; every integer sum is exact, so the results are
+// bit for bit those of the VNNI path, for any number of rows. What is left per group and
+// row is combining the tile's sums in vector registers (the digits' per-group scales need
+// it): 8 rows cost ~15-25 % less than in VNNI for 8-bit values, ~10 % for 4-bit ones
+// (M26 §5.3: batched decode; §5.7: the per-token cost); one row gains nothing.
 #if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
     (defined(__clang__) && __clang_major__ >= 12)
 #define HEARTHNET_AMX 1
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 
 std::atomic<bool> g_amx{false};
+// rows from which a product takes the tiles, measured (scripts/amx_rows.py: Sapphire
+// Rapids-class VM, one thread, 8960 × 1536): 8-bit values, 1-4 rows about the same
+// either way, 8 and more 10-30 % faster; 4-bit values (unpacked to bytes for each tile),
+// 1-3 rows 1.1-2.4× slower in tiles, 4-5 about the same, 6 and more 5-20 % faster
+constexpr int64_t kAmxMinRows8 = 2;
+constexpr int64_t kAmxMinRows4 = 6;
 
 // tiles 0 and 3: A, a group's digits (hi rows then lo rows: 2R × 32 bytes); 1 and 4: B,
-// the group's weights as the VNNI layout already holds them (8 × 64 bytes: row c holds
-// inputs 4c..4c+3 of each of the 16 outputs); 2 and 5: C, 2R × 16 int32. Two sets, so
+// the group's weights in the VNNI layout (8 × 64 bytes: row c holds inputs 4c..4c+3 of
+// each of the 16 outputs; `amx_weights`); 2 and 5: C, 2R × 16 int32. Two sets, so
 // that one group's products run while the other's are combined.
 AMX_TARGET void amx_configure(int digit_rows) {
   // the 64-byte configuration: palette (byte 0), each tile's bytes per row (uint16 at
@@ -211,35 +217,62 @@ AMX_TARGET void amx_configure(int digit_rows) {
 }
 
 // a group's 2R × 16 sums (hi rows, then lo rows) into the R rows' fp32 accumulators, as
-// `tile` does for one group
-template <typename S, int R>
-AMX_TARGET inline void amx_combine(const int32_t* c, const S* s, int64_t ss, int64_t g,
-                                   const float* da, const int32_t* off, int64_t groups,
-                                   __m512* acc) {
+// `tile` does for one group. `da` is d / 254 per row and group and `off` the group's
+// digit sum times the values' zero (OFFSET: the digit sum itself), as `mm` makes them, so
+// that both are broadcasts from memory.
+template <typename S, bool OFFSET, int R>
+AMX_TARGET inline void amx_combine(const int32_t* c, const S* s, int64_t ss, const S* o,
+                                   int64_t g, const float* da, const int32_t* off,
+                                   int64_t groups, __m512* acc) {
   const __m512 sc = load16<S>(s + g * ss);
+  __m512 of = _mm512_setzero_ps();
+  if constexpr (OFFSET) of = load16<S>(o + g * kTile);
   for (int r = 0; r < R; ++r) {
     const __m512i hi = _mm512_load_si512(c + 16 * r);
     // 254·hi as (hi << 8) − (hi << 1): the same int32, without a slow 32-bit multiply
     __m512i isum = _mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1));
     isum = _mm512_add_epi32(isum, _mm512_load_si512(c + 16 * (R + r)));
-    // `off` and `da` are 128·Σ digits and d / 254 (`mm` makes them): broadcasts from memory
-    isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(off[r * groups + g]));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                             _mm512_mul_ps(sc, _mm512_set1_ps(da[r * groups + g])), acc[r]);
+    if constexpr (!OFFSET) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(off[r * groups + g]));
+    const float dr = da[r * groups + g];
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(dr)),
+                             acc[r]);
+    if constexpr (OFFSET) {
+      acc[r] = _mm512_fmadd_ps(of, _mm512_set1_ps(dr * float(off[r * groups + g])), acc[r]);
+    }
+  }
+}
+
+// a group's weights as a B tile: 8-bit values are already its 8 rows of 64 bytes (row c:
+// inputs 4c..4c+3 of each of the 16 outputs); 4-bit values are unpacked into `buf` as
+// `tile` unpacks them into its registers
+template <int BITS>
+AMX_TARGET inline const uint8_t* amx_weights(const uint8_t* wg, uint8_t* buf) {
+  if constexpr (BITS == 8) {
+    return wg;
+  } else {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i b = _mm512_loadu_si512(wg + 64 * c);
+      _mm512_store_si512(buf + 128 * c, _mm512_and_si512(b, nib));
+      _mm512_store_si512(buf + 128 * c + 64, _mm512_and_si512(_mm512_srli_epi16(b, 4), nib));
+    }
+    return buf;
   }
 }
 
 // one tile (16 outputs) for the R rows whose digits are `q` (hi rows, then lo rows, each
-// `k` bytes apart), as `tile<S, false, 8, R>`. Software-pipelined: two groups' products
-// run in the tiles while the previous two groups' sums are combined from memory (a tile's
-// store is not forwarded to vector loads: combining right after it waits on the store).
-template <typename S, int R>
-AMX_TARGET void amx_tile8(const uint8_t* w, const S* s, int64_t ss, int64_t groups,
-                          const int8_t* q, const float* da, const int32_t* off, int64_t k,
-                          float* y, int64_t n) {
-  constexpr int64_t bytes = group_bytes<8>();
+// `k` bytes apart), as `tile<S, OFFSET, BITS, R>`. Software-pipelined: two groups'
+// products run in the tiles while the previous two groups' sums are combined from memory
+// (a tile's store is not forwarded to vector loads: combining right after it waits).
+template <typename S, bool OFFSET, int BITS, int R>
+AMX_TARGET void amx_tile(const uint8_t* w, const S* s, int64_t ss, const S* o, int64_t groups,
+                         const int8_t* q, const float* da, const int32_t* off, int64_t k,
+                         float* y, int64_t n) {
+  constexpr int64_t bytes = group_bytes<BITS>();
   alignas(64) int32_t c0[2 * R * 16];
   alignas(64) int32_t c1[2 * R * 16];
+  alignas(64) uint8_t b0[BITS == 4 ? 512 : 64];
+  alignas(64) uint8_t b1[BITS == 4 ? 512 : 64];
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   auto pair = [&](int64_t g) AMX_TARGET {  // groups g and g + 1 into tiles 2 and 5
@@ -250,9 +283,9 @@ AMX_TARGET void amx_tile8(const uint8_t* w, const S* s, int64_t ss, int64_t grou
     _tile_zero(2);
     _tile_zero(5);
     _tile_loadd(0, q + g * kGroup, k);
-    _tile_loadd(1, wg, 64);
+    _tile_loadd(1, amx_weights<BITS>(wg, b0), 64);
     _tile_loadd(3, q + (g + 1) * kGroup, k);
-    _tile_loadd(4, wg + bytes, 64);
+    _tile_loadd(4, amx_weights<BITS>(wg + bytes, b1), 64);
     _tile_dpbsud(2, 0, 1);
     _tile_dpbsud(5, 3, 4);
   };
@@ -263,47 +296,48 @@ AMX_TARGET void amx_tile8(const uint8_t* w, const S* s, int64_t ss, int64_t grou
       _tile_stored(2, c0, 64);
       _tile_stored(5, c1, 64);
       pair(2 * p);
-      amx_combine<S, R>(c0, s, ss, 2 * p - 2, da, off, groups, acc);
-      amx_combine<S, R>(c1, s, ss, 2 * p - 1, da, off, groups, acc);
+      amx_combine<S, OFFSET, R>(c0, s, ss, o, 2 * p - 2, da, off, groups, acc);
+      amx_combine<S, OFFSET, R>(c1, s, ss, o, 2 * p - 1, da, off, groups, acc);
     }
     _tile_stored(2, c0, 64);
     _tile_stored(5, c1, 64);
-    amx_combine<S, R>(c0, s, ss, 2 * pairs - 2, da, off, groups, acc);
-    amx_combine<S, R>(c1, s, ss, 2 * pairs - 1, da, off, groups, acc);
+    amx_combine<S, OFFSET, R>(c0, s, ss, o, 2 * pairs - 2, da, off, groups, acc);
+    amx_combine<S, OFFSET, R>(c1, s, ss, o, 2 * pairs - 1, da, off, groups, acc);
   }
   if (groups % 2) {
     const int64_t g = groups - 1;
     _tile_zero(2);
     _tile_loadd(0, q + g * kGroup, k);
-    _tile_loadd(1, w + g * bytes, 64);
+    _tile_loadd(1, amx_weights<BITS>(w + g * bytes, b0), 64);
     _tile_dpbsud(2, 0, 1);
     _tile_stored(2, c0, 64);
-    amx_combine<S, R>(c0, s, ss, g, da, off, groups, acc);
+    amx_combine<S, OFFSET, R>(c0, s, ss, o, g, da, off, groups, acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, acc[r]);
 }
 
-template <typename S, int R>
-AMX_TARGET void amx_rows(const uint8_t* wt, const S* st, int64_t ss, int64_t groups,
-                         const int8_t* q, const float* da, const int32_t* off, int64_t k,
-                         float* y, int64_t n, int64_t r) {
+template <typename S, bool OFFSET, int BITS, int R>
+AMX_TARGET void amx_rows(const uint8_t* wt, const S* st, int64_t ss, const S* ot,
+                         int64_t groups, const int8_t* q, const float* da, const int32_t* off,
+                         int64_t k, float* y, int64_t n, int64_t r) {
   // the block of rows r.. r + R: its digits at q + 2·r·k (`mm` lays them out by blocks)
-  amx_tile8<S, R>(wt, st, ss, groups, q + 2 * r * k, da + r * groups, off + r * groups, k,
-                  y + r * n, n);
+  amx_tile<S, OFFSET, BITS, R>(wt, st, ss, ot, groups, q + 2 * r * k, da + r * groups,
+                               off + r * groups, k, y + r * n, n);
 }
 
 // tiles b.. e of the product on this thread (a lambda would not carry the AMX target)
-template <typename S>
-AMX_TARGET void amx_tiles(const uint8_t* w, const S* s, int64_t ss, const int8_t* q,
-                          const float* da, const int32_t* off, int64_t m, int64_t n,
-                          int64_t k, float* y, int64_t b, int64_t e) {
+template <typename S, bool OFFSET, int BITS>
+AMX_TARGET void amx_tiles(const uint8_t* w, const S* s, int64_t ss, const S* o,
+                          const int8_t* q, const float* da, const int32_t* off, int64_t m,
+                          int64_t n, int64_t k, float* y, int64_t b, int64_t e) {
   const int64_t groups = k / kGroup;
   const int tail = static_cast<int>(m % kRows);
   int configured = 0;  // a thread's tile configuration is its own, and oneDNN's AMX
   // kernels set theirs: each call configures, and releases the tiles when done
   for (int64_t t = b; t < e; ++t) {
-    const uint8_t* wt = w + t * groups * group_bytes<8>();
+    const uint8_t* wt = w + t * groups * group_bytes<BITS>();
     const S* st = s + t * (ss ? groups : 1) * kTile;
+    const S* ot = OFFSET ? o + t * groups * kTile : nullptr;
     float* yt = y + t * kTile;
     int64_t r = 0;
     if (m >= kRows && configured != kRows) {
@@ -311,32 +345,47 @@ AMX_TARGET void amx_tiles(const uint8_t* w, const S* s, int64_t ss, const int8_t
       configured = kRows;
     }
     for (; r + kRows <= m; r += kRows) {
-      amx_rows<S, kRows>(wt, st, ss, groups, q, da, off, k, yt, n, r);
+      amx_rows<S, OFFSET, BITS, kRows>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r);
     }
     if (tail && tail != configured) {
       amx_configure(2 * tail);
       configured = tail;
     }
     switch (tail) {  // the rest in one pass over the tile
-      case 7: amx_rows<S, 7>(wt, st, ss, groups, q, da, off, k, yt, n, r); break;
-      case 6: amx_rows<S, 6>(wt, st, ss, groups, q, da, off, k, yt, n, r); break;
-      case 5: amx_rows<S, 5>(wt, st, ss, groups, q, da, off, k, yt, n, r); break;
-      case 4: amx_rows<S, 4>(wt, st, ss, groups, q, da, off, k, yt, n, r); break;
-      case 3: amx_rows<S, 3>(wt, st, ss, groups, q, da, off, k, yt, n, r); break;
-      case 2: amx_rows<S, 2>(wt, st, ss, groups, q, da, off, k, yt, n, r); break;
-      case 1: amx_rows<S, 1>(wt, st, ss, groups, q, da, off, k, yt, n, r); break;
+      case 7: amx_rows<S, OFFSET, BITS, 7>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
+      case 6: amx_rows<S, OFFSET, BITS, 6>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
+      case 5: amx_rows<S, OFFSET, BITS, 5>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
+      case 4: amx_rows<S, OFFSET, BITS, 4>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
+      case 3: amx_rows<S, OFFSET, BITS, 3>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
+      case 2: amx_rows<S, OFFSET, BITS, 2>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
+      case 1: amx_rows<S, OFFSET, BITS, 1>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
       default: break;
     }
   }
   if (configured) _tile_release();
 }
 
-template <typename S>
-void amx_product(const uint8_t* w, const S* s, int64_t ss, const int8_t* q, const float* da,
-                 const int32_t* off, int64_t m, int64_t n, int64_t k, float* y) {
+template <typename S, bool OFFSET, int BITS>
+void amx_product(const uint8_t* w, const S* s, int64_t ss, const S* o, const int8_t* q,
+                 const float* da, const int32_t* off, int64_t m, int64_t n, int64_t k,
+                 float* y) {
   at::parallel_for(0, n / kTile, 1, [&](int64_t b, int64_t e) {
-    amx_tiles<S>(w, s, ss, q, da, off, m, n, k, y, b, e);
+    amx_tiles<S, OFFSET, BITS>(w, s, ss, o, q, da, off, m, n, k, y, b, e);
   });
+}
+
+template <typename S, int BITS>
+void amx_dispatch(const at::Tensor& w, const at::Tensor& s, const c10::optional<at::Tensor>& o,
+                  const int8_t* q, const float* da, const int32_t* off, int64_t m, int64_t n,
+                  int64_t k, at::Tensor& y) {
+  const int64_t ss = s.size(1) == w.size(1) ? kTile : 0;  // per group, or one scale per row
+  if (o.has_value()) {
+    amx_product<S, true, BITS>(w.data_ptr<uint8_t>(), s.data_ptr<S>(), ss, o->data_ptr<S>(),
+                               q, da, off, m, n, k, y.data_ptr<float>());
+  } else {
+    amx_product<S, false, BITS>(w.data_ptr<uint8_t>(), s.data_ptr<S>(), ss, nullptr, q, da,
+                                off, m, n, k, y.data_ptr<float>());
+  }
 }
 
 // Whether the CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24 and 25) and Linux
@@ -353,8 +402,8 @@ bool amx_permitted() {
 #define HEARTHNET_AMX 0
 #endif
 
-// Turn the AMX path of q8_mm on (where `amx_permitted`) or off; returns whether it is on.
-bool q8_amx(bool on) {
+// Turn the AMX path of q4_mm and q8_mm on (where `amx_permitted`) or off; returns whether it is on.
+bool use_amx(bool on) {
 #if HEARTHNET_AMX
   g_amx.store(on && amx_permitted());
   return g_amx.load();
@@ -401,7 +450,8 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
   auto d = at::empty({m, groups}, x.options());
   auto sum = at::empty({m, groups}, x.options().dtype(at::kInt));
 #if HEARTHNET_AMX
-  if (BITS == 8 && g_amx.load(std::memory_order_relaxed)) {
+  // from kAmxMinRows rows on (one row, or a few 4-bit rows, run faster in VNNI registers)
+  if (m >= (BITS == 4 ? kAmxMinRows4 : kAmxMinRows8) && g_amx.load(std::memory_order_relaxed)) {
     // digits by blocks of kRows rows (each block's hi rows, then its lo rows: one A tile)
     for (int64_t r = 0; r < m; r += kRows) {
       const int64_t rows = std::min<int64_t>(kRows, m - r);
@@ -410,19 +460,15 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
     }
     float* dp = d.data_ptr<float>();
     int32_t* sp = sum.data_ptr<int32_t>();
+    const int32_t zero = o.has_value() ? 1 : (BITS == 4 ? 8 : 128);
     for (int64_t i = 0; i < m * groups; ++i) {  // the per-group factors of `tile`, made once
       dp[i] *= 1.0f / 254.0f;
-      sp[i] *= 128;
+      sp[i] *= zero;
     }
-    const int64_t ss = s.size(1) == w.size(1) ? kTile : 0;
     if (s.scalar_type() == at::kHalf) {
-      amx_product<at::Half>(w.data_ptr<uint8_t>(), s.data_ptr<at::Half>(), ss,
-                            q.data_ptr<int8_t>(), d.data_ptr<float>(), sum.data_ptr<int32_t>(),
-                            m, n, k, y.data_ptr<float>());
+      amx_dispatch<at::Half, BITS>(w, s, o, q.data_ptr<int8_t>(), dp, sp, m, n, k, y);
     } else {
-      amx_product<float>(w.data_ptr<uint8_t>(), s.data_ptr<float>(), ss, q.data_ptr<int8_t>(),
-                         d.data_ptr<float>(), sum.data_ptr<int32_t>(), m, n, k,
-                         y.data_ptr<float>());
+      amx_dispatch<float, BITS>(w, s, o, q.data_ptr<int8_t>(), dp, sp, m, n, k, y);
     }
     return y;
   }
@@ -451,7 +497,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) 
 TORCH_LIBRARY(hearthnet, m) {
   m.def("q4_mm(Tensor x, Tensor w, Tensor s, Tensor? o) -> Tensor");
   m.def("q8_mm(Tensor x, Tensor w, Tensor s) -> Tensor");
-  m.def("q8_amx(bool on) -> bool", &q8_amx);
+  m.def("use_amx(bool on) -> bool", &use_amx);
 }
 TORCH_LIBRARY_IMPL(hearthnet, CPU, m) {
   m.impl("q4_mm", &q4_mm);
