@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -60,6 +61,22 @@ void digits_of(const float* x, int64_t m, int64_t k, int8_t* q, float* d, int32_
                _mm512_reduce_add_epi32(_mm512_add_epi32(l0, l1));
     }
   });
+}
+
+// f(std::integral_constant<int, R>{}) for the R = `rows` (1..7) left after whole blocks
+// of kRows: the rest in one pass over a tile, not one pass per row
+template <typename F>
+inline void by_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
 }
 
 template <typename S>
@@ -138,6 +155,19 @@ inline void rows(const uint8_t* wt, const S* st, int64_t ss, const S* ot, int64_
                            sum + r * groups, k, y + r * n, n);
 }
 
+// tile t's weights, scales, offsets (or none) and outputs
+template <typename S, bool OFFSET, int BITS>
+struct TileOf {
+  const uint8_t* w;
+  const S* s;
+  const S* o;
+  float* y;
+  TileOf(int64_t t, const uint8_t* w0, const S* s0, int64_t ss, const S* o0, int64_t groups,
+         float* y0)
+      : w(w0 + t * groups * group_bytes<BITS>()), s(s0 + t * (ss ? groups : 1) * kTile),
+        o(OFFSET ? o0 + t * groups * kTile : nullptr), y(y0 + t * kTile) {}
+};
+
 template <typename S, bool OFFSET, int BITS>
 void product(const uint8_t* w, const S* s, int64_t ss, const S* o, const int8_t* q,
              const float* d, const int32_t* sum, int64_t m, int64_t n, int64_t k, float* y) {
@@ -145,24 +175,15 @@ void product(const uint8_t* w, const S* s, int64_t ss, const S* o, const int8_t*
   const int8_t* lo = q + m * k;
   at::parallel_for(0, n / kTile, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const uint8_t* wt = w + t * groups * group_bytes<BITS>();
-      const S* st = s + t * (ss ? groups : 1) * kTile;
-      const S* ot = OFFSET ? o + t * groups * kTile : nullptr;
-      float* yt = y + t * kTile;
+      const TileOf<S, OFFSET, BITS> at(t, w, s, ss, o, groups, y);
       int64_t r = 0;
       for (; r + kRows <= m; r += kRows) {
-        rows<S, OFFSET, BITS, kRows>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r);
+        rows<S, OFFSET, BITS, kRows>(at.w, at.s, ss, at.o, groups, q, lo, d, sum, k, at.y, n, r);
       }
-      switch (m - r) {  // the rest in one pass over the tile, not one pass per row
-        case 7: rows<S, OFFSET, BITS, 7>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 6: rows<S, OFFSET, BITS, 6>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 5: rows<S, OFFSET, BITS, 5>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 4: rows<S, OFFSET, BITS, 4>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 3: rows<S, OFFSET, BITS, 3>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 2: rows<S, OFFSET, BITS, 2>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        case 1: rows<S, OFFSET, BITS, 1>(wt, st, ss, ot, groups, q, lo, d, sum, k, yt, n, r); break;
-        default: break;
-      }
+      by_rows(m - r, [&](auto rest) {
+        rows<S, OFFSET, BITS, decltype(rest)::value>(at.w, at.s, ss, at.o, groups, q, lo, d,
+                                                     sum, k, at.y, n, r);
+      });
     }
   });
 }
@@ -335,32 +356,23 @@ AMX_TARGET void amx_tiles(const uint8_t* w, const S* s, int64_t ss, const S* o,
   int configured = 0;  // a thread's tile configuration is its own, and oneDNN's AMX
   // kernels set theirs: each call configures, and releases the tiles when done
   for (int64_t t = b; t < e; ++t) {
-    const uint8_t* wt = w + t * groups * group_bytes<BITS>();
-    const S* st = s + t * (ss ? groups : 1) * kTile;
-    const S* ot = OFFSET ? o + t * groups * kTile : nullptr;
-    float* yt = y + t * kTile;
+    const TileOf<S, OFFSET, BITS> at(t, w, s, ss, o, groups, y);
     int64_t r = 0;
     if (m >= kRows && configured != kRows) {
       amx_configure(2 * kRows);
       configured = kRows;
     }
     for (; r + kRows <= m; r += kRows) {
-      amx_rows<S, OFFSET, BITS, kRows>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r);
+      amx_rows<S, OFFSET, BITS, kRows>(at.w, at.s, ss, at.o, groups, q, da, off, k, at.y, n, r);
     }
     if (tail && tail != configured) {
       amx_configure(2 * tail);
       configured = tail;
     }
-    switch (tail) {  // the rest in one pass over the tile
-      case 7: amx_rows<S, OFFSET, BITS, 7>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
-      case 6: amx_rows<S, OFFSET, BITS, 6>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
-      case 5: amx_rows<S, OFFSET, BITS, 5>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
-      case 4: amx_rows<S, OFFSET, BITS, 4>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
-      case 3: amx_rows<S, OFFSET, BITS, 3>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
-      case 2: amx_rows<S, OFFSET, BITS, 2>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
-      case 1: amx_rows<S, OFFSET, BITS, 1>(wt, st, ss, ot, groups, q, da, off, k, yt, n, r); break;
-      default: break;
-    }
+    by_rows(tail, [&](auto rest) AMX_TARGET {
+      amx_rows<S, OFFSET, BITS, decltype(rest)::value>(at.w, at.s, ss, at.o, groups, q, da,
+                                                       off, k, at.y, n, r);
+    });
   }
   if (configured) _tile_release();
 }
