@@ -32,8 +32,9 @@ operations, so its results are bit for bit the VNNI path's. It takes products of
 and more (8-bit values) or 6 and more (4-bit values, unpacked to bytes for each tile):
 rounds of several chats, speculative passes, prompts; one chat's decode step stays in
 VNNI registers, where it is as fast or faster. `HEARTHNET_AMX` (``auto``, the default: on
-where the CPU and Linux allow it and a probe of 8 rows finds it no slower; ``on``;
-``off``) chooses, once per process, when the kernel loads (`amx_state`).
+where the CPU and Linux allow it, unless a probe of 8 rows finds it more than
+`AMX_MAX_RATIO` times slower; ``on``; ``off``) chooses, once per process, when the kernel
+loads (`amx_state`).
 """
 
 from __future__ import annotations
