@@ -386,20 +386,6 @@ void amx_product(const uint8_t* w, const S* s, int64_t ss, const S* o, const int
   });
 }
 
-template <typename S, int BITS>
-void amx_dispatch(const at::Tensor& w, const at::Tensor& s, const c10::optional<at::Tensor>& o,
-                  const int8_t* q, const float* da, const int32_t* off, int64_t m, int64_t n,
-                  int64_t k, at::Tensor& y) {
-  const int64_t ss = s.size(1) == w.size(1) ? kTile : 0;  // per group, or one scale per row
-  if (o.has_value()) {
-    amx_product<S, true, BITS>(w.data_ptr<uint8_t>(), s.data_ptr<S>(), ss, o->data_ptr<S>(),
-                               q, da, off, m, n, k, y.data_ptr<float>());
-  } else {
-    amx_product<S, false, BITS>(w.data_ptr<uint8_t>(), s.data_ptr<S>(), ss, nullptr, q, da,
-                                off, m, n, k, y.data_ptr<float>());
-  }
-}
-
 // Whether the CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24 and 25) and Linux
 // lets this process use the tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA,
 // feature 18; Linux ≥ 5.16): only then may a tile instruction run.
@@ -425,12 +411,16 @@ bool use_amx(bool on) {
 #endif
 }
 
+// the product in VNNI registers or, with `amx`, in AMX tiles (the same results)
 template <typename S, int BITS>
-void dispatch(const at::Tensor& w, const at::Tensor& s, const c10::optional<at::Tensor>& o,
-              const at::Tensor& q, const at::Tensor& d, const at::Tensor& sum, int64_t m,
-              int64_t n, int64_t k, at::Tensor& y) {
+void dispatch(bool amx, const at::Tensor& w, const at::Tensor& s,
+              const c10::optional<at::Tensor>& o, const at::Tensor& q, const at::Tensor& d,
+              const at::Tensor& sum, int64_t m, int64_t n, int64_t k, at::Tensor& y) {
   const S* op = o.has_value() ? o->data_ptr<S>() : nullptr;
   auto run = o.has_value() ? product<S, true, BITS> : product<S, false, BITS>;
+#if HEARTHNET_AMX
+  if (amx) run = o.has_value() ? amx_product<S, true, BITS> : amx_product<S, false, BITS>;
+#endif
   const int64_t ss = s.size(1) == w.size(1) ? kTile : 0;  // per group, or one scale per row
   run(w.data_ptr<uint8_t>(), s.data_ptr<S>(), ss, op, q.data_ptr<int8_t>(),
       d.data_ptr<float>(), sum.data_ptr<int32_t>(), m, n, k, y.data_ptr<float>());
@@ -461,36 +451,35 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
   auto q = at::empty({2 * m, k}, x.options().dtype(at::kChar));
   auto d = at::empty({m, groups}, x.options());
   auto sum = at::empty({m, groups}, x.options().dtype(at::kInt));
+  bool amx = false;
 #if HEARTHNET_AMX
   // from kAmxMinRows rows on (one row, or a few 4-bit rows, run faster in VNNI registers)
-  if (m >= (BITS == 4 ? kAmxMinRows4 : kAmxMinRows8) && g_amx.load(std::memory_order_relaxed)) {
+  amx = m >= (BITS == 4 ? kAmxMinRows4 : kAmxMinRows8) && g_amx.load(std::memory_order_relaxed);
+#endif
+  if (amx) {
     // digits by blocks of kRows rows (each block's hi rows, then its lo rows: one A tile)
     for (int64_t r = 0; r < m; r += kRows) {
       const int64_t rows = std::min<int64_t>(kRows, m - r);
       digits_of(x.data_ptr<float>() + r * k, rows, k, q.data_ptr<int8_t>() + 2 * r * k,
                 d.data_ptr<float>() + r * groups, sum.data_ptr<int32_t>() + r * groups);
     }
+    // the per-group factors `tile` makes for each tile, made once: d / 254 and the digit
+    // sum times the values' zero (with offsets, the digit sum itself)
     float* dp = d.data_ptr<float>();
     int32_t* sp = sum.data_ptr<int32_t>();
     const int32_t zero = o.has_value() ? 1 : (BITS == 4 ? 8 : 128);
-    for (int64_t i = 0; i < m * groups; ++i) {  // the per-group factors of `tile`, made once
+    for (int64_t i = 0; i < m * groups; ++i) {
       dp[i] *= 1.0f / 254.0f;
       sp[i] *= zero;
     }
-    if (s.scalar_type() == at::kHalf) {
-      amx_dispatch<at::Half, BITS>(w, s, o, q.data_ptr<int8_t>(), dp, sp, m, n, k, y);
-    } else {
-      amx_dispatch<float, BITS>(w, s, o, q.data_ptr<int8_t>(), dp, sp, m, n, k, y);
-    }
-    return y;
-  }
-#endif
-  digits_of(x.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-            sum.data_ptr<int32_t>());
-  if (s.scalar_type() == at::kHalf) {
-    dispatch<at::Half, BITS>(w, s, o, q, d, sum, m, n, k, y);
   } else {
-    dispatch<float, BITS>(w, s, o, q, d, sum, m, n, k, y);
+    digits_of(x.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+              sum.data_ptr<int32_t>());
+  }
+  if (s.scalar_type() == at::kHalf) {
+    dispatch<at::Half, BITS>(amx, w, s, o, q, d, sum, m, n, k, y);
+  } else {
+    dispatch<float, BITS>(amx, w, s, o, q, d, sum, m, n, k, y);
   }
   return y;
 }
