@@ -372,8 +372,9 @@ def mesh_decode(entry: Any, args: argparse.Namespace) -> dict[str, Any]:
                             device="cpu", weights=args.weights)
     root = Path(tempfile.mkdtemp(prefix="hearthnet-anchor-mesh-"))
     try:
+        models = single_model_dir(entry, root, share_compiled=True)  # warm steps, loaded
         mesh = LocalMesh(_specs(ns, ranges, head_format(args.weights)), root=root,
-                         model=entry.alias, threads=1, models=single_model_dir(entry, root))
+                         model=entry.alias, threads=1, models=models)
         try:
             t0 = time.perf_counter()
             mesh.start(timeout=1800.0)

@@ -532,7 +532,7 @@ def _on_mesh(args: argparse.Namespace, ranges: list[tuple[int, int]],
     lan = choice.lan(len(specs)) if choice is not None else None
     root = Path(tempfile.mkdtemp(prefix="hearthnet-bench-"))
     try:
-        models = single_model_dir(entries, root)
+        models = single_model_dir(entries, root, share_compiled=True)
         with lan_mesh(specs, lan=lan, root=root, model=args.model,
                       models_dirs={s.node_id: models for s in specs},
                       threads=args.node_threads, what="the namespaces for --netem") as mesh:
