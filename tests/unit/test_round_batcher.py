@@ -385,3 +385,21 @@ async def test_who_decodes_besides_a_session(pool):
     open_["n"] = 1  # a closed: only p is open
     b.expected_changed("a")
     assert not b.decoding_besides("p") and not b.decoding_besides("q", counted=False)
+
+
+async def test_without_pace_holds_a_round_waits_the_window_only(pool):
+    """An orchestrator's head (`pace_holds=False`): b arrives 50 s early while a and c are
+    due at 1200 — the round goes at the window's end (1180), where a shard's batcher would
+    wait for them (`test_a_session_due_by_its_pace_is_waited_for_beyond_the_window`)."""
+    rec, clock = Recorder(), FakeClock()
+    b: RoundBatcher[int, int] = RoundBatcher(rec, pool, window_s=30.0, expected=lambda: 3,
+                                             clock=clock, pace_holds=False)
+    await _three_in_step(b, clock)
+    clock.t = 1150.0
+    early = asyncio.ensure_future(b.submit(3, key="b"))
+    await settle()
+    await tick(b, clock, 1179.0)  # within the window: still waiting
+    assert b.queued == 1 and not early.done()
+    await tick(b, clock, 1181.0)
+    assert await asyncio.wait_for(early, 20) == 30
+    assert rec.rounds[-1] == [3] and b.waited_out == 1

@@ -36,6 +36,12 @@ as one forward (M26 §5.3's pipelining, measured in `hearthnet bench pipeline`).
     groups of one size go on apart (they held each other at different stages until
     their due times passed, 0.3-0.8 s a round; apart, one computes at shard 0 while the
     other is at shard 1, as lanes do);
+  - only where the owner merges groups (`pace_holds`, a shard's batcher): an
+    orchestrator's head waits the window alone. Its rows come from the last stage in
+    the groups the shards formed, so a hold there added a second wait to each merge the
+    shards make — with 110-token prompts seven of eight chats shared one gap of ~0.4 s
+    that way (inter-token p95 1.7-2.4x a lone chat's, against 1.3-1.8x without;
+    docs/benchmarks.md);
 - non-batchable jobs (prefill chunks, each ``tokens`` positions) join the round (mixed
   rounds, as vLLM's and Sarathi's chunked prefill): oldest first, as many as fit in
   ``mixed_budget`` positions beside decode rows, ``prefill_budget`` in a round without
@@ -124,9 +130,11 @@ class RoundBatcher(Generic[J, R]):
                  mixed_budget: int | None = None,
                  on_batch: Callable[[int, list[float]], None] | None = None,
                  on_progress: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 pace_holds: bool = True) -> None:
         self.run_batch, self.executor, self.clock = run_batch, executor, clock
         self.window_s = max(0.0, window_s)
+        self.pace_holds = pace_holds  # wait beyond the window for sessions due by their pace
         # positions of prefill chunks per round: without / beside decode rows
         self.prefill_budget = prefill_budget
         self.mixed_budget = prefill_budget if mixed_budget is None else mixed_budget
@@ -225,7 +233,7 @@ class RoundBatcher(Generic[J, R]):
                for last, cycle in [self._pace.get(k, (0.0, None))] if cycle is not None]
         deadline = start + self.window_s
         missing = self._expecting() - len(queued)
-        if due and len(queued) < missing:  # the smaller group waits for the larger one
+        if self.pace_holds and due and len(queued) < missing:  # the smaller group waits
             # (a tenth of a cycle of slack: a step due "now" may be a little late)
             latest = max(d + max(self.window_s, PACE_SLACK * c) for d, c in due)
             longest = max(c for _, c in due)

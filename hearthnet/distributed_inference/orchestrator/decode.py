@@ -69,7 +69,8 @@ class DecodeLoop:
                 return head.logits_rows([h for h, _ in jobs], [p for _, p in jobs])
 
             batcher = RoundBatcher(run, self.executor, window_s=self.batch_window_s,
-                                   expected=lambda: self.running[lane], on_batch=self._observe)
+                                   expected=lambda: self.running[lane], on_batch=self._observe,
+                                   pace_holds=False)
             lanes[lane] = batcher
         return batcher
 
