@@ -227,13 +227,15 @@ class RoundBatcher(Generic[J, R]):
         sessions (their median), where known: a session in step with them is due within
         one of their cycles; one whose own cycle is longer is not in step (its last cycles
         spanned other prompts' prefills, which a smoothed pace remembers for a few
-        steps)."""
+        steps). Without `pace_holds` (a head), the window alone."""
+        deadline = start + self.window_s
+        if not self.pace_holds:
+            return deadline
         queued = {i.key for i in self._batch} | {i.key for i in self._solo}
         due = [(last + cycle, cycle) for k in self._seen if k not in queued
                for last, cycle in [self._pace.get(k, (0.0, None))] if cycle is not None]
-        deadline = start + self.window_s
         missing = self._expecting() - len(queued)
-        if self.pace_holds and due and len(queued) < missing:  # the smaller group waits
+        if due and len(queued) < missing:  # the smaller group waits for the larger one
             # (a tenth of a cycle of slack: a step due "now" may be a little late)
             latest = max(d + max(self.window_s, PACE_SLACK * c) for d, c in due)
             longest = max(c for _, c in due)
